@@ -1,0 +1,31 @@
+# The two commands of the README. Each creates .venv if missing and installs the project
+# (editable) idempotently: a stamp file is refreshed only when pyproject.toml or constraints.txt change.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.needle-installed
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
+export HF_HUB_OFFLINE := 1
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+
+.PHONY: install demo test test-fast clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/needle demo --workdir demo_run
+
+test: install
+	$(BIN)/python -m pytest -m "not gpu" -q
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not gpu and not slow and not ray and not s3" -q
+
+clean:
+	rm -rf demo_run .pytest_cache

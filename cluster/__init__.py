@@ -1,0 +1,5 @@
+"""The Ray layer: the ingestion job, local heads for the demo, and the ``needle`` command.
+
+Ray is imported only inside this package; ingest/, embed/, index/, rerank/ and eval/ are plain
+libraries that this package schedules.
+"""

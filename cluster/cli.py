@@ -1,0 +1,145 @@
+"""The ``needle`` command: one subcommand per stage. Each parses its flags into the stage's frozen
+config and calls the stage's ``main``; no logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from ingest.errors import NeedleInputError, ShardReadError
+
+log = logging.getLogger("needle")
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    from cluster.ingest_job import IngestConfig, IngestFailed, main
+
+    conf = IngestConfig(
+        model=args.model, weights=args.weights, resolution=args.resolution, batch_size=args.batch_size,
+        precision=args.precision, num_workers=args.workers, cpus_per_worker=args.cpus_per_worker,
+        decode_threads=args.decode_threads, overwrite=args.overwrite,
+    )
+    try:
+        main(conf, args.shards, Path(args.out))
+    except IngestFailed as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+def _index_build(args: argparse.Namespace) -> int:
+    from index.build import IndexConfig, main
+
+    main(IndexConfig(kind=args.kind, nlist=args.nlist, pq_bytes=args.pq_bytes), Path(args.descriptors), Path(args.out))
+    return 0
+
+
+def _query(args: argparse.Namespace) -> int:
+    from index.query import QueryConfig, query
+    from index.search import load_index
+
+    index = load_index(args.index)
+    results = query(index, QueryConfig(k=args.k, nprobe=args.nprobe, weights=args.weights), args.key or [], [Path(p) for p in args.image or []])
+    print(json.dumps(results if len(results) > 1 else results[0], indent=2))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from eval.evaluate import EvalConfig, main
+
+    out = main(EvalConfig(k=args.k, nprobe=args.nprobe), Path(args.index), Path(args.ground_truth), Path(args.out))
+    report = json.loads(out.read_text())
+    print(json.dumps({k: v for k, v in report.items() if k != "per_query"}, indent=2))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from cluster.demo import DemoRunConfig, main
+
+    main(DemoRunConfig(num_cpus=args.num_cpus), Path(args.workdir))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from embed.models import MODELS, describe
+
+    for name in sorted(MODELS):
+        record = describe(name)
+        print(f"{name:32s} {record['library']:9s} test {record['resolution']:4d}px  {record['description']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="needle", description="Instance-level image retrieval at scale.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("ingest", help="describe the images of WebDataset tars (Ray job), one Parquet per tar")
+    p.add_argument("--shards", nargs="+", required=True, help="tar paths, globs or brace patterns")
+    p.add_argument("--out", required=True, help="output directory of Parquet files")
+    p.add_argument("--model", default="tf_efficientnet_lite0.gem", help="registry model (see `needle models`)")
+    p.add_argument("--weights", help="local weights file (default: the model's packaged weights)")
+    p.add_argument("--resolution", type=int, help="longer side in pixels (default: the model's test resolution)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--workers", type=int, help="worker actors (default: one per GPU, else CPUs / --cpus-per-worker)")
+    p.add_argument("--cpus-per-worker", type=int, default=2)
+    p.add_argument("--decode-threads", type=int, default=2)
+    p.add_argument("--overwrite", action="store_true", help="redo shards already committed")
+    p.set_defaults(func=_ingest)
+
+    p = sub.add_parser("index", help="index commands")
+    isub = p.add_subparsers(dest="index_command", required=True)
+    b = isub.add_parser("build", help="build a FAISS index over a Parquet directory")
+    b.add_argument("--descriptors", required=True, help="directory of descriptor Parquet files")
+    b.add_argument("--out", required=True, help="index directory to write")
+    b.add_argument("--kind", default="auto", choices=["auto", "flat", "ivfpq"])
+    b.add_argument("--nlist", type=int, help="IVF lists (ivfpq)")
+    b.add_argument("--pq-bytes", type=int, help="PQ code bytes (ivfpq)")
+    b.set_defaults(func=_index_build)
+
+    p = sub.add_parser("query", help="top-k keys and scores for images or stored keys, as JSON")
+    p.add_argument("--index", required=True, help="index directory")
+    p.add_argument("--image", nargs="+", help="query image files")
+    p.add_argument("--key", nargs="+", help="stored keys to query with")
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--nprobe", type=int)
+    p.add_argument("--weights", help="weights file for embedding query images")
+    p.set_defaults(func=_query)
+
+    p = sub.add_parser("eval", help="mAP@k (ILIAS protocol) of an index against a ground-truth JSON")
+    p.add_argument("--index", required=True)
+    p.add_argument("--ground-truth", required=True)
+    p.add_argument("--k", type=int, default=1000)
+    p.add_argument("--nprobe", type=int)
+    p.add_argument("--out", required=True, help="JSON report to write")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("demo", help="the whole pipeline on the built-in demo collection (local Ray)")
+    p.add_argument("--workdir", default="demo_run", help="where the demo data and outputs go")
+    p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray head (default: all)")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("models", help="list the model registry")
+    p.set_defaults(func=_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except (NeedleInputError, ShardReadError) as exc:
+        log.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

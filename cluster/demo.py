@@ -1,0 +1,73 @@
+"""``needle demo``: the whole pipeline on the built-in demo collection, on a local Ray head.
+
+1. build the demo tars from scikit-image photos (ingest.demo_data)
+2. start a local Ray head on 127.0.0.1 (or use ``--address`` of a running one)
+3. ``ray job submit -- needle ingest --shards ... --out ...``
+4. stop the head it started; build the index; evaluate mAP@1k; write ``report.json``
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ingest.descriptors import write_json_atomic
+from ingest.demo_data import DemoConfig, build_demo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DemoRunConfig:
+    data: DemoConfig = field(default_factory=DemoConfig)  # what the demo collection holds
+    num_cpus: int | None = None  # CPUs of the local head; None: all
+    k: int = 1000  # mAP@k cut-off
+
+
+class DemoJobFailed(RuntimeError):
+    """The submitted ingestion job did not succeed."""
+
+
+def main(conf: DemoRunConfig, workdir: Path) -> Path:
+    """Run the demo in ``workdir``; returns the path of its JSON report."""
+    from cluster.local_ray import start_head, submit_job
+    from eval.evaluate import EvalConfig, evaluate, load_ground_truth
+    from index.build import IndexConfig
+    from index.build import main as build_index
+
+    workdir = Path(workdir)
+    shards_dir, descriptors, index_dir = workdir / "shards", workdir / "descriptors", workdir / "index"
+    truth = build_demo(shards_dir, conf.data)
+    pattern = str(shards_dir / f"{{{0:06d}..{truth['num_shards'] - 1:06d}}}.tar")
+
+    head = start_head(conf.num_cpus, log_file=workdir / "ray_head.log")
+    try:
+        status = submit_job(head, ["needle", "ingest", "--shards", pattern, "--out", str(descriptors), "--overwrite"])
+    finally:
+        head.stop()
+    if status != 0:
+        raise DemoJobFailed(f"the ingestion job exited with status {status}")
+
+    build_index(IndexConfig(), descriptors, index_dir)
+    result = evaluate(index_dir, load_ground_truth(shards_dir / "ground_truth.json"), EvalConfig(k=conf.k))
+    ingest_info = json.loads((descriptors / "ingest_info.json").read_text())
+    report: dict[str, Any] = {
+        f"map_at_{conf.k}": result[f"map_at_{conf.k}"],
+        "n_queries": result["n_queries"],
+        "database_size": result["database_size"],
+        "images": ingest_info["images"],
+        "error_rows": ingest_info["error_rows"],
+        "ingest_images_per_s": ingest_info["images_per_s"],
+        "shards": str(shards_dir),
+        "descriptors": str(descriptors),
+        "index": str(index_dir),
+        "config": asdict(conf),
+        "per_query": result["per_query"],
+    }
+    path = write_json_atomic(report, workdir / "report.json")
+    print(f"needle demo: mAP@{conf.k} = {report[f'map_at_{conf.k}']:.2f} over {report['n_queries']} queries "
+          f"({report['database_size']} images); report: {path}")
+    return path

@@ -1,0 +1,123 @@
+"""A local Ray head for the demo: started bound to 127.0.0.1, stopped by its own PID.
+
+Never ``ray stop``: it kills every Ray process on the machine, including other users' clusters.
+The head runs ``ray start --head --block`` in its own process group, so stopping that group stops
+exactly the processes this head started. Token authentication stays on: a fresh token is made for
+the head and passed to every client through the environment (``RAY_AUTH_MODE=token``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class RayHeadError(RuntimeError):
+    """The local Ray head did not come up."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bin_dir() -> Path:
+    """The directory of this interpreter's console scripts (``ray``, ``needle``)."""
+    return Path(sys.executable).parent
+
+
+@dataclass
+class LocalRayHead:
+    process: subprocess.Popen
+    gcs_address: str  # for ray.init(address=...)
+    dashboard_url: str  # for `ray job submit --address ...`
+    env: dict[str, str] = field(repr=False)  # environment every client of this head must use
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout)
+        except ProcessLookupError:
+            pass
+        log.info("stopped the local Ray head (pid %d)", self.process.pid)
+
+
+def client_env(token: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=token,
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        HF_HUB_OFFLINE="1",
+        # Nothing runs on a demo head when it stops: skip the 30 s drain of `ray start --block`.
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+        PATH=f"{bin_dir()}{os.pathsep}{env.get('PATH', '')}",
+    )
+    env.update(extra or {})
+    return env
+
+
+def _dashboard_answers(head: LocalRayHead) -> bool:
+    request = urllib.request.Request(
+        f"{head.dashboard_url}/api/version", headers={"Authorization": f"Bearer {head.env['RAY_AUTH_TOKEN']}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered (an auth refusal still means the server is up)
+    except OSError:
+        return False
+
+
+def start_head(num_cpus: int | None = None, log_file: Path | None = None, timeout: float = 120.0) -> LocalRayHead:
+    """Start a Ray head on 127.0.0.1 with the dashboard (job submission) on a free port."""
+    port, dashboard_port = free_port(), free_port()
+    env = client_env(secrets.token_hex(24))
+    cmd = [
+        str(bin_dir() / "ray"), "start", "--head", "--block",
+        "--node-ip-address=127.0.0.1", f"--port={port}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        "--disable-usage-stats",
+    ]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    head = LocalRayHead(process, f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RayHeadError(f"ray start exited with code {process.returncode} (log: {log_file})")
+        if _dashboard_answers(head):
+            log.info("local Ray head up (pid %d), dashboard %s", process.pid, head.dashboard_url)
+            return head
+        time.sleep(1.0)
+    head.stop()
+    raise RayHeadError(f"the Ray dashboard did not answer within {timeout:.0f}s (log: {log_file})")
+
+
+def submit_job(head: LocalRayHead, entrypoint: list[str], log_file: Path | None = None) -> int:
+    """``ray job submit`` an entrypoint to ``head`` and wait; returns the job's exit status."""
+    cmd = [str(bin_dir() / "ray"), "job", "submit", "--address", head.dashboard_url, "--", *entrypoint]
+    log.info("submitting: %s", " ".join(cmd))
+    out = open(log_file, "ab") if log_file else None
+    return subprocess.run(cmd, env=head.env, stdout=out, stderr=subprocess.STDOUT if out else None).returncode

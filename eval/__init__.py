@@ -1,0 +1,1 @@
+"""Retrieval metrics and evaluation reports (plain library)."""

@@ -1,0 +1,60 @@
+"""mAP@k exactly as the ILIAS benchmark defines it.
+
+AP@k of one query = (1 / min(k, npos)) * sum over ranks i <= k that hold a positive of precision@i,
+where npos is the number of positives in the whole database (not only those in the top k).
+mAP@k = mean AP@k over queries, times 100.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Sequence
+
+import numpy as np
+
+from ingest.errors import NeedleInputError
+
+
+def average_precision_at_k(ranking: Sequence[Hashable], positives: Collection[Hashable], k: int) -> float:
+    """AP@k (in [0, 1]) of one ranked list of database ids against its set of positive ids."""
+    if k < 1:
+        raise NeedleInputError(f"k must be >= 1, got {k}")
+    positives = set(positives)
+    if not positives:
+        raise NeedleInputError("a query without positives has no AP; leave it out of the evaluation")
+    hits = 0
+    total = 0.0
+    for rank, item in enumerate(ranking[:k], start=1):
+        if item in positives:
+            hits += 1
+            total += hits / rank
+    return total / min(k, len(positives))
+
+
+def rank_by_score(scores: np.ndarray) -> np.ndarray:
+    """Column indices of each row by descending score; ties go to the lower column index."""
+    return np.argsort(-np.asarray(scores), axis=1, kind="stable")
+
+
+def map_at_k(scores: np.ndarray, positives: Sequence[Collection[int]], k: int) -> float:
+    """mAP@k x 100 from an (nq, ndb) score matrix and, per query, its positive column indices."""
+    scores = np.asarray(scores)
+    if scores.ndim != 2:
+        raise NeedleInputError(f"scores must be an (nq, ndb) array, got shape {scores.shape}")
+    if len(positives) != scores.shape[0]:
+        raise NeedleInputError(f"{len(positives)} positive sets for {scores.shape[0]} queries")
+    for q, pos in enumerate(positives):
+        bad = [p for p in pos if not 0 <= p < scores.shape[1]]
+        if bad:
+            raise NeedleInputError(f"query {q}: positive columns {bad[:5]} outside [0, {scores.shape[1]})")
+    ranks = rank_by_score(scores)[:, :k]
+    aps = [average_precision_at_k(ranks[q].tolist(), positives[q], k) for q in range(len(positives))]
+    return 100.0 * float(np.mean(aps))
+
+
+def mean_average_precision(rankings: Sequence[Sequence[Hashable]], positives: Sequence[Collection[Hashable]], k: int) -> float:
+    """mAP@k x 100 from precomputed rankings (e.g. an index's top-k keys) and positive id sets."""
+    if len(rankings) != len(positives):
+        raise NeedleInputError(f"{len(rankings)} rankings for {len(positives)} positive sets")
+    if not rankings:
+        raise NeedleInputError("no queries to evaluate")
+    return 100.0 * float(np.mean([average_precision_at_k(r, p, k) for r, p in zip(rankings, positives)]))

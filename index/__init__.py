@@ -1,0 +1,1 @@
+"""FAISS indexes over descriptor Parquet files: building, loading and searching (plain library)."""

@@ -1,0 +1,75 @@
+"""``needle query``: top-k keys and scores for an image file or a stored key, as JSON-ready dicts."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from index.search import SearchIndex
+from ingest.errors import NeedleInputError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QueryConfig:
+    k: int = 10  # results per query
+    nprobe: int | None = None  # IVF lists visited (IVF indexes only); None: the index's setting
+    weights: str | None = None  # weights file for embedding query images; None: the one the index was built with
+
+
+def results_json(index: SearchIndex, D: np.ndarray, I: np.ndarray) -> list[list[dict[str, Any]]]:
+    """(D, I) -> per query a list of {key, row, score}, padding (-1) dropped."""
+    keys = index.keys_of(I)
+    return [
+        [{"key": key, "row": int(i), "score": float(s)} for key, i, s in zip(krow, irow, drow) if i >= 0]
+        for krow, irow, drow in zip(keys, I, D)
+    ]
+
+
+def query_extractor(index: SearchIndex, weights: str | None = None):
+    """The global extractor the index's descriptors were made with (same model and resolution)."""
+    from embed.extract import GlobalExtractor
+
+    extractors = [e for e in index.infos.get("extractors", []) if e.get("extractor") == "global"]
+    if not extractors:
+        raise NeedleInputError(f"index {index.path} does not record its model: query by --key or --vectors instead")
+    info = extractors[0]
+    recorded = info.get("weights")
+    if weights is None and recorded and Path(recorded).is_file():
+        weights = recorded
+    return GlobalExtractor(info["model"]["name"], weights, resolution=info["resolution"], precision=info.get("precision", "auto"))
+
+
+def embed_image_files(index: SearchIndex, paths: list[Path], weights: str | None = None) -> np.ndarray:
+    """(n, d) float32 descriptors of image files, made exactly as during ingestion."""
+    from ingest.images import decode_resized
+
+    extractor = query_extractor(index, weights)
+    images = []
+    for path in paths:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise NeedleInputError(f"cannot read query image {path}: {exc}") from exc
+        images.append(decode_resized(data, extractor.resolution, str(path))[0])
+    return extractor(images)["global"].astype(np.float32)
+
+
+def query(index: SearchIndex, conf: QueryConfig, keys: list[str] = (), images: list[Path] = ()) -> list[dict[str, Any]]:
+    """Search for every stored key and image file; one result dict per query, in input order."""
+    if not keys and not images:
+        raise NeedleInputError("nothing to query: give --key or --image")
+    blocks, labels = [], []
+    if keys:
+        blocks.append(np.stack([index.vector_of(k) for k in keys]))
+        labels += [{"key": k} for k in keys]
+    if images:
+        blocks.append(embed_image_files(index, list(images), conf.weights))
+        labels += [{"image": str(p)} for p in images]
+    D, I = index.search(np.concatenate(blocks), conf.k, conf.nprobe)
+    return [{"query": label, "k": conf.k, "results": res} for label, res in zip(labels, results_json(index, D, I))]

@@ -1,0 +1,29 @@
+"""Typed errors of the ingestion stage; each names the input it is about."""
+
+from __future__ import annotations
+
+
+class NeedleInputError(ValueError):
+    """Base class for bad user input (a path, a key, a shape) in any needle stage."""
+
+
+class ShardSpecError(NeedleInputError):
+    """A shard pattern that matches nothing or cannot be parsed."""
+
+
+class ShardReadError(RuntimeError):
+    """A tar shard that cannot be read to the end (missing, truncated, not a tar)."""
+
+    def __init__(self, url: str, reason: str):
+        super().__init__(f"cannot read shard {url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+class ImageDecodeError(ValueError):
+    """A sample whose image bytes cannot be decoded."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"cannot decode image of sample {key!r}: {reason}")
+        self.key = key
+        self.reason = reason

@@ -1,0 +1,190 @@
+"""Processing one shard: stream samples, decode in background threads, extract, write one Parquet.
+
+Plain library code: ``cluster/`` runs :func:`process_shard` inside Ray actors, tests call it
+directly. Decoding (PIL releases the GIL) runs in a thread pool and stays a couple of batches ahead
+of the model, so decoding overlaps model compute.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import pyarrow as pa
+
+from embed.extract import Extractor
+from ingest.descriptors import (
+    STATUS_ERROR,
+    STATUS_OK,
+    descriptor_schema,
+    fixed_size_list,
+    make_row_id,
+    write_parquet_atomic,
+)
+from ingest.errors import ImageDecodeError, ShardReadError
+from ingest.images import decode_resized
+from ingest.reader import image_bytes, iter_samples
+from ingest.shards import shard_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    url: str  # the shard read
+    shard: str  # its name
+    status: str  # "ok" (Parquet committed) or "failed" (nothing written)
+    output: str | None  # the committed Parquet file
+    rows: int  # samples written (ok + error rows)
+    error_rows: int  # samples that could not be decoded
+    seconds: float  # wall time of the shard
+    reason: str = ""  # why the shard failed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Decoded:
+    key: str
+    image: np.ndarray | None
+    width: int
+    height: int
+    error: str
+
+
+def _decode_sample(sample: dict[str, Any], longer_side: int) -> _Decoded:
+    key = sample["__key__"]
+    data = image_bytes(sample)
+    if data is None:
+        members = sorted(k for k in sample if not k.startswith("__"))
+        return _Decoded(key, None, 0, 0, f"sample has no image member (members: {members})")
+    try:
+        image, width, height = decode_resized(data, longer_side, key)
+    except ImageDecodeError as exc:
+        return _Decoded(key, None, 0, 0, exc.reason)
+    return _Decoded(key, image, width, height, "")
+
+
+def _decoded_stream(samples: Iterator[dict[str, Any]], longer_side: int, pool: ThreadPoolExecutor, ahead: int) -> Iterator[_Decoded]:
+    """Decode samples in ``pool``, keeping up to ``ahead`` decodes in flight, in input order."""
+    pending: deque[Future[_Decoded]] = deque()
+    for sample in samples:
+        pending.append(pool.submit(_decode_sample, sample, longer_side))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _chunks(stream: Iterator[_Decoded], size: int) -> Iterator[list[_Decoded]]:
+    chunk: list[_Decoded] = []
+    for item in stream:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _mark_duplicate_keys(items: list[_Decoded], seen: set[str]) -> None:
+    for item in items:
+        if item.key in seen:
+            item.image, item.error = None, f"duplicate sample key {item.key!r} in shard"
+        seen.add(item.key)
+
+
+def process_shard(
+    url: str,
+    shard_id: int,
+    out_dir: Path,
+    extractors: Sequence[Extractor],
+    decode_threads: int = 2,
+    chunk_size: int = 64,
+    opener: Callable[[str], IO[bytes]] | None = None,
+) -> ShardResult:
+    """Read shard ``url``, describe every image, commit ``<out_dir>/<shard>.parquet`` atomically.
+
+    Each sample becomes exactly one row; an undecodable sample becomes an ``error`` row. A shard
+    that cannot be read to the end (missing, truncated) is returned as failed and writes nothing.
+    """
+    start = time.perf_counter()
+    name = shard_name(url)
+    longer_side = extractors[0].resolution
+    keys, widths, heights, errors = [], [], [], []
+    # Extractor outputs for the decodable rows only, with those rows' positions in the shard.
+    ok_rows: list[np.ndarray] = []
+    columns: dict[str, list[np.ndarray]] = {}
+    seen: set[str] = set()
+    try:
+        with ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix=f"decode-{name}") as pool:
+            stream = _decoded_stream(iter_samples(url, opener), longer_side, pool, ahead=2 * chunk_size)
+            for chunk in _chunks(stream, chunk_size):
+                _mark_duplicate_keys(chunk, seen)
+                ok = [i for i, item in enumerate(chunk) if item.image is not None]
+                if ok:
+                    images = [chunk[i].image for i in ok]
+                    ok_rows.append(np.asarray(ok, dtype=np.int64) + len(keys))
+                    for extractor in extractors:
+                        for column, values in extractor(images).items():
+                            columns.setdefault(column, []).append(values)
+                keys += [item.key for item in chunk]
+                widths += [item.width for item in chunk]
+                heights += [item.height for item in chunk]
+                errors += [item.error for item in chunk]
+    except ShardReadError as exc:
+        log.error("shard %s failed: %s", url, exc.reason)
+        return ShardResult(url, name, "failed", None, 0, 0, time.perf_counter() - start, exc.reason)
+
+    positions = np.concatenate(ok_rows) if ok_rows else np.zeros(0, np.int64)
+    table = _build_table(name, shard_id, keys, widths, heights, errors, positions, columns, extractors)
+    path = write_parquet_atomic(table, Path(out_dir) / f"{name}.parquet")
+    n_errors = sum(1 for e in errors if e)
+    seconds = time.perf_counter() - start
+    log.info("shard %s: %d rows (%d errors) in %.1fs", name, len(keys), n_errors, seconds)
+    return ShardResult(url, name, "ok", str(path), len(keys), n_errors, seconds)
+
+
+def _build_table(
+    name: str,
+    shard_id: int,
+    keys: list[str],
+    widths: list[int],
+    heights: list[int],
+    errors: list[str],
+    positions: np.ndarray,
+    columns: dict[str, list[np.ndarray]],
+    extractors: Sequence[Extractor],
+) -> pa.Table:
+    """Assemble schema v1; rows without descriptors (error rows) hold zeros."""
+    dim = extractors[0].dim
+    extra = [f for e in extractors for f in e.extra_fields()]
+    schema = descriptor_schema(dim, extra)
+    n = len(keys)
+    arrays: dict[str, Any] = {
+        "key": pa.array([f"{name}/{k}" for k in keys], pa.string()),
+        "shard": pa.array([name] * n, pa.string()),
+        "row": pa.array([make_row_id(shard_id, i) for i in range(n)], pa.int64()),
+        "width": pa.array(widths, pa.int32()),
+        "height": pa.array(heights, pa.int32()),
+        "status": pa.array([STATUS_ERROR if e else STATUS_OK for e in errors], pa.string()),
+        "error": pa.array(errors, pa.string()),
+    }
+    for field in schema:
+        if field.name in arrays:
+            continue
+        if not pa.types.is_fixed_size_list(field.type):
+            raise TypeError(f"extractor column {field.name!r}: only fixed-size list columns are supported")
+        full = np.zeros((n, field.type.list_size), dtype=field.type.value_type.to_pandas_dtype())
+        if field.name in columns:
+            full[positions] = np.concatenate(columns[field.name])
+        arrays[field.name] = fixed_size_list(full, field.type.value_type)
+    return pa.table([arrays[f.name] for f in schema], schema=schema)

@@ -1,0 +1,61 @@
+"""Streaming samples out of WebDataset tar shards.
+
+Samples are dicts carrying ``__key__`` and ``__url__`` plus one entry per member suffix
+(``jpg``, ``json``, ...), grouped the way webdataset groups them. Tar-level problems (missing file,
+truncated or corrupt archive) raise ShardReadError: the shard cannot be trusted and is reported as
+failed. Sample-level problems are the caller's to turn into error rows.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+from webdataset import tariterators
+
+from ingest.errors import ShardReadError
+
+# Member suffixes holding the image, in order of preference (img2dataset writes ``jpg``).
+IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
+
+
+@contextmanager
+def open_shard(url: str, opener: Callable[[str], IO[bytes]] | None = None) -> Iterator[IO[bytes]]:
+    """Open a shard for streaming; ``opener`` handles remote URLs (local files by default)."""
+    try:
+        stream = opener(url) if opener is not None else open(url, "rb")
+    except FileNotFoundError as exc:
+        raise ShardReadError(url, "file not found") from exc
+    except OSError as exc:
+        raise ShardReadError(url, f"{type(exc).__name__}: {exc}") from exc
+    try:
+        yield stream
+    finally:
+        stream.close()
+
+
+def _reraise(exc: Exception) -> bool:
+    raise exc
+
+
+def iter_samples(url: str, opener: Callable[[str], IO[bytes]] | None = None) -> Iterator[dict[str, Any]]:
+    """Yield the samples of one tar shard, in archive order."""
+    with open_shard(url, opener) as stream:
+        try:
+            members = tariterators.tar_file_iterator(stream, handler=_reraise)
+            tagged = ({**m, "__url__": url} for m in members)
+            yield from tariterators.group_by_keys(tagged, handler=_reraise)
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise ShardReadError(url, f"{type(exc).__name__}: {exc}") from exc
+        except ValueError as exc:  # duplicate member names within one sample
+            raise ShardReadError(url, str(exc)) from exc
+
+
+def image_bytes(sample: dict[str, Any]) -> bytes | None:
+    """The sample's image member, or None when it has none."""
+    for suffix in IMAGE_SUFFIXES:
+        if suffix in sample:
+            return sample[suffix]
+    return None
