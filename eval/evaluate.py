@@ -11,6 +11,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -42,8 +43,12 @@ def load_ground_truth(path: Path) -> list[dict[str, Any]]:
     return queries
 
 
-def evaluate(index_dir: Path, queries: list[dict[str, Any]], conf: EvalConfig) -> dict[str, Any]:
-    """Search every query key and compute AP@k per query and mAP@k x 100."""
+def evaluate(index_dir: Path, queries: list[dict[str, Any]], conf: EvalConfig, ignore: Collection[str] = ()) -> dict[str, Any]:
+    """Search every query key and compute AP@k per query and mAP@k x 100.
+
+    ``ignore``: keys removed from every ranking (they count neither as hits nor as misses).
+    """
+    ignore = set(ignore)
     index = load_index(index_dir)
     usable = [q for q in queries if q["positives"]]
     if not usable:
@@ -52,9 +57,10 @@ def evaluate(index_dir: Path, queries: list[dict[str, Any]], conf: EvalConfig) -
     for start in range(0, len(usable), conf.batch):
         chunk = usable[start : start + conf.batch]
         xq = np.stack([index.vector_of(q["key"]) for q in chunk])
-        D, I = index.search(xq, conf.k + 1, conf.nprobe)  # +1: the query finds itself
+        # +1: the query finds itself; ignored keys may take places in the shortlist too.
+        D, I = index.search(xq, conf.k + 1 + len(ignore), conf.nprobe)
         for q, keys in zip(chunk, index.keys_of(I)):
-            ranking = [k for k in keys if k is not None and k != q["key"]][: conf.k]
+            ranking = [k for k in keys if k is not None and k != q["key"] and k not in ignore][: conf.k]
             per_query.append({"key": q["key"], "ap": average_precision_at_k(ranking, q["positives"], conf.k)})
     return {
         f"map_at_{conf.k}": 100.0 * float(np.mean([p["ap"] for p in per_query])),

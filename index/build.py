@@ -20,11 +20,11 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ingest.descriptors import (
     DescriptorFileError,
@@ -119,13 +119,25 @@ def _ingest_info(descriptors: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def main(conf: IndexConfig, descriptors: Path, output: Path) -> Path:
-    """Build the index of ``descriptors`` (a Parquet directory) into ``output``; returns ``output``."""
+def descriptor_files(descriptors: Path | Sequence[Path]) -> list[Path]:
+    """Parquet files of one or several sources, each a descriptor directory or a single file."""
+    sources = [Path(descriptors)] if isinstance(descriptors, (str, Path)) else [Path(d) for d in descriptors]
+    files: list[Path] = []
+    for source in sources:
+        if source.is_file():
+            files.append(source)
+        else:
+            files.extend(list_descriptor_files(source))
+    return files
+
+
+def main(conf: IndexConfig, descriptors: Path | Sequence[Path], output: Path) -> Path:
+    """Build the index of ``descriptors`` (Parquet directories or files) into ``output``; returns ``output``."""
     import faiss
 
     start = time.perf_counter()
-    descriptors, output = Path(descriptors), Path(output)
-    files = list_descriptor_files(descriptors)
+    output = Path(output)
+    files = descriptor_files(descriptors)
     xb, row_ids, keys, counts = _collect(files)
     index, params = _make_index(conf, xb)
     index.add_with_ids(np.ascontiguousarray(xb, dtype=np.float32), row_ids)
@@ -134,14 +146,14 @@ def main(conf: IndexConfig, descriptors: Path, output: Path) -> Path:
     write_atomic(output / INDEX_FILE, lambda tmp: faiss.write_index(index, str(tmp)))
     write_parquet_atomic(pa.table({"row": pa.array(row_ids, pa.int64()), "key": pa.array(keys, pa.string())}), output / IDS_FILE)
     write_atomic(output / VECTORS_FILE, lambda tmp: _save_npy(tmp, xb.astype(np.float16)))
-    ingest = _ingest_info(descriptors)
+    ingest = _ingest_info(files[0].parent)
     infos = {
         "config": asdict(conf),
         **params,
         "metric": "inner_product",
         "ntotal": int(index.ntotal),
         "dim": int(xb.shape[1]),
-        "descriptors": str(descriptors.resolve()),
+        "descriptors": sorted({str(f.parent.resolve()) for f in files}),
         "parquet_files": len(files),
         **counts,
         "extractors": ingest.get("extractors", []),

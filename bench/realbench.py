@@ -1,0 +1,157 @@
+"""Retrieval quality on real photos: ``../shared/data/realbench`` through the full pipeline.
+
+The images are packed into WebDataset tars (in a temporary or given work directory, never in the
+repo), ingested by the Ray job, indexed, and evaluated with the ILIAS protocol: every row of
+``groups.csv`` whose group has another row is a query, its positives are the other rows of its group,
+the database is every other row plus (or not) the 1,518 distractors. Prints one JSON line last.
+
+groups.csv lists 15 EVD images twice under the same key (the pair's two files share a name, so one
+image is on disk twice). Following the protocol row by row, as the reference does, each row is its
+own database entry; ``dedup`` reports the same evaluation over unique images only, for context.
+
+    python bench/realbench.py [--workdir DIR] [--model NAME] [--resolution N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import logging
+import os
+import sys
+import tarfile
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REALBENCH = ROOT.parent / "shared" / "data" / "realbench"
+REFERENCE = {"map_at_1k": 62.9, "map_at_1k_no_distractors": 65.6}
+GROUPED_SHARD = "000000"
+SAMPLES_PER_TAR = 250
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def pack_realbench(root: Path, shards_dir: Path) -> tuple[list[dict], list[str]]:
+    """Write the grouped rows to shard 000000 and the distractors to 000001.. ; returns
+    (rows with key/group/image, distractor keys)."""
+    shards_dir.mkdir(parents=True, exist_ok=True)
+    with open(root / "groups.csv") as f:
+        groups = list(csv.DictReader(f))
+    rows = []
+    with tarfile.open(shards_dir / f"{GROUPED_SHARD}.tar", "w") as tar:
+        for i, row in enumerate(groups):
+            sample_key = f"g{i:04d}"  # one sample per row: duplicated rows stay separate entries
+            _add(tar, f"{sample_key}.jpg", (root / "images" / f"{row['key']}.jpg").read_bytes())
+            _add(tar, f"{sample_key}.json", json.dumps(row).encode())
+            rows.append({"key": f"{GROUPED_SHARD}/{sample_key}", "group": row["group"], "image": row["key"]})
+    with open(root / "distractors.csv") as f:
+        distractor_files = [r["file"] for r in csv.DictReader(f)]
+    distractor_keys = []
+    for start in range(0, len(distractor_files), SAMPLES_PER_TAR):
+        shard = f"{1 + start // SAMPLES_PER_TAR:06d}"
+        with tarfile.open(shards_dir / f"{shard}.tar", "w") as tar:
+            for j, name in enumerate(distractor_files[start : start + SAMPLES_PER_TAR]):
+                sample_key = f"d{start + j:05d}"
+                _add(tar, f"{sample_key}.jpg", (root / "distractors" / name).read_bytes())
+                distractor_keys.append(f"{shard}/{sample_key}")
+    return rows, distractor_keys
+
+
+def row_queries(rows: list[dict]) -> list[dict]:
+    by_group = defaultdict(list)
+    for row in rows:
+        by_group[row["group"]].append(row["key"])
+    return [{"key": r["key"], "positives": [k for k in by_group[r["group"]] if k != r["key"]]} for r in rows]
+
+
+def dedup_queries(rows: list[dict]) -> tuple[list[dict], set[str]]:
+    """Queries over unique images: the first row of each image stands for it."""
+    first: dict[str, str] = {}
+    for row in rows:
+        first.setdefault(row["image"], row["key"])
+    unique_rows = [r for r in rows if first[r["image"]] == r["key"]]
+    return row_queries(unique_rows), {r["key"] for r in rows if first[r["image"]] != r["key"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", help="keep tars, descriptors and indexes here (default: a temp dir)")
+    parser.add_argument("--model", default="tf_efficientnet_lite0.gem")
+    parser.add_argument("--resolution", type=int, help="longer side (default: the model's test resolution)")
+    parser.add_argument("--num-cpus", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import ray
+
+    from cluster.ingest_job import IngestConfig
+    from cluster.ingest_job import main as ingest
+    from eval.evaluate import EvalConfig, evaluate
+    from index.build import IndexConfig
+    from index.build import main as build_index
+
+    if not REALBENCH.is_dir():
+        sys.exit(f"realbench data not found at {REALBENCH}")
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="needle-realbench-")
+    work = Path(args.workdir or tmp.name)
+    rows, distractors = pack_realbench(REALBENCH, work / "shards")
+
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    start = time.perf_counter()
+    conf = IngestConfig(model=args.model, resolution=args.resolution, overwrite=True)
+    ingest(conf, str(work / "shards" / "*.tar"), work / "descriptors")
+    ingest_s = time.perf_counter() - start
+    ray.shutdown()
+
+    descriptors = work / "descriptors"
+    grouped = descriptors / f"{GROUPED_SHARD}.parquet"
+    build_index(IndexConfig(kind="flat"), descriptors, work / "index_all")
+    build_index(IndexConfig(kind="flat"), [grouped], work / "index_grouped")
+
+    k = 1000
+    queries = [q for q in row_queries(rows) if q["positives"]]
+    with_d = evaluate(work / "index_all", queries, EvalConfig(k=k))
+    without_d = evaluate(work / "index_grouped", queries, EvalConfig(k=k))
+    # Unique images only: the duplicate rows are ignored (removed from every ranking).
+    dq, duplicate_keys = dedup_queries(rows)
+    dq = [q for q in dq if q["positives"]]
+    dedup_with = evaluate(work / "index_all", dq, EvalConfig(k=k), ignore=duplicate_keys)[f"map_at_{k}"]
+    dedup_without = evaluate(work / "index_grouped", dq, EvalConfig(k=k), ignore=duplicate_keys)[f"map_at_{k}"]
+
+    ingest_info = json.loads((descriptors / "ingest_info.json").read_text())
+    result = {
+        "map_at_1k": round(with_d[f"map_at_{k}"], 2),
+        "map_at_1k_no_distractors": round(without_d[f"map_at_{k}"], 2),
+        "n_queries": with_d["n_queries"],
+        "database_size": with_d["database_size"] - 1,
+        "distractors": len(distractors),
+        "reference": REFERENCE,
+        "meets_reference": with_d[f"map_at_{k}"] >= REFERENCE["map_at_1k"]
+        and without_d[f"map_at_{k}"] >= REFERENCE["map_at_1k_no_distractors"],
+        "dedup": {"map_at_1k": round(dedup_with, 2), "map_at_1k_no_distractors": round(dedup_without, 2), "n_queries": len(dq)},
+        "model": args.model,
+        "resolution": ingest_info["extractors"][0]["resolution"],
+        "images": ingest_info["images"],
+        "error_rows": ingest_info["error_rows"],
+        "ingest_s": round(ingest_s, 1),
+        "ingest_images_per_s": ingest_info["images_per_s"],
+    }
+    if tmp is not None:
+        tmp.cleanup()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
