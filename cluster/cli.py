@@ -20,7 +20,7 @@ def _ingest(args: argparse.Namespace) -> int:
     conf = IngestConfig(
         model=args.model, weights=args.weights, resolution=args.resolution, batch_size=args.batch_size,
         precision=args.precision, num_workers=args.workers, cpus_per_worker=args.cpus_per_worker,
-        decode_threads=args.decode_threads, overwrite=args.overwrite,
+        decode_threads=args.decode_threads, overwrite=args.overwrite, address=args.address,
     )
     try:
         main(conf, args.shards, Path(args.out))
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus-per-worker", type=int, default=2)
     p.add_argument("--decode-threads", type=int, default=2)
     p.add_argument("--overwrite", action="store_true", help="redo shards already committed")
+    p.add_argument("--address", help="Ray cluster to join ('auto': the running one; default: $RAY_ADDRESS, "
+                   "set by `ray job submit`, else a new local instance)")
     p.set_defaults(func=_ingest)
 
     p = sub.add_parser("index", help="index commands")

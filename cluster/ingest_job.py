@@ -8,6 +8,7 @@ Inside ``ray job submit`` it joins that cluster; run directly it starts a local 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ingest.descriptors import write_json_atomic
+from ingest.errors import NeedleInputError
 from ingest.shards import expand_shards, shard_ids, shard_name
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class IngestConfig:
     cpus_per_worker: int = 2  # CPUs reserved by each CPU actor (its torch threads)
     decode_threads: int = 2  # background decoding threads per worker
     overwrite: bool = False  # redo shards whose Parquet file is already committed
+    address: str | None = None  # Ray cluster; None: $RAY_ADDRESS (set by `ray job submit`), else a new local instance
 
 
 class IngestWorker:
@@ -59,6 +62,20 @@ class IngestWorker:
         return process_shard(url, shard_id, Path(out_dir), self.extractors, self.conf.decode_threads).to_dict()
 
 
+def connect_ray(address: str | None) -> None:
+    """Join ``address`` or $RAY_ADDRESS; otherwise start a local instance bound to 127.0.0.1.
+
+    Never Ray's implicit auto-detection: a stale record of a dead cluster would make it hang.
+    """
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
+
+
 def _worker_layout(conf: IngestConfig, resources: dict[str, float], n_shards: int) -> tuple[int, dict[str, Any], str, int]:
     """(count, actor options, device, torch threads) from the cluster's resources."""
     gpus = int(resources.get("GPU", 0))
@@ -82,16 +99,17 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path) -> Path:
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
+    previous = _previous_info(output, conf)
     urls = expand_shards(shards)
     ids = shard_ids(urls)
     todo = [u for u in urls if conf.overwrite or not (output / f"{shard_name(u)}.parquet").exists()]
     log.info("%d shards, %d already committed, %d to do", len(urls), len(urls) - len(todo), len(todo))
 
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+        connect_ray(conf.address)
     results: list[dict[str, Any]] = []
     start = time.perf_counter()
-    worker_info: dict[str, Any] = {}
+    worker_info: dict[str, Any] = {"extractors": previous.get("extractors", [])}
     if todo:
         count, options, device, threads = _worker_layout(conf, ray.cluster_resources(), len(todo))
         log.info("starting %d %s workers (%s)", count, device, options)
@@ -114,6 +132,26 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path) -> Path:
     if report["failed"]:
         raise IngestFailed(report["failed"])
     return output
+
+
+# Settings that change the descriptors: a resumed job must use the same ones.
+_DESCRIPTOR_SETTINGS = ("model", "weights", "resolution")
+
+
+def _previous_info(output: Path, conf: IngestConfig) -> dict[str, Any]:
+    """The info of an earlier run into ``output``; refuses to mix descriptors of other settings."""
+    path = output / INFO_FILE
+    if not path.is_file():
+        return {}
+    previous = json.loads(path.read_text())
+    before = {k: previous.get("config", {}).get(k) for k in _DESCRIPTOR_SETTINGS}
+    now = {k: getattr(conf, k) for k in _DESCRIPTOR_SETTINGS}
+    if before != now and not conf.overwrite:
+        raise NeedleInputError(
+            f"{output} holds descriptors made with {before}, this job asks for {now}: "
+            "use --overwrite to redo every shard, or another --out"
+        )
+    return previous
 
 
 class IngestFailed(RuntimeError):

@@ -57,7 +57,21 @@ class LocalRayHead:
             self.process.wait(timeout)
         except ProcessLookupError:
             pass
+        self._forget_as_current_cluster()
         log.info("stopped the local Ray head (pid %d)", self.process.pid)
+
+
+    def _forget_as_current_cluster(self) -> None:
+        # `ray start` records its address for `ray.init()` auto-detection and a killed head never
+        # removes it: leave no record of this head that would make later clients wait on it.
+        import tempfile
+
+        record = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        try:
+            if record.read_text().strip() == self.gcs_address:
+                record.unlink()
+        except OSError:
+            pass
 
 
 def client_env(token: str, extra: dict[str, str] | None = None) -> dict[str, str]:

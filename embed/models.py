@@ -25,7 +25,7 @@ from ingest.errors import NeedleInputError
 log = logging.getLogger(__name__)
 
 # Longer-side resolutions of the ILIAS "one level up" ladder.
-RESOLUTION_LEVELS = (384, 512, 724, 1024)
+RESOLUTION_LEVELS = (224, 384, 512, 724, 1024)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -43,11 +43,10 @@ class WeightsError(NeedleInputError):
 
 
 def one_level_up(train_resolution: int) -> int:
-    """The ILIAS test resolution: the first ladder level strictly above the train resolution."""
-    for level in RESOLUTION_LEVELS:
-        if level > train_resolution:
-            return level
-    return train_resolution
+    """The ILIAS test resolution: snap the train resolution to its nearest ladder level (ties go
+    down), then take the next level (224/256 -> 384, 320/336/384/448 -> 512, 512/518 -> 724)."""
+    nearest = min(range(len(RESOLUTION_LEVELS)), key=lambda i: (abs(RESOLUTION_LEVELS[i] - train_resolution), i))
+    return RESOLUTION_LEVELS[min(nearest + 1, len(RESOLUTION_LEVELS) - 1)]
 
 
 @dataclass(frozen=True)

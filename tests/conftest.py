@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny real-image tars, a session Ray instance, a small-resolution extractor."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "coins")
+
+
+def jpeg_bytes(image: np.ndarray, quality: int = 90) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def photos() -> dict[str, np.ndarray]:
+    from ingest.demo_data import load_skimage_photo
+
+    return {name: load_skimage_photo(name) for name in PHOTOS}
+
+
+@pytest.fixture
+def tiny_shards(tmp_path: Path, photos) -> list[Path]:
+    """Two tars of three real photos each (the second tar's photos are mirrored)."""
+    names = list(photos)
+    shards = []
+    for s in range(2):
+        members = []
+        for i, name in enumerate(names[3 * s : 3 * s + 3]):
+            image = photos[name] if s == 0 else np.ascontiguousarray(photos[name][:, ::-1])
+            members += [(f"{s:02d}{i:03d}.jpg", jpeg_bytes(image)), (f"{s:02d}{i:03d}.json", json.dumps({"photo": name}).encode())]
+        shards.append(write_tar(tmp_path / f"{s:06d}.tar", members))
+    return shards
+
+
+@pytest.fixture(scope="session")
+def extractor():
+    """The default model (real ImageNet weights) at a small resolution, to keep tests fast."""
+    from embed.extract import GlobalExtractor
+
+    return GlobalExtractor(resolution=160, batch_size=8)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
