@@ -59,7 +59,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from cluster.demo import DemoRunConfig, main
 
-    main(DemoRunConfig(num_cpus=args.num_cpus), Path(args.workdir))
+    main(DemoRunConfig(num_cpus=args.num_cpus, address=args.address), Path(args.workdir))
     return 0
 
 
@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the whole pipeline on the built-in demo collection (local Ray)")
     p.add_argument("--workdir", default="demo_run", help="where the demo data and outputs go")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray head (default: all)")
+    p.add_argument("--address", help="dashboard URL of a running Ray cluster (default: start a local head)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("models", help="list the model registry")

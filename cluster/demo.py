@@ -1,7 +1,7 @@
 """``needle demo``: the whole pipeline on the built-in demo collection, on a local Ray head.
 
 1. build the demo tars from scikit-image photos (ingest.demo_data)
-2. start a local Ray head on 127.0.0.1 (or use ``--address`` of a running one)
+2. start a local Ray head on 127.0.0.1 (or use the running cluster at ``--address``)
 3. ``ray job submit -- needle ingest --shards ... --out ...``
 4. stop the head it started; build the index; evaluate mAP@1k; write ``report.json``
 """
@@ -25,6 +25,7 @@ class DemoRunConfig:
     data: DemoConfig = field(default_factory=DemoConfig)  # what the demo collection holds
     num_cpus: int | None = None  # CPUs of the local head; None: all
     k: int = 1000  # mAP@k cut-off
+    address: str | None = None  # dashboard URL of a running Ray cluster; None: start a local head
 
 
 class DemoJobFailed(RuntimeError):
@@ -41,13 +42,17 @@ def main(conf: DemoRunConfig, workdir: Path) -> Path:
     workdir = Path(workdir)
     shards_dir, descriptors, index_dir = workdir / "shards", workdir / "descriptors", workdir / "index"
     truth = build_demo(shards_dir, conf.data)
-    pattern = str(shards_dir / f"{{{0:06d}..{truth['num_shards'] - 1:06d}}}.tar")
+    pattern = str(shards_dir.resolve() / f"{{{0:06d}..{truth['num_shards'] - 1:06d}}}.tar")
 
-    head = start_head(conf.num_cpus, log_file=workdir / "ray_head.log")
-    try:
-        status = submit_job(head, ["needle", "ingest", "--shards", pattern, "--out", str(descriptors), "--overwrite"])
-    finally:
-        head.stop()
+    entrypoint = ["needle", "ingest", "--shards", pattern, "--out", str(descriptors.resolve()), "--overwrite"]
+    if conf.address:
+        status = submit_job(conf.address, entrypoint)
+    else:
+        head = start_head(conf.num_cpus, log_file=workdir / "ray_head.log")
+        try:
+            status = submit_job(head.dashboard_url, entrypoint, head.env)
+        finally:
+            head.stop()
     if status != 0:
         raise DemoJobFailed(f"the ingestion job exited with status {status}")
 

@@ -115,7 +115,11 @@ def start_head(num_cpus: int | None = None, log_file: Path | None = None, timeou
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        if log_file:
+            out.close()  # the child holds its own descriptor
     head = LocalRayHead(process, f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -129,9 +133,14 @@ def start_head(num_cpus: int | None = None, log_file: Path | None = None, timeou
     raise RayHeadError(f"the Ray dashboard did not answer within {timeout:.0f}s (log: {log_file})")
 
 
-def submit_job(head: LocalRayHead, entrypoint: list[str], log_file: Path | None = None) -> int:
-    """``ray job submit`` an entrypoint to ``head`` and wait; returns the job's exit status."""
-    cmd = [str(bin_dir() / "ray"), "job", "submit", "--address", head.dashboard_url, "--", *entrypoint]
+def submit_job(dashboard_url: str, entrypoint: list[str], env: dict[str, str] | None = None) -> int:
+    """``ray job submit`` an entrypoint to the cluster at ``dashboard_url`` and wait for it.
+
+    ``env``: the client environment (a head started here passes its token); default: ours, with
+    this interpreter's scripts on PATH. Returns the job's exit status.
+    """
+    cmd = [str(bin_dir() / "ray"), "job", "submit", "--address", dashboard_url, "--", *entrypoint]
     log.info("submitting: %s", " ".join(cmd))
-    out = open(log_file, "ab") if log_file else None
-    return subprocess.run(cmd, env=head.env, stdout=out, stderr=subprocess.STDOUT if out else None).returncode
+    if env is None:
+        env = {**os.environ, "PATH": f"{bin_dir()}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run(cmd, env=env).returncode
