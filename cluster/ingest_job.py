@@ -1,28 +1,36 @@
 """The ingestion job: a pool of Ray actor workers, each loading the model once, pulling shards from
-a dynamic queue and committing one Parquet file per shard.
+a dynamic queue and committing one Parquet file per shard, exactly once.
 
     needle ingest --shards 'data/{000000..000999}.tar' --out descriptors/
 
 Inside ``ray job submit`` it joins that cluster; run directly it starts a local Ray instance.
+
+Exactly once: a shard's rows exist only in its committed Parquet part (atomic rename locally,
+upload + commit marker on S3). ``manifest.json`` beside the parts records each shard's state;
+``--resume`` (the default) skips shards whose committed part has the row count the manifest
+recorded, ``--overwrite`` redoes everything. A worker that dies (killed, OOM, node lost) is
+replaced and its shards go back to the queue, up to ``max_retries`` times each.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ingest.descriptors import write_json_atomic
 from ingest.errors import NeedleInputError
 from ingest.shards import expand_shards, shard_ids, shard_name
+from ingest.storage import storage_for
 
 log = logging.getLogger(__name__)
 
 INFO_FILE = "ingest_info.json"
+MANIFEST_FILE = "manifest.json"
 
 
 @dataclass(frozen=True)
@@ -35,8 +43,10 @@ class IngestConfig:
     num_workers: int | None = None  # actors; None: one per GPU, else cluster CPUs // cpus_per_worker
     cpus_per_worker: int = 2  # CPUs reserved by each CPU actor (its torch threads)
     decode_threads: int = 2  # background decoding threads per worker
-    overwrite: bool = False  # redo shards whose Parquet file is already committed
+    overwrite: bool = False  # redo shards whose Parquet part is already committed
+    max_retries: int = 3  # times a shard is re-queued after its worker died or its read failed transiently
     address: str | None = None  # Ray cluster; None: $RAY_ADDRESS (set by `ray job submit`), else a new local instance
+    s3_endpoint_url: str | None = None  # S3-compatible endpoint for s3:// shards and outputs
 
 
 class IngestWorker:
@@ -52,14 +62,15 @@ class IngestWorker:
         self.extractors = [
             GlobalExtractor(conf.model, conf.weights, device, conf.precision, conf.batch_size, conf.resolution)
         ]
+        self.extractors_info = [e.info() for e in self.extractors]  # hashes the weights once
 
-    def info(self) -> dict[str, Any]:
-        return {"extractors": [e.info() for e in self.extractors]}
-
-    def process(self, url: str, shard_id: int, out_dir: str) -> dict[str, Any]:
+    def process(self, url: str, shard_id: int, out: str) -> dict[str, Any]:
+        """The shard's result, plus how its columns were made (for the job's info file)."""
         from ingest.pipeline import process_shard
 
-        return process_shard(url, shard_id, Path(out_dir), self.extractors, self.conf.decode_threads).to_dict()
+        result = process_shard(url, shard_id, out, self.extractors, self.conf.decode_threads,
+                               s3_endpoint_url=self.conf.s3_endpoint_url)
+        return {**result.to_dict(), "extractors": self.extractors_info}
 
 
 def connect_ray(address: str | None) -> None:
@@ -88,70 +99,155 @@ def _worker_layout(conf: IngestConfig, resources: dict[str, float], n_shards: in
     return count, {"num_cpus": per}, "cpu", per
 
 
-def main(conf: IngestConfig, shards: str | list[str], output: Path) -> Path:
-    """Ingest ``shards`` into ``output`` (one ``<shard>.parquet`` each); returns ``output``.
-
-    Raises IngestFailed after writing the report when any shard failed.
-    """
-    import ray
-    from ray.util import ActorPool
-    from tqdm import tqdm
-
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    previous = _previous_info(output, conf)
-    urls = expand_shards(shards)
-    ids = shard_ids(urls)
-    todo = [u for u in urls if conf.overwrite or not (output / f"{shard_name(u)}.parquet").exists()]
-    log.info("%d shards, %d already committed, %d to do", len(urls), len(urls) - len(todo), len(todo))
-
-    if not ray.is_initialized():
-        connect_ray(conf.address)
-    results: list[dict[str, Any]] = []
-    start = time.perf_counter()
-    worker_info: dict[str, Any] = {"extractors": previous.get("extractors", [])}
-    if todo:
-        count, options, device, threads = _worker_layout(conf, ray.cluster_resources(), len(todo))
-        log.info("starting %d %s workers (%s)", count, device, options)
-        actor_cls = ray.remote(**options)(IngestWorker)
-        workers = [actor_cls.remote(conf, device, threads) for _ in range(count)]
-        worker_info = ray.get(workers[0].info.remote())
-        pool = ActorPool(workers)
-        tasks = pool.map_unordered(lambda w, url: w.process.remote(url, ids[url], str(output)), todo)
-        with tqdm(total=len(todo), unit="shard", desc="ingest") as bar:
-            for result in tasks:
-                results.append(result)
-                bar.update(1)
-                bar.set_postfix(images=sum(r["rows"] for r in results))
-        for worker in workers:
-            ray.kill(worker)
-    seconds = time.perf_counter() - start
-    report = _report(conf, urls, results, seconds, worker_info)
-    write_json_atomic(report, output / INFO_FILE)
-    log.info("ingest summary: %s", {k: report[k] for k in ("shards_ok", "shards_failed", "images", "error_rows", "images_per_s")})
-    if report["failed"]:
-        raise IngestFailed(report["failed"])
-    return output
-
-
 # Settings that change the descriptors: a resumed job must use the same ones.
 _DESCRIPTOR_SETTINGS = ("model", "weights", "resolution")
 
 
-def _previous_info(output: Path, conf: IngestConfig) -> dict[str, Any]:
-    """The info of an earlier run into ``output``; refuses to mix descriptors of other settings."""
-    path = output / INFO_FILE
-    if not path.is_file():
-        return {}
-    previous = json.loads(path.read_text())
+def _check_same_settings(previous: dict[str, Any], conf: IngestConfig, where: str) -> None:
     before = {k: previous.get("config", {}).get(k) for k in _DESCRIPTOR_SETTINGS}
     now = {k: getattr(conf, k) for k in _DESCRIPTOR_SETTINGS}
-    if before != now and not conf.overwrite:
+    if previous and before != now and not conf.overwrite:
         raise NeedleInputError(
-            f"{output} holds descriptors made with {before}, this job asks for {now}: "
+            f"{where} holds descriptors made with {before}, this job asks for {now}: "
             "use --overwrite to redo every shard, or another --out"
         )
-    return previous
+
+
+def plan_shards(urls: list[str], committed: dict[str, dict[str, Any]], manifest: dict[str, Any], overwrite: bool) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """(shards to process, manifest entries of the shards kept as they are)."""
+    entries = manifest.get("shards", {})
+    todo, kept = [], {}
+    for url in urls:
+        name = shard_name(url)
+        part = committed.get(f"{name}.parquet")
+        entry = entries.get(name)
+        if overwrite or part is None:
+            todo.append(url)
+        elif entry is None or entry.get("state") != "committed":
+            # Committed (atomic) but the driver died before recording it: adopt the part.
+            kept[name] = {"url": url, "state": "committed", "rows": part["rows"], "attempts": 0, "adopted": True}
+        elif entry.get("rows") != part["rows"]:
+            log.warning("shard %s: part has %s rows, manifest says %s: redoing it", name, part["rows"], entry.get("rows"))
+            todo.append(url)
+        else:
+            kept[name] = entry
+    return todo, kept
+
+
+def run_queue(
+    todo: list[str],
+    make_worker: Callable[[], Any],
+    submit: Callable[[Any, str], Any],
+    count: int,
+    max_retries: int,
+    in_flight_per_worker: int = 2,
+) -> Iterator[tuple[str, dict[str, Any] | None, int, str]]:
+    """Feed shards to ``count`` actors from a dynamic queue; yields (url, result, attempts, error).
+
+    Each actor holds up to ``in_flight_per_worker`` shards so it never waits between two. When an
+    actor dies its shards are re-queued (at most ``max_retries`` times each) and it is replaced;
+    ``result`` is None for a shard that exhausted its retries, with ``error`` saying why.
+    """
+    import ray
+    from ray.exceptions import RayActorError, RayError
+
+    queue = deque(todo)
+    attempts: Counter[str] = Counter()
+    workers = [make_worker() for _ in range(count)]
+    load = [0] * count
+    in_flight: dict[Any, tuple[int, str]] = {}
+
+    def fill() -> None:
+        for w in sorted(range(count), key=lambda i: load[i]):
+            while queue and load[w] < in_flight_per_worker:
+                url = queue.popleft()
+                attempts[url] += 1
+                in_flight[submit(workers[w], url)] = (w, url)
+                load[w] += 1
+
+    fill()
+    while in_flight:
+        [ref], _ = ray.wait(list(in_flight), num_returns=1)
+        w, url = in_flight.pop(ref)
+        load[w] -= 1
+        try:
+            yield url, ray.get(ref), attempts[url], ""
+        except RayError as exc:
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if isinstance(exc, RayActorError) and workers[w] is not None:
+                log.warning("worker %d died (%s): replacing it", w, reason)
+                workers[w] = make_worker()
+            if attempts[url] <= max_retries:
+                log.warning("shard %s: attempt %d failed (%s): re-queued", url, attempts[url], reason)
+                queue.appendleft(url)
+            else:
+                yield url, None, attempts[url], reason
+        fill()
+
+
+def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Path | str:
+    """Ingest ``shards`` into ``output`` (a directory or an ``s3://`` prefix), one
+    ``<shard>.parquet`` each; returns ``output``. Raises IngestFailed, after writing the report,
+    when any shard failed."""
+    import ray
+    from tqdm import tqdm
+
+    storage = storage_for(output, conf.s3_endpoint_url)
+    previous = storage.read_json(INFO_FILE) or {}
+    _check_same_settings(previous, conf, storage.url)
+    urls = expand_shards(shards, conf.s3_endpoint_url)
+    ids = shard_ids(urls)
+    manifest = storage.read_json(MANIFEST_FILE) or {}
+    todo, entries = plan_shards(urls, storage.committed(), manifest, conf.overwrite)
+    log.info("%d shards: %d committed already, %d to do", len(urls), len(urls) - len(todo), len(todo))
+
+    if not ray.is_initialized():
+        connect_ray(conf.address)
+    start = time.perf_counter()
+    fresh_info = None  # how this run's workers make their columns (from the first result)
+    results: list[dict[str, Any]] = []
+    if todo:
+        count, options, device, threads = _worker_layout(conf, ray.cluster_resources(), len(todo))
+        log.info("starting %d %s workers (%s)", count, device, options)
+        actor_cls = ray.remote(**options, scheduling_strategy="SPREAD")(IngestWorker)
+
+        created = iter(range(1 << 30))
+        tag = os.urandom(4).hex()
+
+        def make_worker():
+            # Named, so that operators (and the fault tests) can find a job's workers.
+            return actor_cls.options(name=f"needle-ingest-{tag}-{next(created)}").remote(conf, device, threads)
+
+        def submit(worker, url):
+            return worker.process.remote(url, ids[url], storage.url)
+
+        images = 0
+        with tqdm(total=len(todo), unit="shard", desc="ingest", dynamic_ncols=True) as bar:
+            for url, result, attempts, reason in run_queue(todo, make_worker, submit, count, conf.max_retries):
+                if result is None:
+                    result = {"url": url, "shard": shard_name(url), "status": "failed", "output": None,
+                              "rows": 0, "error_rows": 0, "seconds": 0.0, "reason": reason}
+                result["attempts"] = attempts
+                fresh_info = result.pop("extractors", None) or fresh_info
+                results.append(result)
+                entries[result["shard"]] = {
+                    "url": url, "state": "committed" if result["status"] == "ok" else "failed",
+                    "rows": result["rows"], "error_rows": result["error_rows"], "attempts": attempts,
+                    "reason": result["reason"],
+                }
+                storage.write_json(MANIFEST_FILE, {"shards": entries})
+                images += result["rows"]
+                elapsed = time.perf_counter() - start
+                bar.set_postfix(images=images, img_s=f"{images / elapsed:.1f}")
+                bar.update(1)
+    storage.write_json(MANIFEST_FILE, {"shards": entries})
+    worker_info = {"extractors": fresh_info or previous.get("extractors", [])}
+    report = _report(conf, urls, results, entries, time.perf_counter() - start, worker_info)
+    storage.write_json(INFO_FILE, report)
+    log.info("ingest summary: %s", {k: report[k] for k in ("shards_ok", "shards_failed", "shards_retried", "images", "error_rows", "images_per_s")})
+    if report["failed"]:
+        raise IngestFailed(report["failed"])
+    return output
 
 
 class IngestFailed(RuntimeError):
@@ -162,21 +258,25 @@ class IngestFailed(RuntimeError):
         self.failed = failed
 
 
-def _report(conf: IngestConfig, urls: list[str], results: list[dict[str, Any]], seconds: float, worker_info: dict[str, Any]) -> dict[str, Any]:
+def _report(conf: IngestConfig, urls: list[str], results: list[dict[str, Any]], entries: dict[str, Any],
+            seconds: float, worker_info: dict[str, Any]) -> dict[str, Any]:
     ok = [r for r in results if r["status"] == "ok"]
     images = sum(r["rows"] for r in ok)
+    failed = {r["url"]: r["reason"] for r in results if r["status"] != "ok"}
     return {
         "schema_version": 1,
         "config": asdict(conf),
         "shards": len(urls),
         "shards_processed": len(results),
         "shards_ok": len(ok),
-        "shards_failed": len(results) - len(ok),
-        "failed": {r["url"]: r["reason"] for r in results if r["status"] != "ok"},
+        "shards_failed": len(failed),
+        "shards_retried": sum(1 for r in results if r.get("attempts", 1) > 1),
+        "shards_committed_total": sum(1 for e in entries.values() if e["state"] == "committed"),
+        "failed": failed,
         "images": images,
         "error_rows": sum(r["error_rows"] for r in ok),
         "seconds": round(seconds, 3),
-        "images_per_s": round(images / seconds, 2) if seconds > 0 else None,
+        "images_per_s": round(images / seconds, 2) if seconds > 0 and images else None,
         "results": sorted(results, key=lambda r: r["shard"]),
         **worker_info,
     }

@@ -7,17 +7,19 @@ of the model, so decoding overlaps model compute.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from embed.extract import Extractor
 from ingest.descriptors import (
@@ -26,12 +28,12 @@ from ingest.descriptors import (
     descriptor_schema,
     fixed_size_list,
     make_row_id,
-    write_parquet_atomic,
 )
 from ingest.errors import ImageDecodeError, ShardReadError
 from ingest.images import decode_resized
 from ingest.reader import image_bytes, iter_samples
 from ingest.shards import shard_name
+from ingest.storage import Storage, open_url, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +107,20 @@ def _mark_duplicate_keys(items: list[_Decoded], seen: set[str]) -> None:
 def process_shard(
     url: str,
     shard_id: int,
-    out_dir: Path,
+    out: Path | str | Storage,
     extractors: Sequence[Extractor],
     decode_threads: int = 2,
     chunk_size: int = 64,
-    opener: Callable[[str], IO[bytes]] | None = None,
+    s3_endpoint_url: str | None = None,
 ) -> ShardResult:
-    """Read shard ``url``, describe every image, commit ``<out_dir>/<shard>.parquet`` atomically.
+    """Read shard ``url`` (local or ``s3://``), describe every image, commit ``<shard>.parquet``
+    into ``out`` (a directory, an ``s3://`` prefix or a Storage) atomically.
 
     Each sample becomes exactly one row; an undecodable sample becomes an ``error`` row. A shard
     that cannot be read to the end (missing, truncated) is returned as failed and writes nothing.
     """
+    storage = out if hasattr(out, "commit_file") else storage_for(out, s3_endpoint_url)
+    opener = functools.partial(open_url, endpoint_url=s3_endpoint_url)
     start = time.perf_counter()
     name = shard_name(url)
     longer_side = extractors[0].resolution
@@ -146,11 +151,16 @@ def process_shard(
 
     positions = np.concatenate(ok_rows) if ok_rows else np.zeros(0, np.int64)
     table = _build_table(name, shard_id, keys, widths, heights, errors, positions, columns, extractors)
-    path = write_parquet_atomic(table, Path(out_dir) / f"{name}.parquet")
     n_errors = sum(1 for e in errors if e)
+    tmp = storage.local_scratch() / f"{name}.parquet.tmp"
+    try:
+        pq.write_table(table, tmp)
+        path = storage.commit_file(f"{name}.parquet", tmp, {"rows": len(keys), "error_rows": n_errors, "url": url})
+    finally:
+        tmp.unlink(missing_ok=True)
     seconds = time.perf_counter() - start
     log.info("shard %s: %d rows (%d errors) in %.1fs", name, len(keys), n_errors, seconds)
-    return ShardResult(url, name, "ok", str(path), len(keys), n_errors, seconds)
+    return ShardResult(url, name, "ok", path, len(keys), n_errors, seconds)
 
 
 def _build_table(

@@ -51,6 +51,11 @@ def iter_samples(url: str, opener: Callable[[str], IO[bytes]] | None = None) -> 
             raise ShardReadError(url, f"{type(exc).__name__}: {exc}") from exc
         except ValueError as exc:  # duplicate member names within one sample
             raise ShardReadError(url, str(exc)) from exc
+        except Exception as exc:
+            # S3 streams fail mid-read with botocore/urllib3 errors that are not OSErrors.
+            if type(exc).__module__.split(".")[0] in ("botocore", "urllib3", "boto3"):
+                raise ShardReadError(url, f"{type(exc).__name__}: {exc}") from exc
+            raise
 
 
 def image_bytes(sample: dict[str, Any]) -> bytes | None:

@@ -19,7 +19,7 @@ from ingest.errors import ShardSpecError
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
-def expand_shards(spec: str | Iterable[str]) -> list[str]:
+def expand_shards(spec: str | Iterable[str], s3_endpoint_url: str | None = None) -> list[str]:
     """Expand brace patterns and globs into an ordered list of shard paths.
 
     Raises ShardSpecError naming the pattern when a pattern matches no file. A brace pattern
@@ -32,7 +32,9 @@ def expand_shards(spec: str | Iterable[str]) -> list[str]:
     urls: list[str] = []
     for pattern in patterns:
         for expanded in braceexpand.braceexpand(pattern):
-            if _GLOB_CHARS.search(expanded):
+            if expanded.startswith("s3://"):
+                urls.extend(_expand_s3(expanded, s3_endpoint_url))
+            elif _GLOB_CHARS.search(expanded):
                 matches = sorted(glob.glob(expanded))
                 if not matches:
                     raise ShardSpecError(f"shard pattern {expanded!r} matches no file")
@@ -47,6 +49,17 @@ def expand_shards(spec: str | Iterable[str]) -> list[str]:
     seen: set[str] = set()
     unique = [u for u in urls if not (u in seen or seen.add(u))]
     return unique
+
+
+def _expand_s3(url: str, endpoint_url: str | None) -> list[str]:
+    if not _GLOB_CHARS.search(url):
+        return [url]
+    from ingest.storage import list_s3
+
+    matches = list_s3(url, endpoint_url)
+    if not matches:
+        raise ShardSpecError(f"shard pattern {url!r} matches no object")
+    return matches
 
 
 def shard_name(url: str) -> str:

@@ -1,0 +1,199 @@
+"""Where shards are read from and outputs committed to: a local directory or an ``s3://`` prefix.
+
+S3 goes through boto3 with the standard AWS credential chain (environment, config files, instance
+roles; credentials are never logged) and an optional ``endpoint_url`` for S3-compatible stores.
+botocore retries throttling, 5xx and connection errors with exponential backoff ("standard" mode).
+
+Commit protocol. Local: write ``<name>.tmp`` then ``os.replace``. S3: upload the object, then
+write ``<name>.committed`` (a small JSON); readers list only objects that have their marker, so a
+half-finished upload of a killed worker is never read.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from ingest.errors import NeedleInputError
+
+log = logging.getLogger(__name__)
+
+MARKER_SUFFIX = ".committed"
+S3_MAX_ATTEMPTS = 8  # botocore attempts per request, with exponential backoff between them
+
+
+class StorageError(NeedleInputError):
+    """An output location that cannot be used (bad URL, missing bucket, no permission)."""
+
+
+def is_s3(url: str) -> bool:
+    return str(url).startswith("s3://")
+
+
+def split_s3(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> (``bucket``, ``a/b``)."""
+    if not is_s3(url):
+        raise StorageError(f"not an s3:// URL: {url!r}")
+    bucket, _, key = url[len("s3://") :].partition("/")
+    if not bucket:
+        raise StorageError(f"no bucket in {url!r}")
+    return bucket, key
+
+
+def s3_client(endpoint_url: str | None = None) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"}, connect_timeout=10, read_timeout=120)
+    return boto3.client("s3", endpoint_url=endpoint_url, config=config)
+
+
+def list_s3(url_pattern: str, endpoint_url: str | None = None) -> list[str]:
+    """Objects matching an ``s3://bucket/prefix*.tar`` glob, sorted."""
+    bucket, pattern = split_s3(url_pattern)
+    prefix = pattern.split("*")[0].split("?")[0].split("[")[0]
+    paginator = s3_client(endpoint_url).get_paginator("list_objects_v2")
+    keys = [o["Key"] for page in paginator.paginate(Bucket=bucket, Prefix=prefix) for o in page.get("Contents", [])]
+    return sorted(f"s3://{bucket}/{k}" for k in keys if fnmatch.fnmatchcase(k, pattern))
+
+
+def open_url(url: str, endpoint_url: str | None = None) -> IO[bytes]:
+    """A readable binary stream of a local file or an S3 object (streamed, not downloaded whole)."""
+    if not is_s3(url):
+        return open(url, "rb")
+    from botocore.exceptions import ClientError
+
+    bucket, key = split_s3(url)
+    try:
+        return s3_client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"]
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in ("NoSuchKey", "404", "NoSuchBucket"):
+            raise FileNotFoundError(f"{url}: {code}") from exc
+        raise OSError(f"{url}: {code or exc}") from exc
+
+
+class Storage(Protocol):
+    url: str
+
+    def commit_file(self, name: str, local_file: Path, marker: dict[str, Any]) -> str: ...
+    def write_json(self, name: str, obj: Any) -> str: ...
+    def read_json(self, name: str) -> Any | None: ...
+    def committed(self) -> dict[str, dict[str, Any]]: ...
+    def local_scratch(self) -> Path: ...
+
+
+@dataclass
+class LocalStorage:
+    root: Path
+
+    @property
+    def url(self) -> str:
+        return str(self.root)
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def local_scratch(self) -> Path:
+        return self.root  # same file system: the final rename is atomic
+
+    def commit_file(self, name: str, local_file: Path, marker: dict[str, Any]) -> str:
+        target = self.root / name
+        os.replace(local_file, target)
+        return str(target)
+
+    def write_json(self, name: str, obj: Any) -> str:
+        from ingest.descriptors import write_json_atomic
+
+        return str(write_json_atomic(obj, self.root / name))
+
+    def read_json(self, name: str) -> Any | None:
+        path = self.root / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def committed(self) -> dict[str, dict[str, Any]]:
+        """Committed Parquet parts: name -> {"rows": n} (row count from the file's footer)."""
+        import pyarrow.parquet as pq
+
+        parts = {}
+        for path in sorted(self.root.glob("*.parquet")):
+            try:
+                parts[path.name] = {"rows": pq.ParquetFile(path).metadata.num_rows}
+            except Exception as exc:  # an unreadable part counts as not committed: it will be redone
+                log.warning("ignoring unreadable %s: %s", path, exc)
+        return parts
+
+
+@dataclass
+class S3Storage:
+    url: str
+    endpoint_url: str | None = None
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        self.bucket, self.prefix = split_s3(self.url)
+        self.client = s3_client(self.endpoint_url)
+        self._scratch: Path | None = None
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def local_scratch(self) -> Path:
+        import tempfile
+
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="needle-s3-"))
+        return self._scratch
+
+    def commit_file(self, name: str, local_file: Path, marker: dict[str, Any]) -> str:
+        self.client.upload_file(str(local_file), self.bucket, self._key(name))
+        self.client.put_object(Bucket=self.bucket, Key=self._key(name + MARKER_SUFFIX), Body=json.dumps(marker).encode())
+        Path(local_file).unlink(missing_ok=True)
+        return f"s3://{self.bucket}/{self._key(name)}"
+
+    def write_json(self, name: str, obj: Any) -> str:
+        body = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+        self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=body)
+        return f"s3://{self.bucket}/{self._key(name)}"
+
+    def read_json(self, name: str) -> Any | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return json.loads(self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read())
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+
+    def _list(self) -> Iterator[str]:
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            for item in page.get("Contents", []):
+                yield item["Key"][len(prefix) :]
+
+    def committed(self) -> dict[str, dict[str, Any]]:
+        """Parquet parts that have their commit marker: name -> marker ({"rows": n, ...})."""
+        names = set(self._list())
+        parts = {}
+        for name in sorted(n for n in names if n.endswith(".parquet")):
+            if name + MARKER_SUFFIX in names:
+                body = self.client.get_object(Bucket=self.bucket, Key=self._key(name + MARKER_SUFFIX))["Body"].read()
+                parts[name] = json.loads(body)
+        return parts
+
+    def cleanup(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def storage_for(url: str | Path, endpoint_url: str | None = None) -> LocalStorage | S3Storage:
+    return S3Storage(str(url), endpoint_url) if is_s3(str(url)) else LocalStorage(Path(url))
