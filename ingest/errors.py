@@ -14,10 +14,11 @@ class ShardSpecError(NeedleInputError):
 class ShardReadError(RuntimeError):
     """A tar shard that cannot be read to the end (missing, truncated, not a tar)."""
 
-    def __init__(self, url: str, reason: str):
+    def __init__(self, url: str, reason: str, transient: bool = False):
         super().__init__(f"cannot read shard {url}: {reason}")
         self.url = url
         self.reason = reason
+        self.transient = transient  # worth reading again (a network stream cut), not a bad file
 
 
 class ImageDecodeError(ValueError):

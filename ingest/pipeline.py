@@ -112,43 +112,34 @@ def process_shard(
     decode_threads: int = 2,
     chunk_size: int = 64,
     s3_endpoint_url: str | None = None,
+    read_retries: int = 3,
+    backoff_s: float = 1.0,
 ) -> ShardResult:
     """Read shard ``url`` (local or ``s3://``), describe every image, commit ``<shard>.parquet``
     into ``out`` (a directory, an ``s3://`` prefix or a Storage) atomically.
 
     Each sample becomes exactly one row; an undecodable sample becomes an ``error`` row. A shard
     that cannot be read to the end (missing, truncated) is returned as failed and writes nothing.
+    A transient read failure (an S3 stream cut mid-way) reads the shard again, up to
+    ``read_retries`` times with exponential backoff from ``backoff_s``.
     """
     storage = out if hasattr(out, "commit_file") else storage_for(out, s3_endpoint_url)
     opener = functools.partial(open_url, endpoint_url=s3_endpoint_url)
     start = time.perf_counter()
     name = shard_name(url)
-    longer_side = extractors[0].resolution
-    keys, widths, heights, errors = [], [], [], []
-    # Extractor outputs for the decodable rows only, with those rows' positions in the shard.
-    ok_rows: list[np.ndarray] = []
-    columns: dict[str, list[np.ndarray]] = {}
-    seen: set[str] = set()
-    try:
-        with ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix=f"decode-{name}") as pool:
-            stream = _decoded_stream(iter_samples(url, opener), longer_side, pool, ahead=2 * chunk_size)
-            for chunk in _chunks(stream, chunk_size):
-                _mark_duplicate_keys(chunk, seen)
-                ok = [i for i, item in enumerate(chunk) if item.image is not None]
-                if ok:
-                    images = [chunk[i].image for i in ok]
-                    ok_rows.append(np.asarray(ok, dtype=np.int64) + len(keys))
-                    for extractor in extractors:
-                        for column, values in extractor(images).items():
-                            columns.setdefault(column, []).append(values)
-                keys += [item.key for item in chunk]
-                widths += [item.width for item in chunk]
-                heights += [item.height for item in chunk]
-                errors += [item.error for item in chunk]
-    except ShardReadError as exc:
-        log.error("shard %s failed: %s", url, exc.reason)
-        return ShardResult(url, name, "failed", None, 0, 0, time.perf_counter() - start, exc.reason)
-
+    for attempt in range(read_retries + 1):
+        try:
+            described = _describe(url, opener, extractors, decode_threads, chunk_size)
+            break
+        except ShardReadError as exc:
+            if exc.transient and attempt < read_retries:
+                delay = backoff_s * 2**attempt
+                log.warning("shard %s: %s; reading again in %.1fs", url, exc.reason, delay)
+                time.sleep(delay)
+                continue
+            log.error("shard %s failed: %s", url, exc.reason)
+            return ShardResult(url, name, "failed", None, 0, 0, time.perf_counter() - start, exc.reason)
+    keys, widths, heights, errors, ok_rows, columns = described
     positions = np.concatenate(ok_rows) if ok_rows else np.zeros(0, np.int64)
     table = _build_table(name, shard_id, keys, widths, heights, errors, positions, columns, extractors)
     n_errors = sum(1 for e in errors if e)
@@ -161,6 +152,32 @@ def process_shard(
     seconds = time.perf_counter() - start
     log.info("shard %s: %d rows (%d errors) in %.1fs", name, len(keys), n_errors, seconds)
     return ShardResult(url, name, "ok", path, len(keys), n_errors, seconds)
+
+
+def _describe(url: str, opener: Any, extractors: Sequence[Extractor], decode_threads: int, chunk_size: int) -> tuple:
+    """Every sample of the shard through decoding and the extractors, in archive order."""
+    name = shard_name(url)
+    keys, widths, heights, errors = [], [], [], []
+    # Extractor outputs for the decodable rows only, with those rows' positions in the shard.
+    ok_rows: list[np.ndarray] = []
+    columns: dict[str, list[np.ndarray]] = {}
+    seen: set[str] = set()
+    with ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix=f"decode-{name}") as pool:
+        stream = _decoded_stream(iter_samples(url, opener), extractors[0].resolution, pool, ahead=2 * chunk_size)
+        for chunk in _chunks(stream, chunk_size):
+            _mark_duplicate_keys(chunk, seen)
+            ok = [i for i, item in enumerate(chunk) if item.image is not None]
+            if ok:
+                images = [chunk[i].image for i in ok]
+                ok_rows.append(np.asarray(ok, dtype=np.int64) + len(keys))
+                for extractor in extractors:
+                    for column, values in extractor(images).items():
+                        columns.setdefault(column, []).append(values)
+            keys += [item.key for item in chunk]
+            widths += [item.width for item in chunk]
+            heights += [item.height for item in chunk]
+            errors += [item.error for item in chunk]
+    return keys, widths, heights, errors, ok_rows, columns
 
 
 def _build_table(

@@ -28,8 +28,8 @@ def open_shard(url: str, opener: Callable[[str], IO[bytes]] | None = None) -> It
         stream = opener(url) if opener is not None else open(url, "rb")
     except FileNotFoundError as exc:
         raise ShardReadError(url, "file not found") from exc
-    except OSError as exc:
-        raise ShardReadError(url, f"{type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # S3 client errors are not all OSErrors
+        raise ShardReadError(url, f"{type(exc).__name__}: {exc}", transient=is_transient(exc) or isinstance(exc, OSError)) from exc
     try:
         yield stream
     finally:
@@ -40,6 +40,11 @@ def _reraise(exc: Exception) -> bool:
     raise exc
 
 
+def is_transient(exc: BaseException) -> bool:
+    """Network trouble worth a second read (connection reset, timeout, an S3 stream cut)."""
+    return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.split(".")[0] in ("botocore", "urllib3")
+
+
 def iter_samples(url: str, opener: Callable[[str], IO[bytes]] | None = None) -> Iterator[dict[str, Any]]:
     """Yield the samples of one tar shard, in archive order."""
     with open_shard(url, opener) as stream:
@@ -47,14 +52,13 @@ def iter_samples(url: str, opener: Callable[[str], IO[bytes]] | None = None) -> 
             members = tariterators.tar_file_iterator(stream, handler=_reraise)
             tagged = ({**m, "__url__": url} for m in members)
             yield from tariterators.group_by_keys(tagged, handler=_reraise)
-        except (tarfile.TarError, EOFError, OSError) as exc:
-            raise ShardReadError(url, f"{type(exc).__name__}: {exc}") from exc
-        except ValueError as exc:  # duplicate member names within one sample
-            raise ShardReadError(url, str(exc)) from exc
+        except ShardReadError:
+            raise
+        except (tarfile.TarError, EOFError, OSError, ValueError) as exc:  # ValueError: duplicate member names
+            raise ShardReadError(url, f"{type(exc).__name__}: {exc}", transient=is_transient(exc)) from exc
         except Exception as exc:
-            # S3 streams fail mid-read with botocore/urllib3 errors that are not OSErrors.
-            if type(exc).__module__.split(".")[0] in ("botocore", "urllib3", "boto3"):
-                raise ShardReadError(url, f"{type(exc).__name__}: {exc}") from exc
+            if is_transient(exc):
+                raise ShardReadError(url, f"{type(exc).__name__}: {exc}", transient=True) from exc
             raise
 
 

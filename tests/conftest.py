@@ -14,6 +14,11 @@ from PIL import Image
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# S3 tests talk to a moto server on 127.0.0.1, which accepts any credentials. Set before Ray
+# starts, so that worker processes inherit them through the standard AWS credential chain.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "needle-test")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "needle-test")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "coins")

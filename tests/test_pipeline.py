@@ -63,3 +63,37 @@ def test_rerun_replaces_output_atomically(tmp_path, tiny_shards, extractor):
     second = process_shard(str(tiny_shards[0]), 0, tmp_path, [extractor])
     assert first.output == second.output
     assert [p.name for p in tmp_path.iterdir() if p.suffix != ".tar"] == ["000000.parquet"]
+
+
+class CutStream:
+    """A file whose first reading breaks with a connection reset half-way (an S3 stream cut)."""
+
+    opened = 0
+
+    def __init__(self, path):
+        CutStream.opened += 1
+        self.data = open(path, "rb").read()
+        self.limit = len(self.data) // 2 if CutStream.opened == 1 else len(self.data)
+        self.pos = 0
+
+    def read(self, n=-1):
+        if self.pos >= self.limit and self.limit < len(self.data):
+            raise ConnectionResetError("connection reset by peer")
+        n = len(self.data) - self.pos if n is None or n < 0 else n
+        end = min(self.pos + n, self.limit if self.limit < len(self.data) else len(self.data))
+        chunk, self.pos = self.data[self.pos:end], end
+        return chunk
+
+    def close(self):
+        pass
+
+
+def test_transient_read_failure_reads_the_shard_again(tmp_path, tiny_shards, extractor, monkeypatch):
+    import ingest.pipeline
+
+    CutStream.opened = 0
+    monkeypatch.setattr(ingest.pipeline, "open_url", lambda url, endpoint_url=None: CutStream(url))
+    result = process_shard(str(tiny_shards[0]), 0, tmp_path / "out", [extractor], backoff_s=0.01)
+    assert CutStream.opened == 2
+    assert result.status == "ok" and result.rows == 3
+    assert pq.read_table(result.output).num_rows == 3  # rows of the cut read are not kept twice

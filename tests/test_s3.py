@@ -1,0 +1,104 @@
+"""Ingestion from s3:// to s3:// against a real S3 server (moto, on 127.0.0.1)."""
+
+import io
+import json
+import socket
+
+import pyarrow.parquet as pq
+import pytest
+
+from ingest.storage import MARKER_SUFFIX, S3Storage, open_url, s3_client
+
+pytestmark = [pytest.mark.s3]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def buckets(s3_endpoint, tiny_shards, request):
+    client = s3_client(s3_endpoint)
+    suffix = request.node.name.replace("_", "-")[:40].lower()
+    src, dst = f"in-{suffix}", f"out-{suffix}"
+    client.create_bucket(Bucket=src)
+    client.create_bucket(Bucket=dst)
+    for path in tiny_shards:
+        client.upload_file(str(path), src, f"shards/{path.name}")
+    return client, src, dst
+
+
+def fail_first(client, operation: str, status: int = 500) -> list[str]:
+    """Make the first ``operation`` request answer ``status``; returns the list of calls seen."""
+    from botocore.awsrequest import AWSResponse
+
+    class EmptyBody:  # what botocore reads from a raw HTTP response
+        def stream(self, *args, **kwargs):
+            yield b""
+
+    calls = []
+
+    def handler(request, **kwargs):
+        calls.append(request.url)
+        if len(calls) == 1:
+            return AWSResponse(request.url, status, {}, EmptyBody())
+        return None
+
+    client.meta.events.register(f"before-send.s3.{operation}", handler)
+    return calls
+
+
+def test_injected_s3_failures_are_retried(s3_endpoint, buckets):
+    client, src, dst = buckets
+    storage = S3Storage(f"s3://{dst}/x", s3_endpoint)
+    calls = fail_first(storage.client, "PutObject", 503)
+    storage.write_json("a.json", {"ok": 1})
+    assert len(calls) == 2 and storage.read_json("a.json") == {"ok": 1}
+
+
+def test_uncommitted_parts_are_invisible(s3_endpoint, buckets):
+    client, src, dst = buckets
+    storage = S3Storage(f"s3://{dst}/d", s3_endpoint)
+    client.put_object(Bucket=dst, Key="d/000000.parquet", Body=b"half an upload")
+    assert storage.committed() == {}
+    client.put_object(Bucket=dst, Key="d/000000.parquet" + MARKER_SUFFIX, Body=b'{"rows": 3}')
+    assert storage.committed() == {"000000.parquet": {"rows": 3}}
+
+
+def test_missing_object_reads_as_not_found(s3_endpoint, buckets):
+    _, src, _ = buckets
+    with pytest.raises(FileNotFoundError):
+        open_url(f"s3://{src}/shards/nope.tar", s3_endpoint)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ingest_s3_to_s3(s3_endpoint, buckets, ray_local):
+    from cluster.ingest_job import IngestConfig, main
+
+    client, src, dst = buckets
+    conf = IngestConfig(resolution=160, batch_size=8, cpus_per_worker=1, s3_endpoint_url=s3_endpoint)
+    main(conf, f"s3://{src}/shards/*.tar", f"s3://{dst}/desc")
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=dst, Prefix="desc/")["Contents"]}
+    assert {"desc/000000.parquet", "desc/000001.parquet", "desc/000000.parquet.committed",
+            "desc/manifest.json", "desc/ingest_info.json"} <= keys
+    rows = []
+    for name in ("000000", "000001"):
+        body = client.get_object(Bucket=dst, Key=f"desc/{name}.parquet")["Body"].read()
+        rows += pq.read_table(io.BytesIO(body))["key"].to_pylist()
+    assert sorted(rows) == sorted(f"{s:06d}/{s:02d}{i:03d}" for s in range(2) for i in range(3))
+    info = json.loads(client.get_object(Bucket=dst, Key="desc/ingest_info.json")["Body"].read())
+    assert info["shards_ok"] == 2 and info["images"] == 6
+    # Run again: everything is committed, nothing is redone.
+    main(conf, f"s3://{src}/shards/{{000000..000001}}.tar", f"s3://{dst}/desc")
+    info = json.loads(client.get_object(Bucket=dst, Key="desc/ingest_info.json")["Body"].read())
+    assert info["shards_processed"] == 0 and info["shards_committed_total"] == 2
