@@ -20,7 +20,8 @@ def _ingest(args: argparse.Namespace) -> int:
     conf = IngestConfig(
         model=args.model, weights=args.weights, resolution=args.resolution, batch_size=args.batch_size,
         precision=args.precision, num_workers=args.workers, cpus_per_worker=args.cpus_per_worker,
-        decode_threads=args.decode_threads, overwrite=args.overwrite, address=args.address,
+        decode_threads=args.decode_threads, overwrite=args.overwrite and not args.resume, address=args.address,
+        max_retries=args.max_retries, s3_endpoint_url=args.s3_endpoint_url,
     )
     try:
         main(conf, args.shards, Path(args.out))
@@ -78,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("ingest", help="describe the images of WebDataset tars (Ray job), one Parquet per tar")
-    p.add_argument("--shards", nargs="+", required=True, help="tar paths, globs or brace patterns")
-    p.add_argument("--out", required=True, help="output directory of Parquet files")
+    p.add_argument("--shards", nargs="+", required=True, help="tar paths, globs or brace patterns, local or s3://")
+    p.add_argument("--out", required=True, help="output directory or s3:// prefix of Parquet files")
     p.add_argument("--model", default="tf_efficientnet_lite0.gem", help="registry model (see `needle models`)")
     p.add_argument("--weights", help="local weights file (default: the model's packaged weights)")
     p.add_argument("--resolution", type=int, help="longer side in pixels (default: the model's test resolution)")
@@ -87,8 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--workers", type=int, help="worker actors (default: one per GPU, else CPUs / --cpus-per-worker)")
     p.add_argument("--cpus-per-worker", type=int, default=2)
-    p.add_argument("--decode-threads", type=int, default=2)
+    p.add_argument("--decode-threads", type=int, help="decoding threads per worker (default: all its CPUs on GPU, 1/4 on CPU)")
     p.add_argument("--overwrite", action="store_true", help="redo shards already committed")
+    p.add_argument("--resume", action="store_true", help="skip committed shards (the default; overrides --overwrite)")
+    p.add_argument("--max-retries", type=int, default=3, help="times a shard is re-queued after its worker died")
+    p.add_argument("--s3-endpoint-url", help="S3-compatible endpoint for s3:// shards and --out")
     p.add_argument("--address", help="Ray cluster to join ('auto': the running one; default: $RAY_ADDRESS, "
                    "set by `ray job submit`, else a new local instance)")
     p.set_defaults(func=_ingest)

@@ -38,6 +38,10 @@ from ingest.storage import Storage, open_url, storage_for
 log = logging.getLogger(__name__)
 
 
+# Images handed to the extractors at once (they batch equal shapes within a chunk).
+CHUNK_SIZE = 64
+
+
 @dataclass(frozen=True)
 class ShardResult:
     url: str  # the shard read
@@ -110,7 +114,7 @@ def process_shard(
     out: Path | str | Storage,
     extractors: Sequence[Extractor],
     decode_threads: int = 2,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     s3_endpoint_url: str | None = None,
     read_retries: int = 3,
     backoff_s: float = 1.0,
