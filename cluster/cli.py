@@ -32,19 +32,62 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def _index_build(args: argparse.Namespace) -> int:
-    from index.build import IndexConfig, main
+    from index.build import IndexConfig
 
-    main(IndexConfig(kind=args.kind, nlist=args.nlist, pq_bytes=args.pq_bytes), Path(args.descriptors), Path(args.out))
+    conf = IndexConfig(
+        kind="flat" if args.exact else args.kind, memory_budget=args.memory_budget, factory=args.factory,
+        nlist=args.nlist, pq_bytes=args.pq_bytes, shards=args.shards, parts=args.parts, nprobe=args.nprobe,
+        refine_factor=args.refine_factor,
+    )
+    if args.ray:
+        from cluster.index_job import main
+
+        main(conf, args.descriptors, Path(args.out), args.address)
+    else:
+        from index.build import main
+
+        main(conf, args.descriptors, Path(args.out))
     return 0
 
 
 def _query(args: argparse.Namespace) -> int:
-    from index.query import QueryConfig, query
+    from index.query import QueryConfig, load_vectors, query
     from index.search import load_index
 
-    index = load_index(args.index)
-    results = query(index, QueryConfig(k=args.k, nprobe=args.nprobe, weights=args.weights), args.key or [], [Path(p) for p in args.image or []])
+    if args.ray_shards:
+        from cluster.ingest_job import connect_ray
+        from cluster.serve import serve_sharded
+
+        connect_ray(args.address)
+        index = serve_sharded(args.index)
+    else:
+        index = load_index(args.index)
+    vectors = load_vectors(Path(args.vectors), index.d) if args.vectors else None
+    results = query(index, QueryConfig(k=args.k, nprobe=args.nprobe, weights=args.weights), args.key or [],
+                    [Path(p) for p in args.image or []], args.text or [], vectors)
     print(json.dumps(results if len(results) > 1 else results[0], indent=2))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.serve import QueryService, make_server, serve_sharded
+    from index.search import load_index
+
+    if args.ray_shards:
+        from cluster.ingest_job import connect_ray
+
+        connect_ray(args.address)
+        index = serve_sharded(args.index)
+    else:
+        index = load_index(args.index)
+    server = make_server(QueryService(index, args.weights), args.host, args.port)
+    log.info("serving %s on http://%s:%d (%d vectors)", args.index, args.host, server.server_address[1], index.ntotal)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
     return 0
 
 
@@ -99,22 +142,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("index", help="index commands")
     isub = p.add_subparsers(dest="index_command", required=True)
-    b = isub.add_parser("build", help="build a FAISS index over a Parquet directory")
-    b.add_argument("--descriptors", required=True, help="directory of descriptor Parquet files")
+    b = isub.add_parser("build", help="build a FAISS index over descriptor Parquet files, within a memory budget")
+    b.add_argument("--descriptors", required=True, nargs="+", help="directories or files of descriptor Parquet")
     b.add_argument("--out", required=True, help="index directory to write")
+    b.add_argument("--memory-budget", default="8GB", help="RAM the index may use, e.g. 8GB, 512MiB")
+    b.add_argument("--factory", help="FAISS factory string to use as is (default: chosen from N, d and the budget)")
     b.add_argument("--kind", default="auto", choices=["auto", "flat", "ivfpq"])
-    b.add_argument("--nlist", type=int, help="IVF lists (ivfpq)")
-    b.add_argument("--pq-bytes", type=int, help="PQ code bytes (ivfpq)")
+    b.add_argument("--exact", action="store_true", help="an exact flat index (the ILIAS baseline)")
+    b.add_argument("--shards", type=int, default=1, help="keep N index shards (one Ray actor each when served)")
+    b.add_argument("--parts", type=int, help="parallel add tasks (default: shards, or the cluster's CPUs with --ray)")
+    b.add_argument("--nlist", type=int, help="IVF lists")
+    b.add_argument("--pq-bytes", type=int, help="PQ code bytes per vector")
+    b.add_argument("--nprobe", type=int, default=64, help="default IVF lists visited per query")
+    b.add_argument("--refine-factor", type=int, default=2, help="shortlist = factor * k, re-scored exactly")
+    b.add_argument("--ray", action="store_true", help="run the add parts as Ray tasks")
+    b.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else a local instance)")
     b.set_defaults(func=_index_build)
 
     p = sub.add_parser("query", help="top-k keys and scores for images or stored keys, as JSON")
     p.add_argument("--index", required=True, help="index directory")
     p.add_argument("--image", nargs="+", help="query image files")
     p.add_argument("--key", nargs="+", help="stored keys to query with")
+    p.add_argument("--text", nargs="+", help="text queries (open_clip models)")
+    p.add_argument("--vectors", help=".npy file of query vectors, (d,) or (n, d)")
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--nprobe", type=int)
-    p.add_argument("--weights", help="weights file for embedding query images")
+    p.add_argument("--weights", help="weights file for embedding query images or texts")
+    p.add_argument("--ray-shards", action="store_true", help="search the shards in Ray actors")
+    p.add_argument("--address", help="Ray cluster for --ray-shards (default: $RAY_ADDRESS, else local)")
     p.set_defaults(func=_query)
+
+    p = sub.add_parser("serve", help="HTTP search endpoint (127.0.0.1 by default)")
+    p.add_argument("--index", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--weights", help="weights file for embedding query images or texts")
+    p.add_argument("--ray-shards", action="store_true", help="serve the shards from Ray actors")
+    p.add_argument("--address", help="Ray cluster for --ray-shards (default: $RAY_ADDRESS, else local)")
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser("eval", help="mAP@k (ILIAS protocol) of an index against a ground-truth JSON")
     p.add_argument("--index", required=True)

@@ -1,38 +1,44 @@
-"""``needle index build``: a FAISS index over the ``global`` descriptors of a Parquet directory.
+"""``needle index build``: a FAISS index over the ``global`` descriptors of Parquet files, built
+streaming (never all descriptors in memory) within a memory budget, in parallel parts.
 
-Output directory layout (see docs/schema.md):
+Output directory (see docs/schema.md):
 
-- ``index.faiss``: the FAISS index; its ids are the Parquet ``row`` ids
-- ``ids.parquet``: ``row`` (int64) and ``key`` (string) of every indexed vector, in index order
-- ``vectors.f16.npy``: the float16 descriptors in the same order (memory-mapped for exact re-scoring
-  and key queries)
-- ``index_infos.json``: how it was made (parameters, sizes, the ingestion's extractor info)
+- ``index.faiss``, or ``shard_000.faiss`` ... with ``--shards N``: FAISS indexes whose ids are
+  the Parquet ``row`` ids (shards share one trained quantizer and hold disjoint rows)
+- ``ids.parquet``: ``row``, ``key``, ``status`` of every Parquet row, in file order
+- ``vectors.f16.npy``: the float16 descriptors of every row in the same order (zeros for rows not
+  indexed), memory-mapped at query time for exact re-scoring ("refine") and queries by key
+- ``index_infos.json``: the plan and why, sizes, shard offsets, the ingestion's extractor info
 
-Small collections get an exact flat index (inner product = cosine on L2-normalised vectors);
-above ``ivf_threshold`` vectors, IVF-PQ trained on a sample.
+Steps: scan the files' footers and row ids; train on a sample read file by file; add each range
+of files to a copy of the trained index (a "part": in parallel on Ray with cluster/index_job.py,
+sequentially here); merge the parts into one index, or keep them as shards.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
+from index.factory import IndexPlan, parse_bytes, plan_index
 from ingest.descriptors import (
+    ROW_SHARD_SHIFT,
+    STATUS_OK,
     DescriptorFileError,
-    iter_global_descriptors,
+    global_dim,
     list_descriptor_files,
     write_atomic,
     write_json_atomic,
-    write_parquet_atomic,
 )
 
 log = logging.getLogger(__name__)
@@ -41,125 +47,250 @@ INDEX_FILE = "index.faiss"
 IDS_FILE = "ids.parquet"
 VECTORS_FILE = "vectors.f16.npy"
 INFOS_FILE = "index_infos.json"
-KINDS = ("auto", "flat", "ivfpq")
+TRAINED_FILE = "trained.faiss"
 
 
 @dataclass(frozen=True)
 class IndexConfig:
-    kind: str = "auto"  # auto | flat | ivfpq (auto: flat below ivf_threshold vectors)
-    ivf_threshold: int = 100_000  # collections at least this large get IVF-PQ under "auto"
-    nlist: int | None = None  # IVF lists; None: about 4 * sqrt(N), a power of two
-    pq_bytes: int | None = None  # PQ code size in bytes; None: d / 8 rounded to a divisor of d
-    train_points_per_list: int = 64  # training sample = nlist * this (FAISS warns below 39)
+    kind: str = "auto"  # auto | flat | ivfpq (auto: flat below flat_threshold vectors when it fits)
+    memory_budget: str = "8GB"  # RAM the built index may use (codes, ids, centroids); refine vectors are memory-mapped
+    factory: str | None = None  # a FAISS factory string to use as is (e.g. "IVF4096,PQ64"); None: choose
+    flat_threshold: int = 100_000  # under "auto", collections smaller than this get an exact index
+    nlist: int | None = None  # IVF lists; None: ~4*sqrt(N)
+    pq_bytes: int | None = None  # PQ code bytes per vector; None: the largest that fits the budget
+    points_per_list: int = 64  # training sample = nlist * this, capped by the budget
+    shards: int = 1  # keep this many index shards (served by one Ray actor each) instead of one index
+    parts: int | None = None  # parallel add tasks; None: shards (at least 1)
+    nprobe: int = 64  # default IVF lists visited per query (recorded; queries may override)
+    refine_factor: int = 2  # IVF-PQ shortlist = refine_factor * k, re-scored exactly from float16
     seed: int = 0  # training sample and k-means seed
 
 
-def _default_nlist(n: int) -> int:
-    return max(1, 2 ** round(math.log2(max(1.0, 4 * math.sqrt(n)))))
+@dataclass(frozen=True)
+class FileInfo:
+    path: str
+    rows: int
+    shard_id: int
+    offset: int  # position of the file's first row in ids.parquet / vectors.f16.npy
 
 
-def _default_pq_bytes(d: int) -> int:
-    target = max(1, d // 8)
-    return max(m for m in range(1, target + 1) if d % m == 0)
-
-
-def _collect(files: list[Path]) -> tuple[np.ndarray, np.ndarray, list[str], dict[str, int]]:
-    """Read every ok descriptor; NaN/inf rows are rejected and counted."""
-    rows, keys, blocks = [], [], []
-    rejected = 0
-    for path, table, xb in iter_global_descriptors(files):
-        finite = np.isfinite(xb).all(axis=1)
-        if not finite.all():
-            rejected += int((~finite).sum())
-            log.warning("%s: %d descriptors with NaN/inf rejected", path, int((~finite).sum()))
-        mask = pa.array(finite)
-        rows.append(table["row"].filter(mask).to_numpy())
-        keys += table["key"].filter(mask).to_pylist()
-        blocks.append(xb[finite])
-    if not blocks or sum(len(b) for b in blocks) == 0:
-        raise DescriptorFileError(f"no valid descriptor in {files[0].parent}")
-    row_ids = np.concatenate(rows).astype(np.int64)
-    if len(np.unique(row_ids)) != len(row_ids):
-        raise DescriptorFileError(f"duplicate row ids in {files[0].parent}: ingest outputs overlap")
-    return np.concatenate(blocks), row_ids, keys, {"rejected_non_finite": rejected}
-
-
-def _make_index(conf: IndexConfig, xb: np.ndarray) -> tuple[Any, dict[str, Any]]:
-    import faiss
-
-    n, d = xb.shape
-    kind = conf.kind
-    if kind not in KINDS:
-        raise ValueError(f"unknown index kind {kind!r}; choose from {KINDS}")
-    if kind == "auto":
-        kind = "ivfpq" if n >= conf.ivf_threshold else "flat"
-    if kind == "flat":
-        return faiss.IndexIDMap2(faiss.IndexFlatIP(d)), {"kind": "flat", "factory": "IDMap2,Flat"}
-    nlist = conf.nlist or _default_nlist(n)
-    m = conf.pq_bytes or _default_pq_bytes(d)
-    if d % m:
-        raise ValueError(f"pq_bytes={m} must divide the dimension {d}")
-    factory = f"IVF{nlist},PQ{m}"
-    index = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
-    n_train = min(n, nlist * conf.train_points_per_list)
-    sample = np.random.default_rng(conf.seed).choice(n, n_train, replace=False) if n_train < n else np.arange(n)
-    xt = np.ascontiguousarray(xb[np.sort(sample)], dtype=np.float32)
-    log.info("training %s on %d vectors", factory, len(xt))
-    index.train(xt)
-    return index, {"kind": "ivfpq", "factory": factory, "nlist": nlist, "pq_bytes": m, "n_train": int(len(xt))}
-
-
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    with open(path, "wb") as f:  # a file object: np.save would append ".npy" to a ".tmp" path
-        np.save(f, array)
-
-
-def _ingest_info(descriptors: Path) -> dict[str, Any]:
-    path = descriptors / "ingest_info.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def descriptor_files(descriptors: Path | Sequence[Path]) -> list[Path]:
+def descriptor_files(descriptors: Path | str | Sequence[Path | str]) -> list[Path]:
     """Parquet files of one or several sources, each a descriptor directory or a single file."""
-    sources = [Path(descriptors)] if isinstance(descriptors, (str, Path)) else [Path(d) for d in descriptors]
+    sources = [descriptors] if isinstance(descriptors, (str, Path)) else list(descriptors)
     files: list[Path] = []
-    for source in sources:
-        if source.is_file():
-            files.append(source)
-        else:
-            files.extend(list_descriptor_files(source))
+    for source in map(Path, sources):
+        files.extend([source] if source.is_file() else list_descriptor_files(source))
     return files
 
 
-def main(conf: IndexConfig, descriptors: Path | Sequence[Path], output: Path) -> Path:
-    """Build the index of ``descriptors`` (Parquet directories or files) into ``output``; returns ``output``."""
+def scan(files: list[Path], ids_path: Path) -> tuple[list[FileInfo], int]:
+    """Check every file (dimension, row ids) and write the id table; returns (files, d)."""
+    dim = None
+    infos, offset = [], 0
+    seen_shards: dict[int, Path] = {}
+    tmp = ids_path.with_name(ids_path.name + ".tmp")
+    schema = pa.schema([("row", pa.int64()), ("key", pa.string()), ("status", pa.string())])
+    with pq.ParquetWriter(tmp, schema) as writer:
+        for path in files:
+            file_dim = global_dim(path)
+            if dim is None:
+                dim = file_dim
+            elif file_dim != dim:
+                raise DescriptorFileError(f"{path}: descriptor dimension {file_dim} differs from {dim} of {files[0]}")
+            table = pq.read_table(path, columns=["row", "key", "status"])
+            rows = table["row"].to_numpy()
+            shard_id = int(rows[0] >> ROW_SHARD_SHIFT) if len(rows) else -1
+            expected = (np.int64(shard_id) << ROW_SHARD_SHIFT) + np.arange(len(rows), dtype=np.int64)
+            if len(rows) and not np.array_equal(rows, expected):
+                raise DescriptorFileError(f"{path}: row ids are not one shard's consecutive ids (schema v1)")
+            if shard_id in seen_shards:
+                raise DescriptorFileError(f"{path} and {seen_shards[shard_id]} hold the same shard id {shard_id}")
+            seen_shards[shard_id] = path
+            writer.write_table(table.cast(schema))
+            infos.append(FileInfo(str(path), len(rows), shard_id, offset))
+            offset += len(rows)
+    tmp.replace(ids_path)
+    if offset == 0:
+        raise DescriptorFileError(f"no rows in {files[0].parent}")
+    return infos, int(dim)
+
+
+def read_valid(path: str, dim: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(row ids, float16 (n, d) descriptors) of a file's ok, finite rows, and how many were rejected."""
+    table = pq.read_table(path, columns=["row", "status", "global"])
+    values = table["global"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    xb = np.asarray(values, dtype=np.float16).reshape(len(table), dim)
+    ok = pc.equal(table["status"], STATUS_OK).to_numpy(zero_copy_only=False)
+    finite = np.isfinite(xb).all(axis=1)
+    rejected = int((ok & ~finite).sum())
+    if rejected:
+        log.warning("%s: %d descriptors with NaN/inf rejected", path, rejected)
+    keep = ok & finite
+    return table["row"].to_numpy()[keep], xb[keep], rejected
+
+
+def training_sample(files: list[FileInfo], dim: int, n_train: int, seed: int) -> np.ndarray:
+    """About ``n_train`` valid vectors drawn uniformly, reading one file at a time."""
+    total = sum(f.rows for f in files)
+    rng = np.random.default_rng(seed)
+    take = min(1.0, 1.1 * n_train / total)
+    blocks = []
+    for f in files:
+        rows, xb, _ = read_valid(f.path, dim)
+        if len(xb):
+            blocks.append(xb[rng.random(len(xb)) < take])
+    xt = np.concatenate(blocks).astype(np.float32)
+    return xt[rng.permutation(len(xt))[:n_train]]
+
+
+def train(plan: IndexPlan, xt: np.ndarray) -> Any:
+    import faiss
+
+    index = faiss.index_factory(xt.shape[1], plan.factory, faiss.METRIC_INNER_PRODUCT)
+    if plan.kind == "ivfpq":
+        if faiss.get_num_gpus() > 0:  # k-means of the coarse quantizer on the GPUs
+            ivf = faiss.extract_index_ivf(index)
+            ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
+        log.info("training %s on %d vectors", plan.factory, len(xt))
+        index.train(xt)
+    return index
+
+
+def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path: str, part_path: str) -> dict[str, int]:
+    """Add ``files`` to a copy of the trained index (saved at ``part_path``) and write their
+    vectors into their rows of the shared memory-mapped ``vectors_path``. Plain function: the Ray
+    job runs one per task."""
+    import faiss
+
+    index = faiss.read_index(trained_path)
+    vectors = np.load(vectors_path, mmap_mode="r+")
+    added = rejected = 0
+    for f in files:
+        rows, xb, bad = read_valid(f.path, dim)
+        index.add_with_ids(np.ascontiguousarray(xb, dtype=np.float32), rows)
+        block = np.zeros((f.rows, dim), dtype=np.float16)
+        block[(rows - (np.int64(f.shard_id) << ROW_SHARD_SHIFT)).astype(np.int64)] = xb
+        vectors[f.offset : f.offset + f.rows] = block
+        added += len(rows)
+        rejected += bad
+    vectors.flush()
+    write_atomic(Path(part_path), lambda tmp: faiss.write_index(index, str(tmp)))
+    return {"added": added, "rejected_non_finite": rejected}
+
+
+def split_ranges(files: list[FileInfo], parts: int) -> list[list[FileInfo]]:
+    """Contiguous ranges of files with about equal row counts."""
+    parts = max(1, min(parts, len(files)))
+    total = sum(f.rows for f in files)
+    ranges: list[list[FileInfo]] = [[] for _ in range(parts)]
+    done = 0
+    for f in files:
+        ranges[min(parts - 1, done * parts // max(1, total))].append(f)
+        done += f.rows
+    return [r for r in ranges if r]
+
+
+def merge_parts(part_paths: list[str], out_path: Path) -> int:
+    """Merge parts built from one trained index into one index file; returns its size."""
+    import faiss
+
+    index = faiss.read_index(part_paths[0])
+    try:
+        ivf = faiss.extract_index_ivf(index)
+    except RuntimeError:  # a flat index
+        ivf = None
+    for path in part_paths[1:]:
+        other = faiss.read_index(path)
+        if ivf is not None:
+            ivf.merge_from(faiss.extract_index_ivf(other), 0)
+        else:
+            index.merge_from(other, 0)
+    if ivf is not None:
+        index.ntotal = ivf.ntotal  # a pre-transform wrapper does not see its inner index grow
+    write_atomic(out_path, lambda tmp: faiss.write_index(index, str(tmp)))
+    return int(index.ntotal)
+
+
+PartRunner = Callable[[list[tuple[str, list[FileInfo], int, str, str]]], list[dict[str, int]]]
+
+
+def run_parts_sequentially(tasks: list[tuple[str, list[FileInfo], int, str, str]]) -> list[dict[str, int]]:
+    return [build_part(*task) for task in tasks]
+
+
+def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], output: Path,
+         run_parts: PartRunner = run_parts_sequentially) -> Path:
+    """Build the index of ``descriptors`` into ``output``; returns ``output``.
+
+    ``run_parts`` executes the add tasks (sequentially by default; cluster/index_job.py passes a
+    Ray runner).
+    """
     import faiss
 
     start = time.perf_counter()
     output = Path(output)
-    files = descriptor_files(descriptors)
-    xb, row_ids, keys, counts = _collect(files)
-    index, params = _make_index(conf, xb)
-    index.add_with_ids(np.ascontiguousarray(xb, dtype=np.float32), row_ids)
-
     output.mkdir(parents=True, exist_ok=True)
-    write_atomic(output / INDEX_FILE, lambda tmp: faiss.write_index(index, str(tmp)))
-    write_parquet_atomic(pa.table({"row": pa.array(row_ids, pa.int64()), "key": pa.array(keys, pa.string())}), output / IDS_FILE)
-    write_atomic(output / VECTORS_FILE, lambda tmp: _save_npy(tmp, xb.astype(np.float16)))
-    ingest = _ingest_info(files[0].parent)
-    infos = {
+    files = descriptor_files(descriptors)
+    infos, dim = scan(files, output / IDS_FILE)
+    n_rows = sum(f.rows for f in infos)
+    n_ok = int(pc.sum(pc.equal(pq.read_table(output / IDS_FILE, columns=["status"])["status"], STATUS_OK)).as_py() or 0)
+    budget = parse_bytes(conf.memory_budget)
+    plan = plan_index(max(1, n_ok), dim, budget, conf.kind, conf.factory, conf.flat_threshold,
+                      conf.points_per_list, conf.nlist, conf.pq_bytes)
+    log.info("index plan: %s (%s)", plan.factory, "; ".join(plan.reasons))
+
+    xt = training_sample(infos, dim, plan.n_train, conf.seed) if plan.kind == "ivfpq" else np.zeros((1, dim), np.float32)
+    trained = train(plan, xt)
+    trained_path = output / TRAINED_FILE
+    write_atomic(trained_path, lambda tmp: faiss.write_index(trained, str(tmp)))
+    vectors = np.lib.format.open_memmap(output / (VECTORS_FILE + ".tmp"), mode="w+", dtype=np.float16, shape=(n_rows, dim))
+    del vectors
+
+    shards = max(1, conf.shards)
+    ranges = split_ranges(infos, max(shards, conf.parts or shards))
+    if shards > 1 and len(ranges) < shards:
+        raise DescriptorFileError(f"--shards {shards} needs at least {shards} descriptor files, found {len(infos)}")
+    part_paths = [str(output / f"part_{i:03d}.faiss") for i in range(len(ranges))]
+    tasks = [(str(trained_path), r, dim, str(output / (VECTORS_FILE + ".tmp")), p) for r, p in zip(ranges, part_paths)]
+    stats = run_parts(tasks)
+
+    if shards == 1:
+        index_files = [INDEX_FILE]
+        ntotal = merge_parts(part_paths, output / INDEX_FILE)
+    else:  # group contiguous parts into `shards` shards
+        index_files = [f"shard_{s:03d}.faiss" for s in range(shards)]
+        groups = np.array_split(np.arange(len(part_paths)), shards)
+        ntotal = sum(merge_parts([part_paths[i] for i in g], output / name) for g, name in zip(groups, index_files))
+    for path in part_paths + [str(trained_path)]:
+        Path(path).unlink(missing_ok=True)
+    (output / (VECTORS_FILE + ".tmp")).replace(output / VECTORS_FILE)
+
+    ingest = json.loads((files[0].parent / "ingest_info.json").read_text()) if (files[0].parent / "ingest_info.json").is_file() else {}
+    index_infos = {
         "config": asdict(conf),
-        **params,
+        "factory": plan.factory,
+        "kind": plan.kind,
+        "nlist": plan.nlist,
+        "code_bytes": plan.code_bytes,
+        "n_train": int(len(xt)) if plan.kind == "ivfpq" else 0,
+        "estimated_bytes": plan.estimated_bytes,
+        "memory_budget_bytes": budget,
+        "reasons": plan.reasons,
         "metric": "inner_product",
-        "ntotal": int(index.ntotal),
-        "dim": int(xb.shape[1]),
-        "descriptors": sorted({str(f.parent.resolve()) for f in files}),
-        "parquet_files": len(files),
-        **counts,
+        "ntotal": ntotal,
+        "rows": n_rows,
+        "dim": dim,
+        "index_files": index_files,
+        "nprobe": conf.nprobe,
+        "refine_factor": conf.refine_factor,
+        "rejected_non_finite": sum(s["rejected_non_finite"] for s in stats),
+        "shard_offsets": {str(f.shard_id): f.offset for f in infos},
+        "descriptors": sorted({str(Path(f.path).parent.resolve()) for f in infos}),
+        "parquet_files": len(infos),
         "extractors": ingest.get("extractors", []),
         "build_s": round(time.perf_counter() - start, 3),
         "faiss_version": faiss.__version__,
     }
-    write_json_atomic(infos, output / INFOS_FILE)
-    log.info("index %s: %d vectors, d=%d, %s", output, index.ntotal, xb.shape[1], params["factory"])
+    write_json_atomic(index_infos, output / INFOS_FILE)
+    log.info("index %s: %d vectors, d=%d, %s in %s", output, ntotal, dim, plan.factory, index_files)
     return output

@@ -60,10 +60,49 @@ def embed_image_files(index: SearchIndex, paths: list[Path], weights: str | None
     return extractor(images)["global"].astype(np.float32)
 
 
-def query(index: SearchIndex, conf: QueryConfig, keys: list[str] = (), images: list[Path] = ()) -> list[dict[str, Any]]:
-    """Search for every stored key and image file; one result dict per query, in input order."""
-    if not keys and not images:
-        raise NeedleInputError("nothing to query: give --key or --image")
+def embed_texts(index: SearchIndex, texts: list[str], weights: str | None = None) -> np.ndarray:
+    """(n, d) descriptors of text queries, from the text tower of the index's (CLIP-like) model."""
+    import torch
+
+    from embed.models import build_global_model
+    from embed.pooling import l2_normalize
+    from embed.torchvision_compat import ensure_torchvision_importable
+
+    if not texts or not all(t.strip() for t in texts):
+        raise NeedleInputError("empty text query")
+    extractors = [e for e in index.infos.get("extractors", []) if e.get("extractor") == "global"]
+    model = extractors[0]["model"] if extractors else {}
+    if model.get("library") != "open_clip":
+        raise NeedleInputError(f"the index's model {model.get('name')!r} has no text tower: text queries need an open_clip model")
+    ensure_torchvision_importable()
+    import open_clip
+
+    recorded = extractors[0].get("weights")
+    net, _ = build_global_model(model["name"], weights or (recorded if recorded and Path(recorded).is_file() else None))
+    tokens = open_clip.get_tokenizer(model["architecture"])(texts)
+    with torch.inference_mode():
+        return l2_normalize(net.backbone.encode_text(tokens)).numpy().astype(np.float32)
+
+
+def load_vectors(path: Path, d: int) -> np.ndarray:
+    """Query vectors from a .npy file: (d,) or (n, d)."""
+    try:
+        xq = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise NeedleInputError(f"cannot read query vectors {path}: {exc}") from exc
+    xq = np.atleast_2d(xq).astype(np.float32)
+    if xq.ndim != 2 or xq.shape[1] != d:
+        raise NeedleInputError(f"query vectors {path} have shape {xq.shape}, the index expects (n, {d})")
+    return xq
+
+
+def query(index: SearchIndex, conf: QueryConfig, keys: list[str] = (), images: list[Path] = (),
+          texts: list[str] = (), vectors: np.ndarray | None = None) -> list[dict[str, Any]]:
+    """Search for every stored key, image file, text and vector; one result dict per query, in input order."""
+    if not keys and not images and not texts and vectors is None:
+        raise NeedleInputError("nothing to query: give --key, --image, --text or --vectors")
+    if conf.k > index.ntotal:
+        raise NeedleInputError(f"k={conf.k} is larger than the index ({index.ntotal} vectors)")
     blocks, labels = [], []
     if keys:
         blocks.append(np.stack([index.vector_of(k) for k in keys]))
@@ -71,5 +110,11 @@ def query(index: SearchIndex, conf: QueryConfig, keys: list[str] = (), images: l
     if images:
         blocks.append(embed_image_files(index, list(images), conf.weights))
         labels += [{"image": str(p)} for p in images]
+    if texts:
+        blocks.append(embed_texts(index, list(texts), conf.weights))
+        labels += [{"text": t} for t in texts]
+    if vectors is not None:
+        blocks.append(vectors)
+        labels += [{"vector": i} for i in range(len(vectors))]
     D, I = index.search(np.concatenate(blocks), conf.k, conf.nprobe)
     return [{"query": label, "k": conf.k, "results": res} for label, res in zip(labels, results_json(index, D, I))]

@@ -36,16 +36,57 @@ def test_flat_search_equals_exact_search(tmp_path, collection):
         np.testing.assert_array_equal(I[q][distinct], rows[order][distinct])
 
 
-def test_ivfpq_finds_itself(tmp_path, collection):
+def exact_topk(xq, xb, k):
+    scores = xq @ xb.T
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, order, 1), order
+
+
+IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=4, points_per_list=50, nprobe=8, refine_factor=4)
+
+
+def test_ivfpq_with_refine_matches_exact_search(tmp_path, collection):
     desc, xb = collection
-    conf = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=16, train_points_per_list=40)
-    index = load_index(main(conf, desc, tmp_path / "index"))
-    assert index.infos["factory"] == "IVF8,PQ16"
-    D, I = index.search(xb[:50], 10, nprobe=8)
-    keys = index.keys_of(I)
-    self_found = np.mean([index.keys[q] in keys[q] for q in range(50)])
-    assert self_found >= 0.9
-    assert (I >= 0).all()
+    index = load_index(main(IVF, desc, tmp_path / "index"))
+    assert index.infos["factory"] == "IVF8,PQ8x4fsr" and index.infos["reasons"]
+    xq = xb[::9]
+    k = 20
+    D, I = index.search(xq, k)
+    D_exact, order = exact_topk(xq, xb, k)
+    rows = np.array([make_row_id(s, i) for s in range(3) for i in range(150)])
+    recall = np.mean([len(set(I[q]) & set(rows[order[q]])) / k for q in range(len(xq))])
+    assert recall >= 0.95
+    # Refined scores are exact: equal to the true inner products of the returned rows.
+    positions = index.positions_of_rows(I)
+    np.testing.assert_allclose(D, np.einsum("qd,qkd->qk", xq, xb[positions]), rtol=1e-3, atol=1e-3)
+    # Without refine the PQ scores are approximate and recall is lower or equal.
+    D_pq, I_pq = index.search(xq, k, refine=False)
+    recall_pq = np.mean([len(set(I_pq[q]) & set(rows[order[q]])) / k for q in range(len(xq))])
+    assert recall_pq <= recall
+
+
+@pytest.mark.parametrize("conf", [IndexConfig(), IVF], ids=["flat", "ivfpq"])
+def test_sharded_equals_single(tmp_path, collection, conf):
+    from dataclasses import replace
+
+    desc, xb = collection
+    single = load_index(main(conf, desc, tmp_path / "single"))
+    sharded = load_index(main(replace(conf, shards=3), desc, tmp_path / "sharded"))
+    assert len(sharded.shards) == 3 and sharded.ntotal == single.ntotal == 450
+    xq = xb[::11]
+    D1, I1 = single.search(xq, 15)
+    D3, I3 = sharded.search(xq, 15)
+    np.testing.assert_array_equal(I1, I3)
+    np.testing.assert_allclose(D1, D3, rtol=1e-6, atol=1e-6)
+
+
+def test_parallel_parts_equal_one_part(tmp_path, collection):
+    from dataclasses import replace
+
+    desc, xb = collection
+    one = load_index(main(IVF, desc, tmp_path / "one"))
+    three = load_index(main(replace(IVF, parts=3), desc, tmp_path / "three"))
+    np.testing.assert_array_equal(one.search(xb[:20], 10)[1], three.search(xb[:20], 10)[1])
 
 
 def test_dimension_mismatch_names_file_and_dims(tmp_path):
@@ -61,9 +102,11 @@ def test_non_finite_descriptors_rejected_and_counted(tmp_path):
     xb[7, 2] = np.inf
     write_descriptor_file(tmp_path / "d", "000000", 0, xb)
     index = load_index(main(IndexConfig(), tmp_path / "d", tmp_path / "index"))
-    assert index.ntotal == 18 and index.infos["rejected_non_finite"] == 2
-    with pytest.raises(UnknownKeyError):
+    assert index.ntotal == 18 and index.infos["rejected_non_finite"] == 2 and index.infos["rows"] == 20
+    with pytest.raises(UnknownKeyError, match="no valid descriptor"):
         index.vector_of("000000/00003")
+    D, I = index.search(xb[:1].astype(np.float32), 20)
+    assert len(I[0]) == 18 and "000000/00003" not in index.keys_of(I)[0]
 
 
 def test_inconsistent_or_missing_index_files_are_refused(tmp_path, collection):

@@ -52,7 +52,7 @@ def test_query_by_image_file_finds_its_stored_copy(built_index, photos, tmp_path
 
 
 def test_unknown_key_is_a_clear_error(built_index):
-    run = needle("query", "--index", str(built_index / "index"), "--key", "nope/1")
+    run = needle("query", "--index", str(built_index / "index"), "--key", "nope/1", "--k", "3")
     assert run.returncode == 2 and "nope/1" in run.stderr
 
 
@@ -64,3 +64,29 @@ def test_eval_writes_report(built_index, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["n_queries"] == 1 and 0 <= report["map_at_5"] <= 100
+
+
+def test_k_larger_than_index_is_refused(built_index):
+    run = needle("query", "--index", str(built_index / "index"), "--key", "000000/k00", "--k", "50")
+    assert run.returncode == 2 and "larger than the index" in run.stderr
+
+
+def test_query_by_vectors_file(built_index, tmp_path):
+    import numpy as np
+
+    from index.search import load_index
+
+    index = load_index(built_index / "index")
+    np.save(tmp_path / "q.npy", np.stack([index.vector_of("000000/k01"), index.vector_of("000001/k10")]))
+    run = needle("query", "--index", str(built_index / "index"), "--vectors", str(tmp_path / "q.npy"), "--k", "1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert [q["results"][0]["key"] for q in out] == ["000000/k01", "000001/k10"]
+    np.save(tmp_path / "bad.npy", np.zeros((2, 7), np.float32))
+    run = needle("query", "--index", str(built_index / "index"), "--vectors", str(tmp_path / "bad.npy"), "--k", "1")
+    assert run.returncode == 2 and "(2, 7)" in run.stderr
+
+
+def test_text_query_on_an_image_only_model_is_refused(built_index):
+    run = needle("query", "--index", str(built_index / "index"), "--text", "a cat", "--k", "1")
+    assert run.returncode == 2 and "no text tower" in run.stderr

@@ -1,0 +1,214 @@
+"""Serving an index: shards in Ray actors (one per shard, memory-mapped), and a small HTTP endpoint.
+
+A query fans out to every shard actor, each returns its index-level top candidates, the
+coordinator merges them by score and re-scores the shortlist exactly from the memory-mapped
+float16 vectors: the same computation as a single index over the same data.
+
+``needle serve --index DIR`` binds 127.0.0.1 by default:
+
+- ``GET  /health``                       -> ``{"ntotal", "d", "shards", "kind"}``
+- ``POST /search``  JSON ``{"k", "nprobe"?, one of "keys" | "vectors" | "text"}``
+- ``POST /search/image?k=10[&nprobe=N]`` raw image bytes
+
+Bad input (non-image bytes, wrong vector dimension, k larger than the index, empty text, unknown
+key, malformed JSON) is answered 400 with ``{"error": message}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import urllib.parse
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from index.search import SearchIndex, load_index, merge_topk, read_faiss, set_nprobe, tie_margin
+from ingest.errors import NeedleInputError
+
+log = logging.getLogger(__name__)
+MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors
+
+
+class ShardActor:
+    """One index shard, memory-mapped; wrapped with ``ray.remote`` by :func:`serve_sharded`."""
+
+    def __init__(self, path: str, default_nprobe: int):
+        self.index = read_faiss(Path(path))
+        self.default_nprobe = default_nprobe
+
+    def search(self, xq: np.ndarray, kk: int, nprobe: int | None) -> tuple[np.ndarray, np.ndarray]:
+        set_nprobe(self.index, nprobe or self.default_nprobe)
+        return self.index.search(xq, min(kk + tie_margin(kk), max(1, self.index.ntotal)))
+
+
+@dataclass
+class RayShardedIndex(SearchIndex):
+    actors: list[Any] = field(default_factory=list)
+
+    def search_candidates(self, xq: np.ndarray, kk: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        import ray
+
+        results = ray.get([actor.search.remote(xq, kk, nprobe) for actor in self.actors])
+        return merge_topk([D for D, _ in results], [I for _, I in results], kk)
+
+
+def serve_sharded(path: str | Path, cpus_per_shard: float | None = None) -> RayShardedIndex:
+    """Load the index coordinator here and one Ray actor per shard file (Ray must be initialised).
+
+    ``cpus_per_shard``: CPUs reserved per actor; None: the cluster's CPUs shared among the shards
+    (at most 1 each), so that every shard actor can be placed.
+    """
+    import ray
+
+    base = load_index(path, with_shards=False)
+    if cpus_per_shard is None:
+        cpus_per_shard = min(1.0, ray.cluster_resources().get("CPU", 1) / len(base.infos["index_files"]))
+    actor_cls = ray.remote(num_cpus=cpus_per_shard)(ShardActor)
+    nprobe = int(base.infos.get("nprobe", 64))
+    actors = [actor_cls.remote(str(Path(path) / name), nprobe) for name in base.infos["index_files"]]
+    ray.get([a.search.remote(np.zeros((1, base.d), np.float32), 1, None) for a in actors])  # loaded and ready
+    fields = {f: getattr(base, f) for f in ("shards", "rows", "status", "vectors", "infos", "path")}
+    return RayShardedIndex(**fields, actors=actors)
+
+
+class QueryService:
+    """Turns requests into searches; shared by the HTTP handler threads."""
+
+    def __init__(self, index: SearchIndex, weights: str | None = None):
+        self.index = index
+        self.weights = weights
+        self._lock = threading.Lock()
+        self._extractor = None
+
+    def extractor(self):
+        from index.query import query_extractor
+
+        with self._lock:
+            if self._extractor is None:
+                self._extractor = query_extractor(self.index, self.weights)
+            return self._extractor
+
+    def check_k(self, k: Any) -> int:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise NeedleInputError(f"k must be a positive integer, got {k!r}")
+        if k > self.index.ntotal:
+            raise NeedleInputError(f"k={k} is larger than the index ({self.index.ntotal} vectors)")
+        return k
+
+    def search(self, xq: np.ndarray, k: int, nprobe: int | None, labels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from index.query import results_json
+
+        D, I = self.index.search(xq, self.check_k(k), nprobe)
+        return [{"query": label, "k": k, "results": r} for label, r in zip(labels, results_json(self.index, D, I))]
+
+    def search_json(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        from index.query import embed_texts
+
+        k, nprobe = body.get("k", 10), body.get("nprobe")
+        given = [name for name in ("keys", "vectors", "text") if name in body]
+        if len(given) != 1:
+            raise NeedleInputError("give exactly one of 'keys', 'vectors' or 'text'")
+        if "keys" in body:
+            keys = body["keys"]
+            if not isinstance(keys, list) or not keys or not all(isinstance(x, str) for x in keys):
+                raise NeedleInputError("'keys' must be a non-empty list of strings")
+            return self.search(np.stack([self.index.vector_of(x) for x in keys]), k, nprobe, [{"key": x} for x in keys])
+        if "vectors" in body:
+            try:
+                xq = np.asarray(body["vectors"], dtype=np.float32)
+            except (TypeError, ValueError) as exc:
+                raise NeedleInputError(f"'vectors' is not a numeric array: {exc}") from exc
+            xq = xq[None] if xq.ndim == 1 else xq
+            if xq.ndim != 2 or xq.shape[1] != self.index.d:
+                raise NeedleInputError(f"vectors have shape {xq.shape}, the index expects (n, {self.index.d})")
+            return self.search(xq, k, nprobe, [{"vector": i} for i in range(len(xq))])
+        text = body["text"]
+        texts = [text] if isinstance(text, str) else text
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
+            raise NeedleInputError("'text' must be a non-empty string (or list of them)")
+        return self.search(embed_texts(self.index, texts, self.weights), k, nprobe, [{"text": t} for t in texts])
+
+    def search_image(self, data: bytes, k: int, nprobe: int | None) -> list[dict[str, Any]]:
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        from ingest.images import decode_resized
+
+        try:  # refuse non-image bytes before loading any model
+            Image.open(io.BytesIO(data)).close()
+        except (UnidentifiedImageError, OSError) as exc:
+            raise NeedleInputError(f"cannot decode the request body as an image: {exc}") from exc
+        extractor = self.extractor()
+        image = decode_resized(data, extractor.resolution, "request body")[0]
+        xq = extractor([image])["global"].astype(np.float32)
+        return self.search(xq, k, nprobe, [{"image": f"{len(data)} bytes"}])
+
+
+def make_handler(service: QueryService):
+    from ingest.errors import ImageDecodeError
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "needle"
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.info("%s %s", self.address_string(), fmt % args)
+
+        def reply(self, status: int, payload: Any) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if urllib.parse.urlparse(self.path).path != "/health":
+                return self.reply(404, {"error": f"no such endpoint {self.path}"})
+            idx = service.index
+            self.reply(200, {"ntotal": idx.ntotal, "d": idx.d, "shards": len(idx.infos.get("index_files", [])), "kind": idx.infos.get("kind")})
+
+        def do_POST(self) -> None:
+            url = urllib.parse.urlparse(self.path)
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY:
+                return self.reply(413, {"error": f"request body of {length} bytes is over {MAX_BODY}"})
+            data = self.rfile.read(length)
+            try:
+                if url.path == "/search":
+                    try:
+                        body = json.loads(data or b"null")
+                    except json.JSONDecodeError as exc:
+                        raise NeedleInputError(f"request body is not JSON: {exc}") from exc
+                    if not isinstance(body, dict):
+                        raise NeedleInputError("request body must be a JSON object")
+                    return self.reply(200, service.search_json(body))
+                if url.path == "/search/image":
+                    params = urllib.parse.parse_qs(url.query)
+                    try:
+                        k = int(params.get("k", ["10"])[0])
+                        nprobe = int(params["nprobe"][0]) if "nprobe" in params else None
+                    except ValueError as exc:
+                        raise NeedleInputError(f"bad query parameter: {exc}") from exc
+                    if not data:
+                        raise NeedleInputError("empty request body: send the image bytes")
+                    return self.reply(200, service.search_image(data, k, nprobe))
+                return self.reply(404, {"error": f"no such endpoint {url.path}"})
+            except (NeedleInputError, ImageDecodeError) as exc:
+                return self.reply(400, {"error": str(exc)})
+            except Exception as exc:  # keep serving; the log has the traceback
+                log.exception("request failed")
+                return self.reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+    return Handler
+
+
+def make_server(service: QueryService, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer((host, port), make_handler(service))
+    server.daemon_threads = True
+    return server
