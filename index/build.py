@@ -163,17 +163,20 @@ def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path:
     import faiss
 
     index = faiss.read_index(trained_path)
-    vectors = np.load(vectors_path, mmap_mode="r+")
+    data_offset = np.load(vectors_path, mmap_mode="r").offset  # after the .npy header
     added = rejected = 0
-    for f in files:
-        rows, xb, bad = read_valid(f.path, dim)
-        index.add_with_ids(np.ascontiguousarray(xb, dtype=np.float32), rows)
-        block = np.zeros((f.rows, dim), dtype=np.float16)
-        block[(rows - (np.int64(f.shard_id) << ROW_SHARD_SHIFT)).astype(np.int64)] = xb
-        vectors[f.offset : f.offset + f.rows] = block
-        added += len(rows)
-        rejected += bad
-    vectors.flush()
+    # Plain positioned writes, not a writable memory map: mapped dirty pages would count as this
+    # process's memory and inflate its RSS by the size of the vectors.
+    with open(vectors_path, "r+b") as out:
+        for f in files:
+            rows, xb, bad = read_valid(f.path, dim)
+            index.add_with_ids(np.ascontiguousarray(xb, dtype=np.float32), rows)
+            block = np.zeros((f.rows, dim), dtype=np.float16)
+            block[(rows - (np.int64(f.shard_id) << ROW_SHARD_SHIFT)).astype(np.int64)] = xb
+            out.seek(data_offset + f.offset * dim * 2)
+            out.write(block.tobytes())
+            added += len(rows)
+            rejected += bad
     write_atomic(Path(part_path), lambda tmp: faiss.write_index(index, str(tmp)))
     return {"added": added, "rejected_non_finite": rejected}
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from index.build import IDS_FILE, INFOS_FILE, VECTORS_FILE
@@ -209,7 +210,7 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True) ->
         raise IndexFileError(f"index directory {path} has no {', '.join(missing)}")
     shards = [read_faiss(path / name, mmap) for name in names] if with_shards else []
     rows = ids["row"].to_numpy()
-    status = (ids["status"].to_numpy(zero_copy_only=False) == STATUS_OK)
+    status = pc.equal(ids["status"], STATUS_OK).to_numpy(zero_copy_only=False)
     ntotal = sum(s.ntotal for s in shards) if with_shards else infos.get("ntotal")
     if len(rows) != len(vectors) or len(rows) != infos.get("rows") or ntotal != infos.get("ntotal"):
         raise IndexFileError(
