@@ -88,3 +88,15 @@ def test_http_search_by_key_and_vector(server, built):
 def test_http_bad_input_is_a_4xx_with_a_message(server, path, body, message):
     status, out = post(f"{server}{path}", body)
     assert status == 400 and message in out["error"]
+
+
+@pytest.mark.ray
+def test_ray_parallel_build_equals_sequential(built, ray_local, tmp_path):
+    from dataclasses import replace
+
+    from cluster.index_job import main as build_on_ray
+
+    out = build_on_ray(replace(IVF, parts=4), built / "desc", tmp_path / "ray")
+    ray_index, single = load_index(out), load_index(built / "single")
+    xq = np.asarray(single.vectors[::17], dtype=np.float32)
+    np.testing.assert_array_equal(ray_index.search(xq, 20)[1], single.search(xq, 20)[1])
