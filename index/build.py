@@ -37,6 +37,7 @@ from ingest.descriptors import (
     DescriptorFileError,
     global_dim,
     list_descriptor_files,
+    read_global,
     write_atomic,
     write_json_atomic,
 )
@@ -117,9 +118,9 @@ def scan(files: list[Path], ids_path: Path) -> tuple[list[FileInfo], int]:
 
 def read_valid(path: str, dim: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(row ids, float16 (n, d) descriptors) of a file's ok, finite rows, and how many were rejected."""
-    table = pq.read_table(path, columns=["row", "status", "global"])
-    values = table["global"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-    xb = np.asarray(values, dtype=np.float16).reshape(len(table), dim)
+    table, xb = read_global(Path(path), ("row", "status"))
+    if xb.shape[1] != dim:
+        raise DescriptorFileError(f"{path}: descriptor dimension {xb.shape[1]} differs from {dim} (file changed during the build?)")
     ok = pc.equal(table["status"], STATUS_OK).to_numpy(zero_copy_only=False)
     finite = np.isfinite(xb).all(axis=1)
     rejected = int((ok & ~finite).sum())

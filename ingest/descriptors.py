@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ingest.errors import NeedleInputError
@@ -109,22 +107,10 @@ def global_dim(path: Path) -> int:
     return field_type.list_size
 
 
-def iter_global_descriptors(files: list[Path], with_errors: bool = False) -> Iterator[tuple[Path, pa.Table, np.ndarray]]:
-    """Yield (file, table of key/row/status, float16 (n, d) descriptors) one file at a time.
-
-    Error rows are dropped unless ``with_errors``. Every file must have the first file's dimension;
-    a mismatch raises DescriptorFileError naming the file and both dimensions.
-    """
-    dim = None
-    for path in files:
-        file_dim = global_dim(path)
-        if dim is None:
-            dim = file_dim
-        elif file_dim != dim:
-            raise DescriptorFileError(f"{path}: descriptor dimension {file_dim} differs from {dim} of {files[0]}")
-        table = pq.read_table(path, columns=["key", "row", "status", "global"])
-        if not with_errors:
-            table = table.filter(pc.equal(table["status"], STATUS_OK))
-        values = table["global"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        xb = np.asarray(values, dtype=np.float16).reshape(len(table), file_dim)
-        yield path, table.drop_columns(["global"]), xb
+def read_global(path: Path, columns: tuple[str, ...] = ("row", "key", "status")) -> tuple[pa.Table, np.ndarray]:
+    """One file's ``columns`` and its (n, d) float16 ``global`` descriptors, all rows."""
+    dim = global_dim(path)
+    table = pq.read_table(path, columns=[*columns, "global"])
+    values = table["global"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    xb = np.asarray(values, dtype=np.float16).reshape(len(table), dim)
+    return table.drop_columns(["global"]), xb

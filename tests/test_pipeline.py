@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import jpeg_bytes, write_tar
-from ingest.descriptors import ROW_SHARD_SHIFT, iter_global_descriptors
+from ingest.descriptors import ROW_SHARD_SHIFT, read_global
 from ingest.pipeline import process_shard
 
 
@@ -16,7 +16,7 @@ def test_one_row_per_sample_and_unit_norm(tmp_path, tiny_shards, extractor):
     assert table["key"].to_pylist() == ["000000/00000", "000000/00001", "000000/00002"]
     assert table["row"].to_pylist() == [(7 << ROW_SHARD_SHIFT) + i for i in range(3)]
     assert set(table["status"].to_pylist()) == {"ok"}
-    _, _, xb = next(iter_global_descriptors([result.output]))
+    _, xb = read_global(result.output)
     assert xb.dtype == np.float16 and xb.shape == (3, extractor.dim)
     np.testing.assert_allclose(np.linalg.norm(xb.astype(np.float32), axis=1), 1.0, atol=2e-3)
     assert table["width"].to_pylist()[0] == 512  # the original size is recorded, not the resized one
