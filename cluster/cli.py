@@ -50,18 +50,23 @@ def _index_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _query(args: argparse.Namespace) -> int:
-    from index.query import QueryConfig, load_vectors, query
-    from index.search import load_index
-
+def _open_index(args: argparse.Namespace):
+    """The index to search: shards in Ray actors with --ray-shards, else loaded in this process."""
     if args.ray_shards:
         from cluster.ingest_job import connect_ray
         from cluster.serve import serve_sharded
 
         connect_ray(args.address)
-        index = serve_sharded(args.index)
-    else:
-        index = load_index(args.index)
+        return serve_sharded(args.index)
+    from index.search import load_index
+
+    return load_index(args.index)
+
+
+def _query(args: argparse.Namespace) -> int:
+    from index.query import QueryConfig, load_vectors, query
+
+    index = _open_index(args)
     vectors = load_vectors(Path(args.vectors), index.d) if args.vectors else None
     results = query(index, QueryConfig(k=args.k, nprobe=args.nprobe, weights=args.weights), args.key or [],
                     [Path(p) for p in args.image or []], args.text or [], vectors)
@@ -70,16 +75,9 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.serve import QueryService, make_server, serve_sharded
-    from index.search import load_index
+    from cluster.serve import QueryService, make_server
 
-    if args.ray_shards:
-        from cluster.ingest_job import connect_ray
-
-        connect_ray(args.address)
-        index = serve_sharded(args.index)
-    else:
-        index = load_index(args.index)
+    index = _open_index(args)
     server = make_server(QueryService(index, args.weights), args.host, args.port)
     log.info("serving %s on http://%s:%d (%d vectors)", args.index, args.host, server.server_address[1], index.ntotal)
     try:

@@ -89,3 +89,9 @@ def test_query_by_vectors_file(built_index, tmp_path):
 def test_text_query_on_an_image_only_model_is_refused(built_index):
     run = needle("query", "--index", str(built_index / "index"), "--text", "a cat", "--k", "1")
     assert run.returncode == 2 and "no text tower" in run.stderr
+
+
+def test_query_through_ray_shard_actors(built_index):
+    run = needle("query", "--index", str(built_index / "index"), "--key", "000000/k02", "--k", "2", "--ray-shards")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout)["results"][0]["key"] == "000000/k02"
