@@ -37,7 +37,7 @@ def _index_build(args: argparse.Namespace) -> int:
     conf = IndexConfig(
         kind="flat" if args.exact else args.kind, memory_budget=args.memory_budget, factory=args.factory,
         nlist=args.nlist, pq_bytes=args.pq_bytes, shards=args.shards, parts=args.parts, nprobe=args.nprobe,
-        refine_factor=args.refine_factor,
+        refine_factor=args.refine_factor, s3_endpoint_url=args.s3_endpoint_url,
     )
     if args.ray:
         from cluster.index_job import main
@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("index", help="index commands")
     isub = p.add_subparsers(dest="index_command", required=True)
     b = isub.add_parser("build", help="build a FAISS index over descriptor Parquet files, within a memory budget")
-    b.add_argument("--descriptors", required=True, nargs="+", help="directories or files of descriptor Parquet")
+    b.add_argument("--descriptors", required=True, nargs="+", help="directories, files or s3:// prefixes of descriptor Parquet")
+    b.add_argument("--s3-endpoint-url", help="S3-compatible endpoint for s3:// descriptors")
     b.add_argument("--out", required=True, help="index directory to write")
     b.add_argument("--memory-budget", default="8GB", help="RAM the index may use, e.g. 8GB, 512MiB")
     b.add_argument("--factory", help="FAISS factory string to use as is (default: chosen from N, d and the budget)")

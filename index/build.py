@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -60,6 +61,7 @@ class IndexConfig:
     nlist: int | None = None  # IVF lists; None: ~4*sqrt(N)
     pq_bytes: int | None = None  # PQ code bytes per vector; None: the largest that fits the budget
     points_per_list: int = 64  # training sample = nlist * this, capped by the budget
+    s3_endpoint_url: str | None = None  # S3-compatible endpoint for s3:// descriptor sources
     shards: int = 1  # keep this many index shards (served by one Ray actor each) instead of one index
     parts: int | None = None  # parallel add tasks; None: shards (at least 1)
     nprobe: int = 64  # default IVF lists visited per query (recorded; queries may override)
@@ -75,12 +77,42 @@ class FileInfo:
     offset: int  # position of the file's first row in ids.parquet / vectors.f16.npy
 
 
-def descriptor_files(descriptors: Path | str | Sequence[Path | str]) -> list[Path]:
-    """Parquet files of one or several sources, each a descriptor directory or a single file."""
+def descriptor_files(descriptors: Path | str | Sequence[Path | str], staging: Path | None = None,
+                     s3_endpoint_url: str | None = None) -> list[Path]:
+    """Parquet files of one or several sources: descriptor directories, single files, or
+    ``s3://`` prefixes, whose committed parts (those with their marker) are staged one by one
+    into ``staging`` on local disk, with their ``ingest_info.json``."""
     sources = [descriptors] if isinstance(descriptors, (str, Path)) else list(descriptors)
     files: list[Path] = []
-    for source in map(Path, sources):
-        files.extend([source] if source.is_file() else list_descriptor_files(source))
+    for i, source in enumerate(sources):
+        if str(source).startswith("s3://"):
+            if staging is None:
+                raise DescriptorFileError(f"{source}: s3:// sources need a staging directory")
+            files.extend(stage_s3_parts(str(source), staging / f"source_{i:03d}", s3_endpoint_url))
+        else:
+            source = Path(source)
+            files.extend([source] if source.is_file() else list_descriptor_files(source))
+    return files
+
+
+def stage_s3_parts(url: str, directory: Path, endpoint_url: str | None) -> list[Path]:
+    """Download the committed Parquet parts under an ``s3://`` prefix (never the unmarked ones)."""
+    from ingest.storage import S3Storage
+
+    storage = S3Storage(url, endpoint_url)
+    committed = storage.committed()
+    if not committed:
+        raise DescriptorFileError(f"{url} holds no committed .parquet part")
+    directory.mkdir(parents=True, exist_ok=True)
+    info = storage.read_json("ingest_info.json")
+    if info is not None:
+        write_json_atomic(info, directory / "ingest_info.json")
+    files = []
+    for name in sorted(committed):
+        target = directory / name
+        write_atomic(target, lambda tmp, name=name: storage.client.download_file(storage.bucket, storage._key(name), str(tmp)))
+        files.append(target)
+    log.info("staged %d parts of %s in %s", len(files), url, directory)
     return files
 
 
@@ -234,7 +266,9 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     start = time.perf_counter()
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    files = descriptor_files(descriptors)
+    files = descriptor_files(descriptors, output / "staging", conf.s3_endpoint_url)
+    info_path = files[0].parent / "ingest_info.json"  # how the descriptors were made
+    ingest = json.loads(info_path.read_text()) if info_path.is_file() else {}
     infos, dim = scan(files, output / IDS_FILE)
     n_rows = sum(f.rows for f in infos)
     n_ok = int(pc.sum(pc.equal(pq.read_table(output / IDS_FILE, columns=["status"])["status"], STATUS_OK)).as_py() or 0)
@@ -267,9 +301,9 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
         ntotal = sum(merge_parts([part_paths[i] for i in g], output / name) for g, name in zip(groups, index_files))
     for path in part_paths + [str(trained_path)]:
         Path(path).unlink(missing_ok=True)
+    shutil.rmtree(output / "staging", ignore_errors=True)
     (output / (VECTORS_FILE + ".tmp")).replace(output / VECTORS_FILE)
 
-    ingest = json.loads((files[0].parent / "ingest_info.json").read_text()) if (files[0].parent / "ingest_info.json").is_file() else {}
     index_infos = {
         "config": asdict(conf),
         "factory": plan.factory,
@@ -289,7 +323,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
         "refine_factor": conf.refine_factor,
         "rejected_non_finite": sum(s["rejected_non_finite"] for s in stats),
         "shard_offsets": {str(f.shard_id): f.offset for f in infos},
-        "descriptors": sorted({str(Path(f.path).parent.resolve()) for f in infos}),
+        "descriptors": [str(d) for d in ([descriptors] if isinstance(descriptors, (str, Path)) else descriptors)],
         "parquet_files": len(infos),
         "extractors": ingest.get("extractors", []),
         "build_s": round(time.perf_counter() - start, 3),

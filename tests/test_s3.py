@@ -82,7 +82,7 @@ def test_missing_object_reads_as_not_found(s3_endpoint, buckets):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ingest_s3_to_s3(s3_endpoint, buckets, ray_local):
+def test_ingest_s3_to_s3_then_index(s3_endpoint, buckets, ray_local, tmp_path):
     from cluster.ingest_job import IngestConfig, main
 
     client, src, dst = buckets
@@ -98,6 +98,17 @@ def test_ingest_s3_to_s3(s3_endpoint, buckets, ray_local):
     assert sorted(rows) == sorted(f"{s:06d}/{s:02d}{i:03d}" for s in range(2) for i in range(3))
     info = json.loads(client.get_object(Bucket=dst, Key="desc/ingest_info.json")["Body"].read())
     assert info["shards_ok"] == 2 and info["images"] == 6
+    # The index builds from the committed parts on S3 and knows how they were made.
+    from index.build import IndexConfig
+    from index.build import main as build_index
+    from index.search import load_index
+
+    client.put_object(Bucket=dst, Key="desc/999999.parquet", Body=b"an upload without its marker")
+    index = load_index(build_index(IndexConfig(s3_endpoint_url=s3_endpoint), f"s3://{dst}/desc", tmp_path / "index"))
+    assert index.ntotal == 6 and index.infos["extractors"][0]["resolution"] == 160
+    D, I = index.search(index.vector_of("000001/01002")[None], 1)
+    assert index.keys_of(I)[0] == ["000001/01002"]
+    assert not (tmp_path / "index" / "staging").exists()
     # Run again: everything is committed, nothing is redone.
     main(conf, f"s3://{src}/shards/{{000000..000001}}.tar", f"s3://{dst}/desc")
     info = json.loads(client.get_object(Bucket=dst, Key="desc/ingest_info.json")["Body"].read())
