@@ -157,29 +157,34 @@ def run_queue(
     queue = deque(todo)
     attempts: Counter[str] = Counter()
     workers = [make_worker() for _ in range(count)]
+    generation = [0] * count  # bumped when slot w gets a new actor
     load = [0] * count
-    in_flight: dict[Any, tuple[int, str]] = {}
+    in_flight: dict[Any, tuple[int, int, str]] = {}
 
     def fill() -> None:
         for w in sorted(range(count), key=lambda i: load[i]):
             while queue and load[w] < in_flight_per_worker:
                 url = queue.popleft()
                 attempts[url] += 1
-                in_flight[submit(workers[w], url)] = (w, url)
+                in_flight[submit(workers[w], url)] = (w, generation[w], url)
                 load[w] += 1
 
     fill()
     while in_flight:
         [ref], _ = ray.wait(list(in_flight), num_returns=1)
-        w, url = in_flight.pop(ref)
-        load[w] -= 1
+        w, born, url = in_flight.pop(ref)
+        if born == generation[w]:
+            load[w] -= 1
         try:
             yield url, ray.get(ref), attempts[url], ""
         except RayError as exc:
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if isinstance(exc, RayActorError) and workers[w] is not None:
+            # The other shards of a dead actor fail too: replace it once, not once per shard.
+            if isinstance(exc, RayActorError) and born == generation[w]:
                 log.warning("worker %d died (%s): replacing it", w, reason)
                 workers[w] = make_worker()
+                generation[w] += 1
+                load[w] = 0
             if attempts[url] <= max_retries:
                 log.warning("shard %s: attempt %d failed (%s): re-queued", url, attempts[url], reason)
                 queue.appendleft(url)

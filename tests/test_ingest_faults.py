@@ -99,3 +99,32 @@ def test_killed_job_resumes_with_unfinished_shards_only(tmp_path, photos):
     keys = all_rows(out)["key"].to_pylist()
     assert len(keys) == 8 * 16 and len(set(keys)) == len(keys)
     assert not list(out.glob("*.tmp"))
+
+
+def test_queue_replaces_a_dead_actor_once_and_requeues_all_its_shards(ray_local):
+    import ray
+
+    from cluster.ingest_job import run_queue
+
+    @ray.remote(max_restarts=0)
+    class Worker:
+        def work(self, url, die):
+            if die:
+                os._exit(1)
+            time.sleep(0.2)
+            return {"url": url}
+
+    created, died = [], set()
+
+    def make_worker():
+        created.append(Worker.remote())
+        return created[-1]
+
+    def submit(worker, url):
+        die = url == "b" and url not in died
+        died.add(url)
+        return worker.work.remote(url, die)
+
+    out = {url: attempts for url, result, attempts, _ in run_queue(["b", "a", "c"], make_worker, submit, 1, max_retries=2)}
+    assert out == {"b": 2, "a": 2, "c": 1}  # "a" was queued on the dead actor: re-queued too
+    assert len(created) == 2  # one replacement, not one per lost shard
