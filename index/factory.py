@@ -5,7 +5,7 @@ and recording why.
 - Otherwise IVF-PQ: IVF lists ~ 4 * sqrt(N) (a power of two, >= 39 training points per list),
   PQ code bytes as large as the budget allows up to d/8 (more bytes, less quantisation loss),
   stored as 4-bit fast-scan codes (``PQ{2m}x4fsr``: the same bytes, SIMD distance tables, faster
-  scans), with an OPQ rotation from 1M vectors on when sub-quantizers span >= 8 dimensions (it
+  scans), an HNSW coarse quantizer from 8192 lists on, with an OPQ rotation from 1M vectors on when sub-quantizers span >= 8 dimensions (it
   spreads variance across sub-spaces; worth its training time only at scale). Whatever PQ loses is restored by the exact re-scoring of a
   shortlist against the stored float16 vectors (``refine``), which are memory-mapped, not counted
   in RAM.
@@ -22,6 +22,7 @@ from ingest.errors import NeedleInputError
 ID_BYTES = 8  # int64 id per vector in the inverted lists
 OVERHEAD = 1.15  # inverted-list growth slack and allocator overhead
 PQ_BYTES_CANDIDATES = (128, 96, 64, 48, 32, 24, 16, 8, 4)
+HNSW_QUANTIZER_FROM = 8192  # lists from which the coarse quantizer is an HNSW graph
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -71,6 +72,11 @@ def plan_index(n: int, d: int, budget: int, kind: str = "auto", factory: str | N
     reasons = []
     n_list = nlist or default_nlist(n)
     reasons.append(f"IVF{n_list}: ~4*sqrt(N) lists for N={n}, at least 39 training points each")
+    # Beyond a few thousand lists, assigning every vector to its list by brute force dominates the
+    # add time: an HNSW graph over the centroids makes that step logarithmic (autofaiss does the same).
+    hnsw = n_list >= HNSW_QUANTIZER_FROM
+    if hnsw:
+        reasons.append(f"HNSW32 coarse quantizer: {n_list} lists >= {HNSW_QUANTIZER_FROM}, brute-force assignment would dominate")
     centroid_bytes = n_list * d * 4
     # At most d/8 bytes (d/4 four-bit sub-quantizers): larger codes slow every scan, and the
     # exact re-scoring already restores what coarser codes lose.
@@ -98,4 +104,6 @@ def plan_index(n: int, d: int, budget: int, kind: str = "auto", factory: str | N
     train_cap = max(n_list * 39, budget // 4 // (d * 4))
     n_train = int(min(n, n_list * points_per_list, train_cap))
     estimated = int(n * (m + ID_BYTES) * OVERHEAD + centroid_bytes)
-    return IndexPlan(f"{prefix}IVF{n_list},{pq}", "ivfpq", n_list, m, n_train, estimated, reasons)
+    ivf = f"IVF{n_list}_HNSW32" if hnsw else f"IVF{n_list}"
+    estimated += n_list * 32 * 2 * 4 if hnsw else 0  # graph links
+    return IndexPlan(f"{prefix}{ivf},{pq}", "ivfpq", n_list, m, n_train, estimated, reasons)

@@ -145,3 +145,24 @@ def test_infos_record_how_it_was_made(tmp_path, collection):
     out = main(IndexConfig(), desc, tmp_path / "index")
     infos = json.loads((out / INFOS_FILE).read_text())
     assert infos["ntotal"] == 450 and infos["dim"] == 32 and infos["metric"] == "inner_product"
+
+
+def test_plan_follows_size_and_budget():
+    from index.factory import parse_bytes, plan_index
+
+    assert plan_index(50_000, 512, parse_bytes("8GB")).factory == "IDMap2,Flat"
+    big = plan_index(100_000_000, 512, parse_bytes("8GB"))
+    assert big.factory == "OPQ64_512,IVF32768_HNSW32,PQ64x4fsr" and big.estimated_bytes <= parse_bytes("8GB")
+    tight = plan_index(100_000_000, 512, parse_bytes("3GB"))
+    assert tight.code_bytes < big.code_bytes  # a smaller budget buys smaller codes
+    with pytest.raises(Exception, match="do not fit"):
+        plan_index(100_000_000, 512, parse_bytes("500MB"))
+    assert len(big.reasons) >= 4
+
+
+def test_hnsw_quantizer_plan_builds_and_searches(tmp_path, collection):
+    desc, xb = collection
+    conf = IndexConfig(factory="IVF16_HNSW32,PQ8x4fsr", nprobe=16, points_per_list=20)
+    index = load_index(main(conf, desc, tmp_path / "index"))
+    D, I = index.search(xb[:5], 3)
+    assert [keys[0] for keys in index.keys_of(I)] == [index.keys_of(index.rows[None, :5])[0][q] for q in range(5)]
