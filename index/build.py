@@ -116,10 +116,10 @@ def stage_s3_parts(url: str, directory: Path, endpoint_url: str | None) -> list[
     return files
 
 
-def scan(files: list[Path], ids_path: Path) -> tuple[list[FileInfo], int]:
-    """Check every file (dimension, row ids) and write the id table; returns (files, d)."""
+def scan(files: list[Path], ids_path: Path) -> tuple[list[FileInfo], int, int]:
+    """Check every file (dimension, row ids) and write the id table; returns (files, d, ok rows)."""
     dim = None
-    infos, offset = [], 0
+    infos, offset, n_ok = [], 0, 0
     seen_shards: dict[int, Path] = {}
     tmp = ids_path.with_name(ids_path.name + ".tmp")
     schema = pa.schema([("row", pa.int64()), ("key", pa.string()), ("status", pa.string())])
@@ -140,12 +140,13 @@ def scan(files: list[Path], ids_path: Path) -> tuple[list[FileInfo], int]:
                 raise DescriptorFileError(f"{path} and {seen_shards[shard_id]} hold the same shard id {shard_id}")
             seen_shards[shard_id] = path
             writer.write_table(table.cast(schema))
+            n_ok += int(pc.sum(pc.equal(table["status"], STATUS_OK)).as_py() or 0)
             infos.append(FileInfo(str(path), len(rows), shard_id, offset))
             offset += len(rows)
     tmp.replace(ids_path)
     if offset == 0:
         raise DescriptorFileError(f"no rows in {files[0].parent}")
-    return infos, int(dim)
+    return infos, int(dim), n_ok
 
 
 def read_valid(path: str, dim: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -269,9 +270,8 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     files = descriptor_files(descriptors, output / "staging", conf.s3_endpoint_url)
     info_path = files[0].parent / "ingest_info.json"  # how the descriptors were made
     ingest = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    infos, dim = scan(files, output / IDS_FILE)
+    infos, dim, n_ok = scan(files, output / IDS_FILE)
     n_rows = sum(f.rows for f in infos)
-    n_ok = int(pc.sum(pc.equal(pq.read_table(output / IDS_FILE, columns=["status"])["status"], STATUS_OK)).as_py() or 0)
     budget = parse_bytes(conf.memory_budget)
     plan = plan_index(max(1, n_ok), dim, budget, conf.kind, conf.factory, conf.flat_threshold,
                       conf.points_per_list, conf.nlist, conf.pq_bytes)

@@ -31,17 +31,23 @@ def results_json(index: SearchIndex, D: np.ndarray, I: np.ndarray) -> list[list[
     ]
 
 
+def recorded_extractor(index: SearchIndex, weights: str | None = None) -> tuple[dict[str, Any], str | None]:
+    """(the global extractor's info recorded at ingestion, the weights file to use: ``weights``,
+    else the recorded file when it still exists, else None for the preset's default)."""
+    extractors = [e for e in index.infos.get("extractors", []) if e.get("extractor") == "global"]
+    if not extractors:
+        raise NeedleInputError(f"index {index.path} does not record its model: query by --key or --vectors instead")
+    recorded = extractors[0].get("weights")
+    if weights is None and recorded and Path(recorded).is_file():
+        weights = recorded
+    return extractors[0], weights
+
+
 def query_extractor(index: SearchIndex, weights: str | None = None):
     """The global extractor the index's descriptors were made with (same model and resolution)."""
     from embed.extract import GlobalExtractor
 
-    extractors = [e for e in index.infos.get("extractors", []) if e.get("extractor") == "global"]
-    if not extractors:
-        raise NeedleInputError(f"index {index.path} does not record its model: query by --key or --vectors instead")
-    info = extractors[0]
-    recorded = info.get("weights")
-    if weights is None and recorded and Path(recorded).is_file():
-        weights = recorded
+    info, weights = recorded_extractor(index, weights)
     return GlobalExtractor(info["model"]["name"], weights, resolution=info["resolution"], precision=info.get("precision", "auto"))
 
 
@@ -70,15 +76,14 @@ def embed_texts(index: SearchIndex, texts: list[str], weights: str | None = None
 
     if not texts or not all(t.strip() for t in texts):
         raise NeedleInputError("empty text query")
-    extractors = [e for e in index.infos.get("extractors", []) if e.get("extractor") == "global"]
-    model = extractors[0]["model"] if extractors else {}
+    info, weights = recorded_extractor(index, weights)
+    model = info["model"]
     if model.get("library") != "open_clip":
         raise NeedleInputError(f"the index's model {model.get('name')!r} has no text tower: text queries need an open_clip model")
     ensure_torchvision_importable()
     import open_clip
 
-    recorded = extractors[0].get("weights")
-    net, _ = build_global_model(model["name"], weights or (recorded if recorded and Path(recorded).is_file() else None))
+    net, _ = build_global_model(model["name"], weights)
     tokens = open_clip.get_tokenizer(model["architecture"])(texts)
     with torch.inference_mode():
         return l2_normalize(net.backbone.encode_text(tokens)).numpy().astype(np.float32)
