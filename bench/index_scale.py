@@ -1,11 +1,20 @@
-"""Index scale: build under a memory budget, then recall@1000 / latency / QPS for a single index
-and for the sharded Ray service, over an nprobe sweep. Prints one JSON line last.
+"""Index scale: build under a memory budget, then recall@1000 / latency / QPS for the sharded Ray
+service and for a single index, over an nprobe x refine-factor sweep. Prints one JSON line last.
 
 N synthetic clustered unit vectors (seeded, generated file by file, never all in memory) are
-written as schema-v1 Parquet parts in a temporary directory while the exact top-1000 of 100
-queries (drawn from the same distribution) is kept up to date by chunked brute force. The index
-is built with the default plan for the budget as ``--shards`` shards; the single index is the
-merge of those shards (same codes), so both answer from identical data.
+written as schema-v1 Parquet parts while the exact top-1000 of 100 queries (drawn from the same
+distribution) is kept up to date by chunked brute force. The index is built by ``needle index
+build`` in a child process (its peak RSS is the build's) with the default plan for the budget, as
+``--shards`` shards served by one Ray actor each; the single index is the merge of those shards
+(same codes), so both answer from identical data.
+
+Memory: ``build_peak_rss_gb`` is the build process's peak; ``serve_*`` sum the coordinator and
+its shard actors after the sweep (RSS, PSS, and PSS split into anonymous and file-backed pages:
+mapped index shards and refine vectors are file pages the kernel may drop). ``peak_rss_gb`` is the
+larger of the build peak and the serving RSS sum.
+
+With ``--workdir`` the generated data, the ground truth and the built index are kept and reused
+by later runs with the same parameters (``--rebuild`` forces a new build), so sweeps are cheap.
 
     python bench/index_scale.py --n 1000000 --d 512 [--memory-budget 8GB] [--shards 4]
 """
@@ -18,6 +27,7 @@ import logging
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,19 +72,78 @@ def update_topk(D: np.ndarray, I: np.ndarray, scores: np.ndarray, ids: np.ndarra
     return np.take_along_axis(D, keep, 1), np.take_along_axis(I, keep, 1)
 
 
-def measure(index, xq, gt: list[set[int]], k: int, nprobe: int) -> dict[str, float]:
+def measure(index, xq, gt: list[set[int]], k: int, nprobe: int, refine_factor: int) -> dict[str, float]:
+    """Recall of one-query-at-a-time searches and their latency; QPS of the whole batch at once."""
+    index.search(xq[:1], k, nprobe, refine_factor=refine_factor)  # warm: list pages, thread pools
     latencies = []
     found = 0
     for q in range(len(xq)):
         start = time.perf_counter()
-        _, I = index.search(xq[q : q + 1], k, nprobe)
+        _, I = index.search(xq[q : q + 1], k, nprobe, refine_factor=refine_factor)
         latencies.append(time.perf_counter() - start)
         found += len(gt[q] & set(I[0].tolist()))
     start = time.perf_counter()
-    index.search(xq, k, nprobe)
+    index.search(xq, k, nprobe, refine_factor=refine_factor)
     batch_s = time.perf_counter() - start
-    return {"nprobe": nprobe, "recall_at_1000": round(found / (k * len(xq)), 4),
-            "p50_ms": round(1000 * float(np.median(latencies)), 2), "qps": round(len(xq) / batch_s, 1)}
+    return {"nprobe": nprobe, "refine_factor": refine_factor, "recall_at_1000": round(found / (k * len(xq)), 4),
+            "p50_ms": round(1000 * float(np.median(latencies)), 2),
+            "p90_ms": round(1000 * float(np.percentile(latencies, 90)), 2), "qps": round(len(xq) / batch_s, 1)}
+
+
+def generate(args, work: Path) -> tuple[np.ndarray, np.ndarray, float]:
+    """Parquet parts of N vectors in ``work/desc`` and the exact top-k of the queries; reused when
+    ``work/ground_truth.npz`` was made with the same parameters."""
+    meta = {"n": args.n, "d": args.d, "seed": args.seed, "queries": args.queries, "k": args.k, "per_file": args.per_file}
+    saved = work / "ground_truth.npz"
+    if saved.is_file():
+        data = np.load(saved)
+        if json.loads(str(data["meta"])) == meta:
+            logging.info("reusing the generated vectors and ground truth in %s", work)
+            return data["xq"], data["I_gt"], float(data["generate_s"])
+    shutil.rmtree(work / "desc", ignore_errors=True)
+    rng = np.random.default_rng(args.seed)
+    centers = rng.standard_normal((max(100, args.n // 2000), args.d), dtype=np.float32)
+    spread = 1.0 / np.sqrt(args.d) * 4  # clusters overlap: a realistic, not trivially separable, collection
+    xq = synthetic_block(args.seed + 10**6, args.queries, args.d, centers, spread).astype(np.float32)
+    D_gt = np.full((args.queries, args.k), -np.inf, np.float32)
+    I_gt = np.full((args.queries, args.k), -1, np.int64)
+    start = time.perf_counter()
+    for f, offset in enumerate(range(0, args.n, args.per_file)):
+        n = min(args.per_file, args.n - offset)
+        xb = synthetic_block(args.seed + f, n, args.d, centers, spread)
+        write_part(work / "desc", f, xb)
+        ids = (np.int64(f) << 32) + np.arange(n, dtype=np.int64)
+        D_gt, I_gt = update_topk(D_gt, I_gt, xq @ xb.T.astype(np.float32), ids, args.k)
+    generate_s = time.perf_counter() - start
+    logging.info("generated %d vectors and exact top-%d in %.0fs", args.n, args.k, generate_s)
+    np.savez(saved, xq=xq, I_gt=I_gt, generate_s=generate_s, meta=json.dumps(meta))
+    return xq, I_gt, generate_s
+
+
+def build(args, work: Path) -> dict:
+    """``needle index build`` in a child process; its time and peak RSS (reused like the data)."""
+    out = work / "sharded"
+    params = ["--memory-budget", args.memory_budget, "--shards", str(args.shards),
+              "--points-per-list", str(args.points_per_list)]
+    record = work / "build.json"
+    if not args.rebuild and record.is_file() and (out / "index_infos.json").is_file():
+        built = json.loads(record.read_text())
+        if built["params"] == params:
+            logging.info("reusing the index in %s", out)
+            return built
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, "-m", "cluster.cli", "index", "build", "--descriptors", str(work / "desc"), "--out", str(out), *params]
+    start = time.perf_counter()
+    subprocess.run(command, check=True, cwd=ROOT)
+    built = {"params": params, "build_s": round(time.perf_counter() - start, 1),
+             # ru_maxrss of waited-for children: the build is the only child so far
+             "build_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)}
+    record.write_text(json.dumps(built))
+    return built
+
+
+def gb(x: float) -> float:
+    return round(x / 2**30, 2)
 
 
 def main() -> None:
@@ -86,54 +155,28 @@ def main() -> None:
     parser.add_argument("--per-file", type=int, default=100_000)
     parser.add_argument("--queries", type=int, default=100)
     parser.add_argument("--k", type=int, default=1000)
-    parser.add_argument("--nprobe", default="8,16,32,64")
+    parser.add_argument("--nprobe", default="16,32,64", help="comma-separated sweep")
+    parser.add_argument("--refine-factor", default="2,4", help="comma-separated sweep")
     parser.add_argument("--points-per-list", type=int, default=64)
-    parser.add_argument("--workdir", help="keep files here (default: a temporary directory)")
+    parser.add_argument("--workdir", help="keep (and reuse) files here (default: a temporary directory)")
+    parser.add_argument("--rebuild", action="store_true", help="build the index even if --workdir holds one")
+    parser.add_argument("--no-single", action="store_true", help="skip the merged single-index comparison")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from index.build import INDEX_FILE, INFOS_FILE, IndexConfig, merge_parts
-    from index.build import main as build_index
+    from index.build import INDEX_FILE, INFOS_FILE, merge_parts
+    from index.memory import process_memory
     from index.search import load_index
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="needle-index-scale-"))
-    rng = np.random.default_rng(args.seed)
-    centers = rng.standard_normal((max(100, args.n // 2000), args.d), dtype=np.float32)
-    spread = 1.0 / np.sqrt(args.d) * 4  # clusters overlap: a realistic, not trivially separable, collection
-    xq = synthetic_block(args.seed + 10**6, args.queries, args.d, centers, spread).astype(np.float32)
-    D_gt = np.full((args.queries, args.k), -np.inf, np.float32)
-    I_gt = np.full((args.queries, args.k), -1, np.int64)
-
-    start = time.perf_counter()
-    for f, offset in enumerate(range(0, args.n, args.per_file)):
-        n = min(args.per_file, args.n - offset)
-        xb = synthetic_block(args.seed + f, n, args.d, centers, spread)
-        write_part(work / "desc", f, xb)
-        ids = (np.int64(f) << 32) + np.arange(n, dtype=np.int64)
-        D_gt, I_gt = update_topk(D_gt, I_gt, xq @ xb.T.astype(np.float32), ids, args.k)
-    generate_s = time.perf_counter() - start
+    work.mkdir(parents=True, exist_ok=True)
+    xq, I_gt, generate_s = generate(args, work)
     gt = [set(row.tolist()) for row in I_gt]
-    logging.info("generated %d vectors and exact top-%d in %.0fs", args.n, args.k, generate_s)
-
-    conf = IndexConfig(memory_budget=args.memory_budget, shards=args.shards, points_per_list=args.points_per_list)
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
-    build_index(conf, work / "desc", work / "sharded")
-    build_s = time.perf_counter() - start
-    peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    built = build(args, work)
     infos = json.loads((work / "sharded" / INFOS_FILE).read_text())
     index_bytes = sum((work / "sharded" / name).stat().st_size for name in infos["index_files"])
-
-    # The single index: the shards merged (same trained quantizer, same codes).
-    single = work / "single"
-    single.mkdir(exist_ok=True)
-    merge_parts([str(work / "sharded" / name) for name in infos["index_files"]], single / INDEX_FILE)
-    for name in ("ids.parquet", "vectors.f16.npy"):
-        target = single / name
-        if not target.exists():
-            os.link(work / "sharded" / name, target)
-    (single / INFOS_FILE).write_text(json.dumps({**infos, "index_files": [INDEX_FILE], "config": {**infos["config"], "shards": 1}}))
+    sweep_points = [(int(p), int(r)) for p in args.nprobe.split(",") for r in args.refine_factor.split(",")]
 
     import ray
 
@@ -141,22 +184,35 @@ def main() -> None:
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     service = serve_sharded(work / "sharded")
-    single_index = load_index(single)
     sweep = []
-    for nprobe in [int(x) for x in args.nprobe.split(",")]:
-        sweep.append({"index": "single", **measure(single_index, xq, gt, args.k, nprobe)})
-        sweep.append({"index": "sharded_ray", **measure(service, xq, gt, args.k, nprobe)})
-        logging.info("nprobe %d: %s", nprobe, sweep[-2:])
+    for nprobe, factor in sweep_points:
+        sweep.append({"index": "sharded_ray", **measure(service, xq, gt, args.k, nprobe, factor)})
+        logging.info("%s", sweep[-1])
+    memories = [process_memory()] + ray.get([actor.memory.remote() for actor in service.actors])
+    serve = {f"serve_{name}_gb": gb(sum(m.get(name, 0) for m in memories)) for name in ("rss", "pss", "pss_anon", "pss_file")}
+    del service
     ray.shutdown()
-    query_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    if not args.no_single:  # the shards merged (same trained quantizer, same codes)
+        single = work / "single"
+        shutil.rmtree(single, ignore_errors=True)
+        single.mkdir()
+        merge_parts([str(work / "sharded" / name) for name in infos["index_files"]], single / INDEX_FILE)
+        for name in ("ids.parquet", "vectors.f16.npy"):
+            os.link(work / "sharded" / name, single / name)
+        (single / INFOS_FILE).write_text(json.dumps({**infos, "index_files": [INDEX_FILE], "config": {**infos["config"], "shards": 1}}))
+        single_index = load_index(single)
+        for nprobe, factor in sweep_points:
+            sweep.append({"index": "single", **measure(single_index, xq, gt, args.k, nprobe, factor)})
+            logging.info("%s", sweep[-1])
 
     result = {
         "n": args.n, "d": args.d, "memory_budget": args.memory_budget, "factory": infos["factory"],
         "reasons": infos["reasons"], "shards": args.shards, "n_train": infos["n_train"],
-        "generate_s": round(generate_s, 1), "build_s": round(build_s, 1),
-        "peak_rss_gb": round(max(peak_rss_gb, rss_before / 2**20), 2), "peak_rss_gb_with_queries": round(query_rss_gb, 2),
-        "bytes_per_vector": round(index_bytes / args.n, 1),
-        "refine_bytes_per_vector": 2 * args.d, "refine_factor": infos["refine_factor"],
+        "quantizer_ef": infos.get("quantizer_ef"), "generate_s": round(generate_s, 1), "build_s": built["build_s"],
+        "build_peak_rss_gb": built["build_peak_rss_gb"], **serve,
+        "peak_rss_gb": max(built["build_peak_rss_gb"], serve["serve_rss_gb"]),
+        "bytes_per_vector": round(index_bytes / args.n, 1), "refine_bytes_per_vector": 2 * args.d,
         "sweep": sweep,
     }
     if not args.workdir:

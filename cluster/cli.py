@@ -37,7 +37,8 @@ def _index_build(args: argparse.Namespace) -> int:
     conf = IndexConfig(
         kind="flat" if args.exact else args.kind, memory_budget=args.memory_budget, factory=args.factory,
         nlist=args.nlist, pq_bytes=args.pq_bytes, shards=args.shards, parts=args.parts, nprobe=args.nprobe,
-        refine_factor=args.refine_factor, s3_endpoint_url=args.s3_endpoint_url,
+        refine_factor=args.refine_factor, quantizer_ef=args.quantizer_ef, points_per_list=args.points_per_list,
+        s3_endpoint_url=args.s3_endpoint_url,
     )
     if args.ray:
         from cluster.index_job import main
@@ -68,7 +69,7 @@ def _query(args: argparse.Namespace) -> int:
 
     index = _open_index(args)
     vectors = load_vectors(Path(args.vectors), index.d) if args.vectors else None
-    results = query(index, QueryConfig(k=args.k, nprobe=args.nprobe, weights=args.weights), args.key or [],
+    results = query(index, QueryConfig(k=args.k, nprobe=args.nprobe, refine_factor=args.refine_factor, weights=args.weights), args.key or [],
                     [Path(p) for p in args.image or []], args.text or [], vectors)
     print(json.dumps(results if len(results) > 1 else results[0], indent=2))
     return 0
@@ -152,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--parts", type=int, help="parallel add tasks (default: shards, or the cluster's CPUs with --ray)")
     b.add_argument("--nlist", type=int, help="IVF lists")
     b.add_argument("--pq-bytes", type=int, help="PQ code bytes per vector")
+    b.add_argument("--points-per-list", type=int, default=64, help="training sample = lists * this (capped by the budget)")
     b.add_argument("--nprobe", type=int, default=64, help="default IVF lists visited per query")
     b.add_argument("--refine-factor", type=int, default=2, help="shortlist = factor * k, re-scored exactly")
+    b.add_argument("--quantizer-ef", type=int, default=128, help="HNSW coarse quantizer search depth (large IVF)")
     b.add_argument("--ray", action="store_true", help="run the add parts as Ray tasks")
     b.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else a local instance)")
     b.set_defaults(func=_index_build)
@@ -166,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vectors", help=".npy file of query vectors, (d,) or (n, d)")
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--nprobe", type=int)
+    p.add_argument("--refine-factor", type=int, help="shortlist = factor * k, re-scored exactly (default: the index's)")
     p.add_argument("--weights", help="weights file for embedding query images or texts")
     p.add_argument("--ray-shards", action="store_true", help="search the shards in Ray actors")
     p.add_argument("--address", help="Ray cluster for --ray-shards (default: $RAY_ADDRESS, else local)")

@@ -1,13 +1,14 @@
 """Serving an index: shards in Ray actors (one per shard, memory-mapped), and a small HTTP endpoint.
 
-A query fans out to every shard actor, each returns its index-level top candidates, the
-coordinator merges them by score and re-scores the shortlist exactly from the memory-mapped
-float16 vectors: the same computation as a single index over the same data.
+A query fans out to every shard actor; each takes its shortlist from its index, re-scores it
+exactly from the memory-mapped float16 vectors of its rows and returns its top k, which the
+coordinator merges by score: the same computation (``index.search.Shard.search``) as searching
+the sharded directory in one process.
 
 ``needle serve --index DIR`` binds 127.0.0.1 by default:
 
 - ``GET  /health``                       -> ``{"ntotal", "d", "shards", "kind"}``
-- ``POST /search``  JSON ``{"k", "nprobe"?, one of "keys" | "vectors" | "text"}``
+- ``POST /search``  JSON ``{"k", "nprobe"?, "refine_factor"?, one of "keys" | "vectors" | "text"}``
 - ``POST /search/image?k=10[&nprobe=N]`` raw image bytes
 
 Bad input (non-image bytes, wrong vector dimension, k larger than the index, empty text, unknown
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from index.search import SearchIndex, load_index, merge_topk, read_faiss, set_nprobe, tie_margin
+from index.search import SearchIndex, load_index, open_shard
 from ingest.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
@@ -35,26 +36,31 @@ MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors
 
 
 class ShardActor:
-    """One index shard, memory-mapped; wrapped with ``ray.remote`` by :func:`serve_sharded`."""
+    """One index shard and the float16 vectors of its rows, memory-mapped; wrapped with
+    ``ray.remote`` by :func:`serve_sharded`. It re-scores its own shortlist, so the coordinator
+    only merges each shard's exact top k (and needs no vectors to answer)."""
 
-    def __init__(self, path: str, default_nprobe: int):
-        self.index = read_faiss(Path(path))
-        self.default_nprobe = default_nprobe
+    def __init__(self, path: str, name: str):
+        self.shard = open_shard(path, name)
 
-    def search(self, xq: np.ndarray, kk: int, nprobe: int | None) -> tuple[np.ndarray, np.ndarray]:
-        set_nprobe(self.index, nprobe or self.default_nprobe)
-        return self.index.search(xq, min(kk + tie_margin(kk), max(1, self.index.ntotal)))
+    def search(self, xq: np.ndarray, k: int, kk: int, nprobe: int | None, refine: bool) -> tuple[np.ndarray, np.ndarray]:
+        return self.shard.search(xq, k, kk, nprobe, refine)
+
+    def memory(self) -> dict[str, int]:
+        """This actor's process memory (see index.memory)."""
+        from index.memory import process_memory
+
+        return process_memory()
 
 
 @dataclass
 class RayShardedIndex(SearchIndex):
     actors: list[Any] = field(default_factory=list)
 
-    def search_candidates(self, xq: np.ndarray, kk: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def search_shards(self, xq: np.ndarray, k: int, kk: int, nprobe: int | None, refine: bool) -> list[tuple[np.ndarray, np.ndarray]]:
         import ray
 
-        results = ray.get([actor.search.remote(xq, kk, nprobe) for actor in self.actors])
-        return merge_topk([D for D, _ in results], [I for _, I in results], kk)
+        return ray.get([actor.search.remote(xq, k, kk, nprobe, refine) for actor in self.actors])
 
 
 def serve_sharded(path: str | Path, cpus_per_shard: float | None = None) -> RayShardedIndex:
@@ -69,9 +75,8 @@ def serve_sharded(path: str | Path, cpus_per_shard: float | None = None) -> RayS
     if cpus_per_shard is None:
         cpus_per_shard = min(1.0, ray.cluster_resources().get("CPU", 1) / len(base.infos["index_files"]))
     actor_cls = ray.remote(num_cpus=cpus_per_shard)(ShardActor)
-    nprobe = int(base.infos.get("nprobe", 64))
-    actors = [actor_cls.remote(str(Path(path) / name), nprobe) for name in base.infos["index_files"]]
-    ray.get([a.search.remote(np.zeros((1, base.d), np.float32), 1, None) for a in actors])  # loaded and ready
+    actors = [actor_cls.remote(str(Path(path)), name) for name in base.infos["index_files"]]
+    ray.get([a.search.remote(np.zeros((1, base.d), np.float32), 1, 1, None, True) for a in actors])  # loaded and ready
     fields = {f: getattr(base, f) for f in ("shards", "rows", "status", "vectors", "infos", "path")}
     return RayShardedIndex(**fields, actors=actors)
 
@@ -100,16 +105,17 @@ class QueryService:
             raise NeedleInputError(f"k={k} is larger than the index ({self.index.ntotal} vectors)")
         return k
 
-    def search(self, xq: np.ndarray, k: int, nprobe: int | None, labels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def search(self, xq: np.ndarray, k: int, nprobe: int | None, labels: list[dict[str, Any]],
+               refine_factor: int | None = None) -> list[dict[str, Any]]:
         from index.query import results_json
 
-        D, I = self.index.search(xq, self.check_k(k), nprobe)
+        D, I = self.index.search(xq, self.check_k(k), nprobe, refine_factor=refine_factor)
         return [{"query": label, "k": k, "results": r} for label, r in zip(labels, results_json(self.index, D, I))]
 
     def search_json(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         from index.query import embed_texts
 
-        k, nprobe = body.get("k", 10), body.get("nprobe")
+        k, nprobe, factor = body.get("k", 10), body.get("nprobe"), body.get("refine_factor")
         given = [name for name in ("keys", "vectors", "text") if name in body]
         if len(given) != 1:
             raise NeedleInputError("give exactly one of 'keys', 'vectors' or 'text'")
@@ -117,7 +123,7 @@ class QueryService:
             keys = body["keys"]
             if not isinstance(keys, list) or not keys or not all(isinstance(x, str) for x in keys):
                 raise NeedleInputError("'keys' must be a non-empty list of strings")
-            return self.search(np.stack([self.index.vector_of(x) for x in keys]), k, nprobe, [{"key": x} for x in keys])
+            return self.search(np.stack([self.index.vector_of(x) for x in keys]), k, nprobe, [{"key": x} for x in keys], factor)
         if "vectors" in body:
             try:
                 xq = np.asarray(body["vectors"], dtype=np.float32)
@@ -126,12 +132,12 @@ class QueryService:
             xq = xq[None] if xq.ndim == 1 else xq
             if xq.ndim != 2 or xq.shape[1] != self.index.d:
                 raise NeedleInputError(f"vectors have shape {xq.shape}, the index expects (n, {self.index.d})")
-            return self.search(xq, k, nprobe, [{"vector": i} for i in range(len(xq))])
+            return self.search(xq, k, nprobe, [{"vector": i} for i in range(len(xq))], factor)
         text = body["text"]
         texts = [text] if isinstance(text, str) else text
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
             raise NeedleInputError("'text' must be a non-empty string (or list of them)")
-        return self.search(embed_texts(self.index, texts, self.weights), k, nprobe, [{"text": t} for t in texts])
+        return self.search(embed_texts(self.index, texts, self.weights), k, nprobe, [{"text": t} for t in texts], factor)
 
     def search_image(self, data: bytes, k: int, nprobe: int | None) -> list[dict[str, Any]]:
         import io

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 class QueryConfig:
     k: int = 10  # results per query
     nprobe: int | None = None  # IVF lists visited (IVF indexes only); None: the index's setting
+    refine_factor: int | None = None  # IVF-PQ shortlist = this * k, re-scored exactly; None: the index's setting
     weights: str | None = None  # weights file for embedding query images; None: the one the index was built with
 
 
@@ -121,5 +122,5 @@ def query(index: SearchIndex, conf: QueryConfig, keys: list[str] = (), images: l
     if vectors is not None:
         blocks.append(vectors)
         labels += [{"vector": i} for i in range(len(vectors))]
-    D, I = index.search(np.concatenate(blocks), conf.k, conf.nprobe)
+    D, I = index.search(np.concatenate(blocks), conf.k, conf.nprobe, refine_factor=conf.refine_factor)
     return [{"query": label, "k": conf.k, "results": res} for label, res in zip(labels, results_json(index, D, I))]

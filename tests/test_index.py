@@ -7,7 +7,8 @@ import pytest
 
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 from index.build import IDS_FILE, INFOS_FILE, IndexConfig, main
-from index.search import IndexFileError, UnknownKeyError, load_index
+from index.search import IndexFileError, UnknownKeyError, load_index, set_nprobe
+from ingest.errors import NeedleInputError
 from ingest.descriptors import DescriptorFileError, make_row_id
 
 
@@ -65,19 +66,42 @@ def test_ivfpq_with_refine_matches_exact_search(tmp_path, collection):
     assert recall_pq <= recall
 
 
-@pytest.mark.parametrize("conf", [IndexConfig(), IVF], ids=["flat", "ivfpq"])
-def test_sharded_equals_single(tmp_path, collection, conf):
+def test_sharded_flat_equals_single(tmp_path, collection):
     from dataclasses import replace
 
     desc, xb = collection
-    single = load_index(main(conf, desc, tmp_path / "single"))
-    sharded = load_index(main(replace(conf, shards=3), desc, tmp_path / "sharded"))
+    single = load_index(main(IndexConfig(), desc, tmp_path / "single"))
+    sharded = load_index(main(replace(IndexConfig(), shards=3), desc, tmp_path / "sharded"))
     assert len(sharded.shards) == 3 and sharded.ntotal == single.ntotal == 450
     xq = xb[::11]
     D1, I1 = single.search(xq, 15)
     D3, I3 = sharded.search(xq, 15)
     np.testing.assert_array_equal(I1, I3)
     np.testing.assert_allclose(D1, D3, rtol=1e-6, atol=1e-6)
+
+
+def test_sharded_ivfpq_is_never_worse_than_single_and_equal_when_single_is_exact(tmp_path, collection):
+    """Each shard's shortlist holds every candidate the single index takes from its rows, and all
+    candidates are re-scored exactly: the sharded i-th score is >= the single one, and where the
+    single index returns the exact top k the sharded index returns it too."""
+    from dataclasses import replace
+
+    desc, xb = collection
+    conf = replace(IVF, refine_factor=2, nprobe=2)  # a tight shortlist, so that it sometimes misses
+    single = load_index(main(conf, desc, tmp_path / "single"))
+    sharded = load_index(main(replace(conf, shards=3), desc, tmp_path / "sharded"))
+    xq = xb[::5].astype(np.float32)
+    k = 15
+    D1, I1 = single.search(xq, k)
+    D3, I3 = sharded.search(xq, k)
+    assert np.all(D3 >= D1 - 1e-5)
+    rows = np.array([make_row_id(s, i) for s in range(3) for i in range(150)])
+    _, order = exact_topk(xq, xb, k)
+    single_exact = [set(I1[q]) == set(rows[order[q]]) for q in range(len(xq))]
+    assert 0 < sum(single_exact) < len(xq)  # both cases occur: the test is not vacuous
+    for q in np.flatnonzero(single_exact):
+        np.testing.assert_array_equal(I1[q], I3[q])
+        np.testing.assert_allclose(D1[q], D3[q], rtol=1e-6, atol=1e-6)
 
 
 def test_parallel_parts_equal_one_part(tmp_path, collection):
@@ -166,3 +190,38 @@ def test_hnsw_quantizer_plan_builds_and_searches(tmp_path, collection):
     index = load_index(main(conf, desc, tmp_path / "index"))
     D, I = index.search(xb[:5], 3)
     assert [keys[0] for keys in index.keys_of(I)] == [index.keys_of(index.rows[None, :5])[0][q] for q in range(5)]
+    # The build's HNSW search depth is saved with the quantizer and recorded; queries never explore
+    # fewer graph candidates than the lists they want.
+    import faiss
+
+    from index.build import hnsw_quantizer
+
+    assert index.infos["quantizer_ef"] == conf.quantizer_ef == 128
+    graph = hnsw_quantizer(faiss.read_index(str(tmp_path / "index" / "index.faiss")))
+    assert graph is not None and graph.hnsw.efSearch == 128
+    set_nprobe(index.shards[0].index, 300, index.infos["quantizer_ef"])
+    assert hnsw_quantizer(index.shards[0].index).hnsw.efSearch == 300
+
+
+def test_query_time_refine_factor(tmp_path, collection):
+    desc, xb = collection
+    index = load_index(main(IVF, desc, tmp_path / "index"))
+    xq = xb[::9].astype(np.float32)
+    rows = np.array([make_row_id(s, i) for s in range(3) for i in range(150)])
+    _, order = exact_topk(xq, xb, 10)
+    recalls = []
+    for factor in (1, 45):  # 45 * 10 candidates: the whole index, re-scored exactly
+        _, I = index.search(xq, 10, refine_factor=factor)
+        recalls.append(np.mean([len(set(I[q]) & set(rows[order[q]])) / 10 for q in range(len(xq))]))
+    assert recalls[0] < recalls[1] == 1.0  # a longer shortlist re-scored exactly finds what PQ misranked
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(NeedleInputError, match="refine_factor"):
+            index.search(xq, 10, refine_factor=bad)
+
+
+def test_process_memory_reads_linux_accounting():
+    from index.memory import process_memory
+
+    memory = process_memory()
+    assert memory["rss"] > 10 * 2**20 and 0 < memory["pss_anon"] <= memory["pss"] <= memory["rss"]
+    assert process_memory(pid=2**22 + 7) == {}  # no such process

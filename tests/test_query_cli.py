@@ -32,7 +32,7 @@ def built_index(tmp_path_factory, photos):
 
 
 def test_query_by_stored_key_returns_it_first(built_index):
-    run = needle("query", "--index", str(built_index / "index"), "--key", "000001/k11", "--k", "3")
+    run = needle("query", "--index", str(built_index / "index"), "--key", "000001/k11", "--k", "3", "--refine-factor", "3")
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     assert out["results"][0]["key"] == "000001/k11"

@@ -1,0 +1,30 @@
+"""Memory of a process as Linux accounts it, for serving reports and benchmarks.
+
+RSS counts every resident page, including pages of memory-mapped files (index shards, the float16
+refine vectors) that the kernel can drop and re-read at will; PSS divides shared pages among the
+processes that map them, so the PSS of a coordinator and its shard actors can be summed. The
+anonymous part is what must really fit in RAM.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FIELDS = {"Rss": "rss", "Pss": "pss", "Pss_Anon": "pss_anon", "Pss_File": "pss_file"}
+
+
+def process_memory(pid: int | None = None) -> dict[str, int]:
+    """``{"rss", "pss", "pss_anon", "pss_file"}`` in bytes for ``pid`` (default: this process);
+    empty where /proc/PID/smaps_rollup does not exist (not Linux, or the process is gone)."""
+    path = Path(f"/proc/{pid or os.getpid()}/smaps_rollup")
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        name, _, rest = line.partition(":")
+        if name in FIELDS:
+            out[FIELDS[name]] = int(rest.split()[0]) * 1024  # reported in kB
+    return out
