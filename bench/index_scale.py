@@ -165,7 +165,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from index.build import INDEX_FILE, INFOS_FILE, merge_parts
+    from index.build import IDS_FILE, INDEX_FILE, INFOS_FILE, VECTORS_FILE, merge_parts
     from index.memory import process_memory
     from index.search import load_index
 
@@ -198,7 +198,7 @@ def main() -> None:
         shutil.rmtree(single, ignore_errors=True)
         single.mkdir()
         merge_parts([str(work / "sharded" / name) for name in infos["index_files"]], single / INDEX_FILE)
-        for name in ("ids.parquet", "vectors.f16.npy"):
+        for name in (IDS_FILE, VECTORS_FILE):
             os.link(work / "sharded" / name, single / name)
         (single / INFOS_FILE).write_text(json.dumps({**infos, "index_files": [INDEX_FILE], "config": {**infos["config"], "shards": 1}}))
         single_index = load_index(single)

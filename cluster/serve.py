@@ -77,7 +77,7 @@ def serve_sharded(path: str | Path, cpus_per_shard: float | None = None) -> RayS
     actor_cls = ray.remote(num_cpus=cpus_per_shard)(ShardActor)
     actors = [actor_cls.remote(str(Path(path)), name) for name in base.infos["index_files"]]
     ray.get([a.search.remote(np.zeros((1, base.d), np.float32), 1, 1, None, True) for a in actors])  # loaded and ready
-    fields = {f: getattr(base, f) for f in ("shards", "rows", "status", "vectors", "infos", "path")}
+    fields = {f: getattr(base, f) for f in ("shards", "ids", "vectors", "infos", "path")}
     return RayShardedIndex(**fields, actors=actors)
 
 

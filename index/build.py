@@ -5,7 +5,8 @@ Output directory (see docs/schema.md):
 
 - ``index.faiss``, or ``shard_000.faiss`` ... with ``--shards N``: FAISS indexes whose ids are
   the Parquet ``row`` ids (shards share one trained quantizer and hold disjoint rows)
-- ``ids.parquet``: ``row``, ``key``, ``status`` of every Parquet row, in file order
+- ``ids.arrow``: ``row``, ``key``, ``status`` of every Parquet row, in file order (an uncompressed
+  Arrow IPC file: memory-mapped at query time, so 100M keys cost no RAM until looked up)
 - ``vectors.f16.npy``: the float16 descriptors of every row in the same order (zeros for rows not
   indexed), memory-mapped at query time for exact re-scoring ("refine") and queries by key
 - ``index_infos.json``: the plan and why, sizes, shard offsets, the ingestion's extractor info
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.ipc
 import pyarrow.parquet as pq
 
 from index.factory import IndexPlan, parse_bytes, plan_index
@@ -46,7 +48,7 @@ from ingest.descriptors import (
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "index.faiss"
-IDS_FILE = "ids.parquet"
+IDS_FILE = "ids.arrow"
 VECTORS_FILE = "vectors.f16.npy"
 INFOS_FILE = "index_infos.json"
 TRAINED_FILE = "trained.faiss"
@@ -77,7 +79,7 @@ class FileInfo:
     path: str
     rows: int
     shard_id: int
-    offset: int  # position of the file's first row in ids.parquet / vectors.f16.npy
+    offset: int  # position of the file's first row in ids.arrow / vectors.f16.npy
 
 
 def descriptor_files(descriptors: Path | str | Sequence[Path | str], staging: Path | None = None,
@@ -126,7 +128,7 @@ def scan(files: list[Path], ids_path: Path) -> tuple[list[FileInfo], int, int]:
     seen_shards: dict[int, Path] = {}
     tmp = ids_path.with_name(ids_path.name + ".tmp")
     schema = pa.schema([("row", pa.int64()), ("key", pa.string()), ("status", pa.string())])
-    with pq.ParquetWriter(tmp, schema) as writer:
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         for path in files:
             file_dim = global_dim(path)
             if dim is None:
@@ -176,8 +178,9 @@ def training_sample(files: list[FileInfo], dim: int, n_train: int, seed: int) ->
         rows, xb, _ = read_valid(f.path, dim)
         if len(xb):
             blocks.append(xb[rng.random(len(xb)) < take])
-    xt = np.concatenate(blocks).astype(np.float32)
-    return xt[rng.permutation(len(xt))[:n_train]]
+    xt = np.concatenate(blocks)  # float16: half the memory while the sample is drawn
+    del blocks
+    return xt[rng.permutation(len(xt))[:n_train]].astype(np.float32)
 
 
 def hnsw_quantizer(index: Any) -> Any | None:

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
+import pyarrow.ipc
 
 from index.build import DEFAULT_QUANTIZER_EF, IDS_FILE, INFOS_FILE, VECTORS_FILE, hnsw_quantizer
 from ingest.descriptors import ROW_SHARD_SHIFT, STATUS_OK
@@ -156,13 +157,10 @@ class Shard:
 @dataclass
 class SearchIndex:
     shards: list[Shard]  # one unless the directory is sharded; empty when the shards live in Ray actors
-    rows: np.ndarray  # (N,) int64 row ids of every Parquet row, in file order
-    status: np.ndarray  # (N,) bool: the row was described (status ok)
+    ids: Any  # pyarrow Table (row, key, status) of every Parquet row in file order, memory-mapped
     vectors: np.ndarray  # (N, d) float16, memory-mapped
     infos: dict[str, Any]  # index_infos.json
     path: Path
-    _keys: Any = field(default=None, repr=False)  # pyarrow array of keys (loaded lazily)
-    _positions: dict[str, int] | None = field(default=None, repr=False)
 
     @property
     def d(self) -> int:
@@ -218,24 +216,25 @@ class SearchIndex:
         """Row ids -> positions in ids/vectors (-1 stays -1)."""
         return positions_of_rows(I, self.offsets)
 
-    # --- keys -------------------------------------------------------------------------------
-    def _key_array(self) -> Any:
-        if self._keys is None:
-            self._keys = pq.read_table(self.path / IDS_FILE, columns=["key"])["key"].combine_chunks()
-        return self._keys
+    # --- keys: read from the memory-mapped id table, only the pages a lookup touches ----------
+    @cached_property
+    def rows(self) -> np.ndarray:
+        """(N,) int64 row ids in file order (copied into memory on first use)."""
+        return self.ids["row"].to_numpy()
 
     def position_of(self, key: str) -> int:
-        if self._positions is None:
-            self._positions = {k: i for i, k in enumerate(self._key_array().to_pylist())}
-        try:
-            return self._positions[key]
-        except KeyError:
-            raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}") from None
+        # A scan of the mapped key column (~0.1 s per 10M keys) rather than a dict of every key,
+        # which would cost gigabytes at 100M rows.
+        position = pc.index(self.ids["key"], key).as_py()
+        if position < 0:
+            raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
+        return position
 
     def vector_of(self, key: str) -> np.ndarray:
         position = self.position_of(key)
         vector = np.asarray(self.vectors[position], dtype=np.float32)
-        if not self.status[position] or not np.isfinite(vector).all() or not vector.any():
+        ok = self.ids["status"][position].as_py() == STATUS_OK
+        if not ok or not np.isfinite(vector).all() or not vector.any():
             raise UnknownKeyError(f"key {key!r} has no valid descriptor in {self.path} (its image failed or was rejected)")
         return vector
 
@@ -243,10 +242,16 @@ class SearchIndex:
         """Row ids (nq, k) -> keys, None for the -1 padding."""
         I = np.atleast_2d(I)
         positions = self.positions_of_rows(I)
-        keys = self._key_array().take(positions.clip(0).reshape(-1)).to_pylist()
+        keys = self.ids["key"].take(pa.array(positions.clip(0).reshape(-1))).to_pylist()
         flat_valid = (positions >= 0).reshape(-1)
         out = [k if v else None for k, v in zip(keys, flat_valid)]
         return [out[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
+
+
+def read_ids(path: Path) -> Any:
+    """The id table, memory-mapped (zero copy)."""
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_file(source).read_all()
 
 
 def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True) -> SearchIndex:
@@ -260,7 +265,7 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True) ->
             raise IndexFileError(f"index directory {path} has no {name}")
     try:
         infos = json.loads((path / INFOS_FILE).read_text())
-        ids = pq.read_table(path / IDS_FILE, columns=["row", "status"])
+        ids = read_ids(path / IDS_FILE)
         vectors = np.load(path / VECTORS_FILE, mmap_mode="r")
     except Exception as exc:  # pyarrow, numpy and json each raise their own types for corrupt files
         raise IndexFileError(f"cannot read index files in {path}: {type(exc).__name__}: {exc}") from exc
@@ -269,18 +274,17 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True) ->
     if missing:
         raise IndexFileError(f"index directory {path} has no {', '.join(missing)}")
     faiss_indexes = [read_faiss(path / name, mmap) for name in names] if with_shards else []
-    rows = ids["row"].to_numpy()
-    status = pc.equal(ids["status"], STATUS_OK).to_numpy(zero_copy_only=False)
+    rows = ids.num_rows
     ntotal = sum(s.ntotal for s in faiss_indexes) if with_shards else infos.get("ntotal")
-    if len(rows) != len(vectors) or len(rows) != infos.get("rows") or ntotal != infos.get("ntotal"):
+    if rows != len(vectors) or rows != infos.get("rows") or ntotal != infos.get("ntotal"):
         raise IndexFileError(
             f"index {path} is inconsistent: {ntotal} vectors in the index files (infos: {infos.get('ntotal')}), "
-            f"{len(rows)} ids in {IDS_FILE}, {len(vectors)} rows in {VECTORS_FILE} (infos: {infos.get('rows')})"
+            f"{rows} ids in {IDS_FILE}, {len(vectors)} rows in {VECTORS_FILE} (infos: {infos.get('rows')})"
         )
     if vectors.ndim != 2 or vectors.shape[1] != infos.get("dim") or any(s.d != vectors.shape[1] for s in faiss_indexes):
         raise IndexFileError(f"index {path}: {VECTORS_FILE} has shape {vectors.shape}, the index d={infos.get('dim')}")
     shards = [make_shard(index, vectors, infos) for index in faiss_indexes]
-    return SearchIndex(shards, rows, status, vectors, infos, path)
+    return SearchIndex(shards, ids, vectors, infos, path)
 
 
 def make_shard(index: Any, vectors: np.ndarray, infos: dict[str, Any]) -> Shard:

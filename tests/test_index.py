@@ -3,11 +3,13 @@
 import json
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.ipc
 import pytest
 
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 from index.build import IDS_FILE, INFOS_FILE, IndexConfig, main
-from index.search import IndexFileError, UnknownKeyError, load_index, set_nprobe
+from index.search import IndexFileError, UnknownKeyError, load_index, read_ids, set_nprobe
 from ingest.errors import NeedleInputError
 from ingest.descriptors import DescriptorFileError, make_row_id
 
@@ -136,10 +138,10 @@ def test_non_finite_descriptors_rejected_and_counted(tmp_path):
 def test_inconsistent_or_missing_index_files_are_refused(tmp_path, collection):
     desc, _ = collection
     out = main(IndexConfig(), desc, tmp_path / "index")
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(out / IDS_FILE)
-    pq.write_table(table.slice(0, 10), out / IDS_FILE)
+    table = read_ids(out / IDS_FILE)  # memory-mapped: write a new file and swap it in
+    with pa.OSFile(str(tmp_path / "ids.tmp"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table.slice(0, 10))
+    (tmp_path / "ids.tmp").replace(out / IDS_FILE)
     with pytest.raises(IndexFileError, match="inconsistent"):
         load_index(out)
     (out / IDS_FILE).unlink()
