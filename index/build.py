@@ -34,6 +34,7 @@ import pyarrow.ipc
 import pyarrow.parquet as pq
 
 from index.factory import IndexPlan, parse_bytes, plan_index
+from index.memory import process_memory
 from ingest.descriptors import (
     ROW_SHARD_SHIFT,
     STATUS_OK,
@@ -183,6 +184,13 @@ def training_sample(files: list[FileInfo], dim: int, n_train: int, seed: int) ->
     return xt[rng.permutation(len(xt))[:n_train]].astype(np.float32)
 
 
+def peak_rss_bytes() -> int:
+    """This process's high-water resident memory (Linux reports kilobytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def hnsw_quantizer(index: Any) -> Any | None:
     """The HNSW graph over an IVF index's centroids, or None (flat quantizer, flat index)."""
     import faiss
@@ -231,8 +239,9 @@ def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path:
             out.write(block.tobytes())
             added += len(rows)
             rejected += bad
+    rss = process_memory().get("rss", 0)  # the part's codes are in memory now: the add phase's high point
     write_atomic(Path(part_path), lambda tmp: faiss.write_index(index, str(tmp)))
-    return {"added": added, "rejected_non_finite": rejected}
+    return {"added": added, "rejected_non_finite": rejected, "rss_bytes": rss}
 
 
 def split_ranges(files: list[FileInfo], parts: int) -> list[list[FileInfo]]:
@@ -301,6 +310,9 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     trained = train(plan, xt, conf.quantizer_ef)
     trained_path = output / TRAINED_FILE
     write_atomic(trained_path, lambda tmp: faiss.write_index(trained, str(tmp)))
+    n_train = len(xt) if plan.kind == "ivfpq" else 0
+    del xt
+    training_peak = peak_rss_bytes()
     vectors = np.lib.format.open_memmap(output / (VECTORS_FILE + ".tmp"), mode="w+", dtype=np.float16, shape=(n_rows, dim))
     del vectors
 
@@ -330,7 +342,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
         "kind": plan.kind,
         "nlist": plan.nlist,
         "code_bytes": plan.code_bytes,
-        "n_train": int(len(xt)) if plan.kind == "ivfpq" else 0,
+        "n_train": n_train,
         "estimated_bytes": plan.estimated_bytes,
         "memory_budget_bytes": budget,
         "reasons": plan.reasons,
@@ -348,6 +360,11 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
         "parquet_files": len(infos),
         "extractors": ingest.get("extractors", []),
         "build_s": round(time.perf_counter() - start, 3),
+        "memory": {  # this process's high-water RSS after training and at the end; the parts' RSS when full
+            "peak_rss_after_training_bytes": training_peak,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "part_rss_bytes": max((s.get("rss_bytes", 0) for s in stats), default=0),
+        },
         "faiss_version": faiss.__version__,
     }
     write_json_atomic(index_infos, output / INFOS_FILE)
