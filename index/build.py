@@ -300,6 +300,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     info_path = files[0].parent / "ingest_info.json"  # how the descriptors were made
     ingest = json.loads(info_path.read_text()) if info_path.is_file() else {}
     infos, dim, n_ok = scan(files, output / IDS_FILE)
+    timings = {"scan_s": time.perf_counter() - start}
     n_rows = sum(f.rows for f in infos)
     budget = parse_bytes(conf.memory_budget)
     plan = plan_index(max(1, n_ok), dim, budget, conf.kind, conf.factory, conf.flat_threshold,
@@ -307,10 +308,12 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     log.info("index plan: %s (%s)", plan.factory, "; ".join(plan.reasons))
 
     xt = training_sample(infos, dim, plan.n_train, conf.seed) if plan.kind == "ivfpq" else np.zeros((1, dim), np.float32)
+    timings["sample_s"] = time.perf_counter() - start - sum(timings.values())
     trained = train(plan, xt, conf.quantizer_ef)
     trained_path = output / TRAINED_FILE
     write_atomic(trained_path, lambda tmp: faiss.write_index(trained, str(tmp)))
     n_train = len(xt) if plan.kind == "ivfpq" else 0
+    timings["train_s"] = time.perf_counter() - start - sum(timings.values())
     del xt
     training_peak = peak_rss_bytes()
     vectors = np.lib.format.open_memmap(output / (VECTORS_FILE + ".tmp"), mode="w+", dtype=np.float16, shape=(n_rows, dim))
@@ -323,6 +326,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     part_paths = [str(output / f"part_{i:03d}.faiss") for i in range(len(ranges))]
     tasks = [(str(trained_path), r, dim, str(output / (VECTORS_FILE + ".tmp")), p) for r, p in zip(ranges, part_paths)]
     stats = run_parts(tasks)
+    timings["add_s"] = time.perf_counter() - start - sum(timings.values())
 
     if shards == 1:
         index_files = [INDEX_FILE]
@@ -335,6 +339,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
         Path(path).unlink(missing_ok=True)
     shutil.rmtree(output / "staging", ignore_errors=True)
     (output / (VECTORS_FILE + ".tmp")).replace(output / VECTORS_FILE)
+    timings["merge_s"] = time.perf_counter() - start - sum(timings.values())
 
     index_infos = {
         "config": asdict(conf),
@@ -360,6 +365,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
         "parquet_files": len(infos),
         "extractors": ingest.get("extractors", []),
         "build_s": round(time.perf_counter() - start, 3),
+        "timings": {name: round(seconds, 3) for name, seconds in timings.items()},  # scan, sample, train, add, merge
         "memory": {  # this process's high-water RSS after training and at the end; the parts' RSS when full
             "peak_rss_after_training_bytes": training_peak,
             "peak_rss_bytes": peak_rss_bytes(),
