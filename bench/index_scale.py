@@ -209,7 +209,9 @@ def main() -> None:
     result = {
         "n": args.n, "d": args.d, "memory_budget": args.memory_budget, "factory": infos["factory"],
         "reasons": infos["reasons"], "shards": args.shards, "n_train": infos["n_train"],
-        "quantizer_ef": infos.get("quantizer_ef"), "generate_s": round(generate_s, 1), "build_s": built["build_s"],
+        "nlist": infos["nlist"], "code_bytes": infos["code_bytes"], "quantizer_ef": infos.get("quantizer_ef"),
+        "generate_s": round(generate_s, 1), "build_s": built["build_s"], "build_timings": infos.get("timings"),
+        "build_memory": {name.replace("_bytes", "_gb"): gb(value) for name, value in infos.get("memory", {}).items()},
         "build_peak_rss_gb": built["build_peak_rss_gb"], **serve,
         "peak_rss_gb": max(built["build_peak_rss_gb"], serve["serve_rss_gb"]),
         "bytes_per_vector": round(index_bytes / args.n, 1), "refine_bytes_per_vector": 2 * args.d,

@@ -248,6 +248,17 @@ class SearchIndex:
         return [out[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
 
 
+def map_vectors(path: Path) -> np.ndarray:
+    """The float16 refine vectors, memory-mapped for random access: without readahead a cold
+    2000-row shortlist read 4-5x faster here (0.13-0.2 s instead of 0.64-0.87 s from this disk)."""
+    import mmap
+
+    vectors = np.load(path, mmap_mode="r")
+    if hasattr(mmap, "MADV_RANDOM") and getattr(vectors, "_mmap", None) is not None:
+        vectors._mmap.madvise(mmap.MADV_RANDOM)
+    return vectors
+
+
 def read_ids(path: Path) -> Any:
     """The id table, memory-mapped (zero copy)."""
     with pa.memory_map(str(path)) as source:
@@ -266,7 +277,7 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True) ->
     try:
         infos = json.loads((path / INFOS_FILE).read_text())
         ids = read_ids(path / IDS_FILE)
-        vectors = np.load(path / VECTORS_FILE, mmap_mode="r")
+        vectors = map_vectors(path / VECTORS_FILE)
     except Exception as exc:  # pyarrow, numpy and json each raise their own types for corrupt files
         raise IndexFileError(f"cannot read index files in {path}: {type(exc).__name__}: {exc}") from exc
     names = infos.get("index_files", ["index.faiss"])
@@ -297,7 +308,7 @@ def open_shard(path: str | Path, name: str) -> Shard:
     path = Path(path)
     try:
         infos = json.loads((path / INFOS_FILE).read_text())
-        vectors = np.load(path / VECTORS_FILE, mmap_mode="r")
+        vectors = map_vectors(path / VECTORS_FILE)
     except Exception as exc:
         raise IndexFileError(f"cannot read index files in {path}: {type(exc).__name__}: {exc}") from exc
     return make_shard(read_faiss(path / name), vectors, infos)
