@@ -1,9 +1,10 @@
 """Serving an index: shards in Ray actors (one per shard, memory-mapped), and a small HTTP endpoint.
 
-A query fans out to every shard actor; each takes its shortlist from its index, re-scores it
-exactly from the memory-mapped float16 vectors of its rows and returns its top k, which the
-coordinator merges by score: the same computation (``index.search.Shard.search``) as searching
-the sharded directory in one process.
+A query fans out to every shard actor; each takes its shortlist from its index and re-scores it
+exactly from the memory-mapped float16 vectors of its rows; the coordinator keeps the shortlist a
+single index would take and returns the top k of its exact scores: the same computation
+(``index.search.Shard.search``) as searching the directory in one process, and the same answer
+as a single index over the same data.
 
 ``needle serve --index DIR`` binds 127.0.0.1 by default:
 
@@ -38,13 +39,13 @@ MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors
 class ShardActor:
     """One index shard and the float16 vectors of its rows, memory-mapped; wrapped with
     ``ray.remote`` by :func:`serve_sharded`. It re-scores its own shortlist, so the coordinator
-    only merges each shard's exact top k (and needs no vectors to answer)."""
+    only merges (and reads no vectors to answer)."""
 
     def __init__(self, path: str, name: str):
         self.shard = open_shard(path, name)
 
-    def search(self, xq: np.ndarray, k: int, kk: int, nprobe: int | None, refine: bool) -> tuple[np.ndarray, np.ndarray]:
-        return self.shard.search(xq, k, kk, nprobe, refine)
+    def search(self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.shard.search(xq, kk, nprobe, refine)
 
     def memory(self) -> dict[str, int]:
         """This actor's process memory (see index.memory)."""
@@ -57,10 +58,10 @@ class ShardActor:
 class RayShardedIndex(SearchIndex):
     actors: list[Any] = field(default_factory=list)
 
-    def search_shards(self, xq: np.ndarray, k: int, kk: int, nprobe: int | None, refine: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    def search_shards(self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         import ray
 
-        return ray.get([actor.search.remote(xq, k, kk, nprobe, refine) for actor in self.actors])
+        return ray.get([actor.search.remote(xq, kk, nprobe, refine) for actor in self.actors])
 
 
 def serve_sharded(path: str | Path, cpus_per_shard: float | None = None) -> RayShardedIndex:
@@ -76,7 +77,7 @@ def serve_sharded(path: str | Path, cpus_per_shard: float | None = None) -> RayS
         cpus_per_shard = min(1.0, ray.cluster_resources().get("CPU", 1) / len(base.infos["index_files"]))
     actor_cls = ray.remote(num_cpus=cpus_per_shard)(ShardActor)
     actors = [actor_cls.remote(str(Path(path)), name) for name in base.infos["index_files"]]
-    ray.get([a.search.remote(np.zeros((1, base.d), np.float32), 1, 1, None, True) for a in actors])  # loaded and ready
+    ray.get([a.search.remote(np.zeros((1, base.d), np.float32), 1, None, True) for a in actors])  # loaded and ready
     fields = {f: getattr(base, f) for f in ("shards", "ids", "vectors", "infos", "path")}
     return RayShardedIndex(**fields, actors=actors)
 

@@ -2,16 +2,15 @@
 
 ``search(xq, k) -> (D, I)``: scores (inner product = cosine) and Parquet ``row`` ids, best first,
 -1 where fewer than k results exist. IVF-PQ results are re-scored exactly: each index file
-(``Shard``) takes its ``refine_factor * k`` best candidates by PQ score, scores them against the
-memory-mapped float16 vectors of its rows and keeps its exact top k; the shards' top k are merged
-by score (ties to the lower row id).
+(``Shard``) takes its ``refine_factor * k`` best candidates by PQ score (ties to the lower row
+id) and scores them against the memory-mapped float16 vectors of its rows; the coordinator keeps
+the ``refine_factor * k`` best of all shards' candidates by PQ score (the shortlist a single index
+would take: each shard's list holds its members of it) and returns the top k of their exact
+scores. So a sharded index answers exactly like a single index over the same data, while the
+re-scoring runs in the shards, in parallel, next to their vectors.
 
 A sharded directory (``shard_*.faiss``) is searched shard by shard in this process;
-cluster/serve.py runs the same ``Shard.search`` in one Ray actor per shard, so both answer
-identically. Against a single index over the same data, each shard's shortlist contains every
-candidate the single index would take from that shard (the same codes, cut by the same
-deterministic order), so sharded results are never worse and equal whenever the single index's
-shortlist holds the exact top k.
+cluster/serve.py runs the same ``Shard.search`` in one Ray actor per shard.
 """
 
 from __future__ import annotations
@@ -53,12 +52,6 @@ def read_faiss(path: Path, mmap: bool = True) -> Any:
             return faiss.read_index(str(path))
         except RuntimeError as exc:
             raise IndexFileError(f"cannot read {path}: {str(exc).splitlines()[0]}") from exc
-
-
-def merge_topk(D_parts: list[np.ndarray], I_parts: list[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Merge per-shard (D, I) results into the global top-k: descending score, ties to the lower
-    row id, so that any split of the data into shards gives the same answer."""
-    return sort_by_score(np.concatenate(D_parts, axis=1), np.concatenate(I_parts, axis=1), k)
 
 
 def tie_margin(kk: int) -> int:
@@ -108,11 +101,18 @@ def positions_of_rows(I: np.ndarray, offsets: tuple[np.ndarray, np.ndarray]) -> 
     return np.where(I >= 0, first[index] + (I & ((1 << ROW_SHARD_SHIFT) - 1)), -1)
 
 
+def top_order(D: np.ndarray, I: np.ndarray, k: int) -> np.ndarray:
+    """Each row's first k positions by descending score, ties to the lower row id, -1 padding last."""
+    D = np.where(I < 0, -np.inf, D)
+    if not len(D):
+        return np.zeros((0, k), np.int64)
+    return np.stack([np.lexsort((I[q], -D[q]))[:k] for q in range(len(D))])
+
+
 def sort_by_score(D: np.ndarray, I: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Each row's top k by descending score, ties to the lower row id, -1 padding last."""
-    D = np.where(I < 0, -np.inf, D)
-    order = np.stack([np.lexsort((I[q], -D[q]))[:k] for q in range(len(D))]) if len(D) else np.zeros((0, k), np.int64)
-    return np.take_along_axis(D, order, 1), np.take_along_axis(I, order, 1)
+    order = top_order(D, I, k)
+    return np.take_along_axis(np.where(I < 0, -np.inf, D), order, 1), np.take_along_axis(I, order, 1)
 
 
 @dataclass
@@ -131,19 +131,18 @@ class Shard:
     def ntotal(self) -> int:
         return int(self.index.ntotal)
 
-    def search(self, xq: np.ndarray, k: int, kk: int, nprobe: int | None = None, refine: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """This shard's top k of (nq, d) float32 queries: its best ``kk`` candidates by index score,
-        re-scored exactly from the float16 vectors (IVF-PQ with ``refine``); best first."""
+    def search(self, xq: np.ndarray, kk: int, nprobe: int | None = None, refine: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This shard's shortlist for (nq, d) float32 queries: ``(D_index, I, D_exact)``, its best
+        ``kk`` candidates by index score (ties to the lower row id) with their exact inner
+        products from the float16 vectors (IVF-PQ with ``refine``; otherwise the index scores)."""
         set_nprobe(self.index, nprobe or self.nprobe, self.quantizer_ef)
-        refine = refine and not self.exact
-        kk = kk if refine else k
         D, I = self.index.search(xq, min(kk + tie_margin(kk), max(1, self.ntotal)))
         D, I = sort_by_score(D, I, kk)  # a cut that does not depend on FAISS's order among ties
-        if refine:
-            D, I = self.rescore(xq, I)
-        return sort_by_score(D, I, k)
+        if refine and not self.exact:
+            return D, I, self.rescore(xq, I)
+        return D, I, D
 
-    def rescore(self, xq: np.ndarray, I: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def rescore(self, xq: np.ndarray, I: np.ndarray) -> np.ndarray:
         """Exact inner products of the candidates against their float16 vectors (-inf for -1)."""
         positions = positions_of_rows(I, self.offsets)
         D = np.full(I.shape, -np.inf, dtype=np.float32)
@@ -151,7 +150,7 @@ class Shard:
             valid = np.flatnonzero(positions[q] >= 0)
             reads = valid[np.argsort(positions[q, valid])]  # ascending positions: sequential reads of the map
             D[q, reads] = float16_inner_products(self.vectors[positions[q, reads]], xq[q])
-        return D, I
+        return D
 
 
 @dataclass
@@ -193,9 +192,9 @@ class SearchIndex:
         factor = 1 if self.is_exact or not refine else (refine_factor or max(1, int(self.infos.get("refine_factor", 2))))
         return min(k * factor, self.ntotal)
 
-    def search_shards(self, xq: np.ndarray, k: int, kk: int, nprobe: int | None, refine: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Every shard's (D, I) top k (cluster/serve.py asks its Ray actors instead)."""
-        return [shard.search(xq, k, kk, nprobe, refine) for shard in self.shards]
+    def search_shards(self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Every shard's shortlist (cluster/serve.py asks its Ray actors instead)."""
+        return [shard.search(xq, kk, nprobe, refine) for shard in self.shards]
 
     def search(self, xq: np.ndarray, k: int, nprobe: int | None = None, refine: bool = True,
                refine_factor: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -205,8 +204,13 @@ class SearchIndex:
         """
         xq = self.check_queries(xq, k)
         k = min(k, self.ntotal)
-        parts = self.search_shards(xq, k, self.shortlist_size(k, refine, refine_factor), nprobe, refine)
-        return merge_topk([D for D, _ in parts], [I for _, I in parts], k)
+        kk = self.shortlist_size(k, refine, refine_factor)
+        parts = self.search_shards(xq, kk, nprobe, refine)
+        D_index, I, D_exact = (np.concatenate([part[i] for part in parts], axis=1) for i in range(3))
+        # The shortlist a single index over all rows would take (every shard's list holds its
+        # members), then the top k of its exact scores: shards and a single index agree.
+        order = top_order(D_index, I, kk)
+        return sort_by_score(np.take_along_axis(D_exact, order, 1), np.take_along_axis(I, order, 1), k)
 
     @cached_property
     def offsets(self) -> tuple[np.ndarray, np.ndarray]:

@@ -82,10 +82,9 @@ def test_sharded_flat_equals_single(tmp_path, collection):
     np.testing.assert_allclose(D1, D3, rtol=1e-6, atol=1e-6)
 
 
-def test_sharded_ivfpq_is_never_worse_than_single_and_equal_when_single_is_exact(tmp_path, collection):
-    """Each shard's shortlist holds every candidate the single index takes from its rows, and all
-    candidates are re-scored exactly: the sharded i-th score is >= the single one, and where the
-    single index returns the exact top k the sharded index returns it too."""
+def test_sharded_ivfpq_equals_single(tmp_path, collection):
+    """Shards re-score their own shortlists, the coordinator keeps the shortlist a single index would
+    take: the same rows and scores as the single index, also where that shortlist misses."""
     from dataclasses import replace
 
     desc, xb = collection
@@ -94,16 +93,16 @@ def test_sharded_ivfpq_is_never_worse_than_single_and_equal_when_single_is_exact
     sharded = load_index(main(replace(conf, shards=3), desc, tmp_path / "sharded"))
     xq = xb[::5].astype(np.float32)
     k = 15
-    D1, I1 = single.search(xq, k)
-    D3, I3 = sharded.search(xq, k)
-    assert np.all(D3 >= D1 - 1e-5)
+    for nprobe, factor in ((2, 2), (8, 4), (1, 1)):
+        D1, I1 = single.search(xq, k, nprobe, refine_factor=factor)
+        D3, I3 = sharded.search(xq, k, nprobe, refine_factor=factor)
+        np.testing.assert_array_equal(I1, I3)
+        np.testing.assert_allclose(D1, D3, rtol=1e-6, atol=1e-6)
     rows = np.array([make_row_id(s, i) for s in range(3) for i in range(150)])
     _, order = exact_topk(xq, xb, k)
-    single_exact = [set(I1[q]) == set(rows[order[q]]) for q in range(len(xq))]
-    assert 0 < sum(single_exact) < len(xq)  # both cases occur: the test is not vacuous
-    for q in np.flatnonzero(single_exact):
-        np.testing.assert_array_equal(I1[q], I3[q])
-        np.testing.assert_allclose(D1[q], D3[q], rtol=1e-6, atol=1e-6)
+    D1, I1 = single.search(xq, k)
+    misses = sum(set(I1[q]) != set(rows[order[q]]) for q in range(len(xq)))
+    assert 0 < misses < len(xq)  # the comparison covers approximate answers, not only exact ones
 
 
 def test_parallel_parts_equal_one_part(tmp_path, collection):

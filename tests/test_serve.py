@@ -28,31 +28,18 @@ def built(tmp_path_factory):
 
 
 @pytest.mark.ray
-def test_ray_sharded_service_equals_in_process_search_and_single_index(built, ray_local):
+def test_ray_sharded_service_equals_single_index(built, ray_local):
     from cluster.serve import serve_sharded
 
     single = load_index(built / "single")
-    in_process = load_index(built / "sharded")
     service = serve_sharded(built / "sharded")
     assert len(service.actors) == 4 and service.ntotal == single.ntotal == 480
-    xb = np.asarray(single.vectors, dtype=np.float32)
-    xq = xb[::13]
-    exact = single.rows[np.argsort(-(xq @ xb.T), axis=1, kind="stable")[:, :25]]
-    agreed = 0
-    for nprobe in (1, 4, 8):
-        D1, I1 = single.search(xq, 25, nprobe)
-        D2, I2 = service.search(xq, 25, nprobe)
-        D3, I3 = in_process.search(xq, 25, nprobe)
-        np.testing.assert_array_equal(I2, I3)  # the same Shard.search, in actors or here
-        np.testing.assert_array_equal(D2, D3)
-        assert np.all(D2 >= D1 - 1e-5)  # never worse than the single index
-        for q in range(len(xq)):  # where the single index finds the exact top k, the shards find it too
-            if set(I1[q]) == set(exact[q]):
-                np.testing.assert_array_equal(I1[q], I2[q])
-                agreed += 1
-    assert agreed > 0
-    D, I = service.search(xq[:3], 5, 8, refine_factor=1)  # query-time refine factor reaches the actors
-    assert D.shape == (3, 5) and np.all(np.diff(D, axis=1) <= 0)
+    xq = np.asarray(single.vectors[::13], dtype=np.float32)
+    for nprobe, factor in ((1, None), (4, None), (8, None), (8, 1)):
+        D1, I1 = single.search(xq, 25, nprobe, refine_factor=factor)
+        D2, I2 = service.search(xq, 25, nprobe, refine_factor=factor)
+        np.testing.assert_array_equal(I1, I2)
+        np.testing.assert_allclose(D1, D2, rtol=1e-6, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
