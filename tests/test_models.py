@@ -48,7 +48,7 @@ def test_packaged_weights_map_in_order_and_classify(photos):
 
     model, path = build_global_model("tf_efficientnet_lite0.gem")
     assert path is not None and path.name.endswith(".pth")
-    image = np.asarray(Image.fromarray(photos["chelsea"]).resize((224, 224)))
+    image = np.array(Image.fromarray(photos["chelsea"]).resize((224, 224)))  # writable: torch shares its memory
     x = (torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255 - 0.5) / 0.5
     with torch.no_grad():
         logits = model.backbone(x)
