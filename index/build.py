@@ -34,7 +34,7 @@ import pyarrow.ipc
 import pyarrow.parquet as pq
 
 from index.factory import IndexPlan, parse_bytes, plan_index
-from index.memory import process_memory
+from index.memory import peak_rss_bytes, process_memory
 from ingest.descriptors import (
     ROW_SHARD_SHIFT,
     STATUS_OK,
@@ -182,13 +182,6 @@ def training_sample(files: list[FileInfo], dim: int, n_train: int, seed: int) ->
     xt = np.concatenate(blocks)  # float16: half the memory while the sample is drawn
     del blocks
     return xt[rng.permutation(len(xt))[:n_train]].astype(np.float32)
-
-
-def peak_rss_bytes() -> int:
-    """This process's high-water resident memory (Linux reports kilobytes)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def hnsw_quantizer(index: Any) -> Any | None:

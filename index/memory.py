@@ -28,3 +28,10 @@ def process_memory(pid: int | None = None) -> dict[str, int]:
         if name in FIELDS:
             out[FIELDS[name]] = int(rest.split()[0]) * 1024  # reported in kB
     return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's high-water resident memory (Linux reports kilobytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -263,6 +263,14 @@ def map_vectors(path: Path) -> np.ndarray:
     return vectors
 
 
+def read_infos_and_vectors(path: Path) -> tuple[dict[str, Any], np.ndarray]:
+    """``index_infos.json`` and the mapped vectors of an index directory, or IndexFileError."""
+    try:
+        return json.loads((path / INFOS_FILE).read_text()), map_vectors(path / VECTORS_FILE)
+    except Exception as exc:  # numpy and json each raise their own types for corrupt files
+        raise IndexFileError(f"cannot read index files in {path}: {type(exc).__name__}: {exc}") from exc
+
+
 def read_ids(path: Path) -> Any:
     """The id table, memory-mapped (zero copy)."""
     with pa.memory_map(str(path)) as source:
@@ -278,11 +286,10 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True) ->
     for name in (IDS_FILE, VECTORS_FILE, INFOS_FILE):
         if not (path / name).is_file():
             raise IndexFileError(f"index directory {path} has no {name}")
+    infos, vectors = read_infos_and_vectors(path)
     try:
-        infos = json.loads((path / INFOS_FILE).read_text())
         ids = read_ids(path / IDS_FILE)
-        vectors = map_vectors(path / VECTORS_FILE)
-    except Exception as exc:  # pyarrow, numpy and json each raise their own types for corrupt files
+    except Exception as exc:  # pyarrow raises its own types for corrupt files
         raise IndexFileError(f"cannot read index files in {path}: {type(exc).__name__}: {exc}") from exc
     names = infos.get("index_files", ["index.faiss"])
     missing = [n for n in names if not (path / n).is_file()]
@@ -310,9 +317,5 @@ def make_shard(index: Any, vectors: np.ndarray, infos: dict[str, Any]) -> Shard:
 def open_shard(path: str | Path, name: str) -> Shard:
     """One shard of an index directory, with its own memory maps (a Ray shard actor's view)."""
     path = Path(path)
-    try:
-        infos = json.loads((path / INFOS_FILE).read_text())
-        vectors = map_vectors(path / VECTORS_FILE)
-    except Exception as exc:
-        raise IndexFileError(f"cannot read index files in {path}: {type(exc).__name__}: {exc}") from exc
+    infos, vectors = read_infos_and_vectors(path)
     return make_shard(read_faiss(path / name), vectors, infos)
