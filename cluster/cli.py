@@ -21,7 +21,8 @@ def _ingest(args: argparse.Namespace) -> int:
         model=args.model, weights=args.weights, resolution=args.resolution, batch_size=args.batch_size,
         precision=args.precision, num_workers=args.workers, cpus_per_worker=args.cpus_per_worker,
         decode_threads=args.decode_threads, overwrite=args.overwrite and not args.resume, address=args.address,
-        max_retries=args.max_retries, s3_endpoint_url=args.s3_endpoint_url,
+        max_retries=args.max_retries, s3_endpoint_url=args.s3_endpoint_url, locals=args.locals,
+        local_itq=args.local_itq, local_top_k=args.local_top_k, keep_local_desc=args.keep_local_desc,
     )
     try:
         main(conf, args.shards, Path(args.out))
@@ -65,7 +66,7 @@ def _open_index(args: argparse.Namespace):
 
 
 def _query(args: argparse.Namespace) -> int:
-    from index.query import QueryConfig, load_vectors, query
+    from query.retrieve import QueryConfig, load_vectors, query
 
     index = _open_index(args)
     vectors = load_vectors(Path(args.vectors), index.d) if args.vectors else None
@@ -106,6 +107,23 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_itq(args: argparse.Namespace) -> int:
+    from embed.train_itq import TrainITQConfig, main
+
+    main(TrainITQConfig(sample=args.sample, iterations=args.iterations, seed=args.seed), Path(args.descriptors), Path(args.out))
+    return 0
+
+
+def _local_presets(args: argparse.Namespace) -> int:
+    from embed.locals import LOCAL_PRESETS
+
+    for name, conf in sorted(LOCAL_PRESETS.items()):
+        scales = "/".join(f"{s:g}" for s in conf.scales)
+        print(f"{name:20s} {conf.kind:9s} {conf.resolution:4d}px scales {scales:14s} top-{conf.top_k}"
+              f"{' per scale' if conf.per_scale else '':10s} itq {conf.itq or '(give --local-itq)'}")
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     from embed.models import MODELS, describe
 
@@ -137,7 +155,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--s3-endpoint-url", help="S3-compatible endpoint for s3:// shards and --out")
     p.add_argument("--address", help="Ray cluster to join ('auto': the running one; default: $RAY_ADDRESS, "
                    "set by `ray job submit`, else a new local instance)")
+    p.add_argument("--locals", help="also write local tokens with this preset (see `needle locals presets`, e.g. lite0-s16)")
+    p.add_argument("--local-itq", help="ITQ projection .npz for the local codes (default: the preset's; 'none': no codes)")
+    p.add_argument("--local-top-k", type=int, help="local tokens per image (default: the preset's)")
+    p.add_argument("--keep-local-desc", action="store_true", help="also store float16 local descriptors")
     p.set_defaults(func=_ingest)
+
+    p = sub.add_parser("locals", help="local-descriptor commands")
+    lsub = p.add_subparsers(dest="locals_command", required=True)
+    t = lsub.add_parser("train-itq", help="learn the 128-bit ITQ projection from descriptors kept with --keep-local-desc")
+    t.add_argument("--descriptors", required=True, help="descriptor directory or Parquet file")
+    t.add_argument("--out", required=True, help=".npz file to write (keys proj, mean)")
+    t.add_argument("--sample", type=int, default=200_000, help="descriptors to learn from")
+    t.add_argument("--iterations", type=int, default=50)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_train_itq)
+    t = lsub.add_parser("presets", help="list the local-token presets")
+    t.set_defaults(func=_local_presets)
 
     p = sub.add_parser("index", help="index commands")
     isub = p.add_subparsers(dest="index_command", required=True)

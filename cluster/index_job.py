@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from index.build import FileInfo, IndexConfig, build_part
+from index.build import IndexConfig, PartTask, build_part
 from index.build import main as build_index
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 def ray_part_runner(cpus_per_part: int = 1):
     """A runner for index.build.main that executes the parts as Ray tasks, with a progress bar."""
 
-    def run(tasks: list[tuple[str, list[FileInfo], int, str, str]]) -> list[dict[str, Any]]:
+    def run(tasks: list[PartTask]) -> list[dict[str, Any]]:
         import ray
         from tqdm import tqdm
 

@@ -14,6 +14,7 @@ replaced and its shards go back to the queue, up to ``max_retries`` times each.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -47,6 +48,10 @@ class IngestConfig:
     max_retries: int = 3  # times a shard is re-queued after its worker died or its read failed transiently
     address: str | None = None  # Ray cluster; None: $RAY_ADDRESS (set by `ray job submit`), else a new local instance
     s3_endpoint_url: str | None = None  # S3-compatible endpoint for s3:// shards and outputs
+    locals: str | None = None  # local-token preset (see `needle locals presets`, e.g. lite0-s16); None: globals only
+    local_itq: str | None = None  # ITQ projection .npz for the local codes; None: the preset's
+    local_top_k: int | None = None  # tokens per image; None: the preset's (100 for database presets)
+    keep_local_desc: bool = False  # also store float16 local descriptors (for train-itq, quality-first)
 
 
 class IngestWorker:
@@ -65,6 +70,8 @@ class IngestWorker:
         self.extractors = [
             GlobalExtractor(conf.model, conf.weights, device, conf.precision, conf.batch_size, conf.resolution)
         ]
+        if conf.locals:
+            self.extractors.append(make_local_extractor(conf, device))
         self.extractors_info = [e.info() for e in self.extractors]  # hashes the weights once
 
     def process(self, url: str, shard_id: int, out: str) -> dict[str, Any]:
@@ -74,6 +81,16 @@ class IngestWorker:
         result = process_shard(url, shard_id, out, self.extractors, self.decode_threads,
                                s3_endpoint_url=self.conf.s3_endpoint_url)
         return {**result.to_dict(), "extractors": self.extractors_info}
+
+
+def make_local_extractor(conf: IngestConfig, device: str = "cpu"):
+    """The local-token extractor a job's configuration asks for."""
+    from embed.locals import LocalExtractor, get_local_preset
+
+    local = get_local_preset(conf.locals, top_k=conf.local_top_k, keep_desc=conf.keep_local_desc or None)
+    if conf.local_itq is not None:  # "none": descriptors only, no codes (e.g. to learn an ITQ projection)
+        local = dataclasses.replace(local, itq=None if conf.local_itq == "none" else conf.local_itq)
+    return LocalExtractor(local, device=device)
 
 
 def connect_ray(address: str | None) -> None:
@@ -103,11 +120,12 @@ def _worker_layout(conf: IngestConfig, resources: dict[str, float], n_shards: in
 
 
 # Settings that change the descriptors: a resumed job must use the same ones.
-_DESCRIPTOR_SETTINGS = ("model", "weights", "resolution")
+_DESCRIPTOR_SETTINGS = ("model", "weights", "resolution", "locals", "local_itq", "local_top_k", "keep_local_desc")
 
 
 def _check_same_settings(previous: dict[str, Any], conf: IngestConfig, where: str) -> None:
-    before = {k: previous.get("config", {}).get(k) for k in _DESCRIPTOR_SETTINGS}
+    defaults = IngestConfig()  # settings added later are recorded by older jobs as their defaults
+    before = {k: previous.get("config", {}).get(k, getattr(defaults, k)) for k in _DESCRIPTOR_SETTINGS}
     now = {k: getattr(conf, k) for k in _DESCRIPTOR_SETTINGS}
     if previous and before != now and not conf.overwrite:
         raise NeedleInputError(

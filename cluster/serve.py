@@ -92,7 +92,7 @@ class QueryService:
         self._extractor = None
 
     def extractor(self):
-        from index.query import query_extractor
+        from query.retrieve import query_extractor
 
         with self._lock:
             if self._extractor is None:
@@ -108,13 +108,13 @@ class QueryService:
 
     def search(self, xq: np.ndarray, k: int, nprobe: int | None, labels: list[dict[str, Any]],
                refine_factor: int | None = None) -> list[dict[str, Any]]:
-        from index.query import results_json
+        from query.retrieve import results_json
 
         D, I = self.index.search(xq, self.check_k(k), nprobe, refine_factor=refine_factor)
         return [{"query": label, "k": k, "results": r} for label, r in zip(labels, results_json(self.index, D, I))]
 
     def search_json(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        from index.query import embed_texts
+        from query.retrieve import embed_texts
 
         k, nprobe, factor = body.get("k", 10), body.get("nprobe"), body.get("refine_factor")
         given = [name for name in ("keys", "vectors", "text") if name in body]

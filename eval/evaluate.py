@@ -3,6 +3,10 @@
 Ground truth: ``{"queries": [{"key": K, "positives": [K, ...]}, ...]}`` with keys as in the Parquet
 ``key`` column. Each query is searched with its stored descriptor; the query itself is removed from
 its ranking (the database is every other image). Queries without positives are skipped and counted.
+
+With ``rerank`` the global shortlist of each query is re-ranked with local tokens (query/retrieve.py):
+the query's tokens come from ``query_locals`` (descriptors of the query images ingested with a
+query-side preset, e.g. ``--locals lite0-s16-query``) or, without it, from the index's local store.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import numpy as np
 
 from eval.metrics import average_precision_at_k
 from index.search import load_index
+from query.retrieve import QueryConfig, search, stored_tokens
+from rerank.rerank import Reranker, RerankConfig
+from rerank.tokens import LocalTokens
 from ingest.descriptors import write_json_atomic
 from ingest.errors import NeedleInputError
 
@@ -29,6 +36,8 @@ class EvalConfig:
     k: int = 1000  # rank cut-off of mAP@k
     nprobe: int | None = None  # IVF lists visited; None: the index's setting
     batch: int = 256  # queries searched at once
+    rerank: RerankConfig | None = None  # re-rank each shortlist with local tokens; None: global only
+    query_locals: str | None = None  # descriptor directory of query-side local tokens; None: the index's store
 
 
 def load_ground_truth(path: Path) -> list[dict[str, Any]]:
@@ -53,12 +62,18 @@ def evaluate(index_dir: Path, queries: list[dict[str, Any]], conf: EvalConfig, i
     usable = [q for q in queries if q["positives"]]
     if not usable:
         raise NeedleInputError("no query with positives to evaluate")
+    # +1: the query finds itself; ignored keys may take places in the shortlist too.
+    query_conf = QueryConfig(k=min(index.ntotal, conf.k + 1 + len(ignore)), nprobe=conf.nprobe, rerank=conf.rerank)
+    reranker = Reranker(conf.rerank) if conf.rerank else None
+    query_tokens = read_query_tokens(conf.query_locals, [q["key"] for q in usable]) if conf.rerank and conf.query_locals else None
     per_query = []
     for start in range(0, len(usable), conf.batch):
         chunk = usable[start : start + conf.batch]
         xq = np.stack([index.vector_of(q["key"]) for q in chunk])
-        # +1: the query finds itself; ignored keys may take places in the shortlist too.
-        D, I = index.search(xq, conf.k + 1 + len(ignore), conf.nprobe)
+        tokens = None
+        if conf.rerank:
+            tokens = [query_tokens[q["key"]] for q in chunk] if query_tokens else stored_tokens(index, [q["key"] for q in chunk])
+        D, I, _ = search(index, xq, query_conf, tokens, reranker)
         for q, keys in zip(chunk, index.keys_of(I)):
             ranking = [k for k in keys if k is not None and k != q["key"] and k not in ignore][: conf.k]
             per_query.append({"key": q["key"], "ap": average_precision_at_k(ranking, q["positives"], conf.k)})
@@ -73,6 +88,34 @@ def evaluate(index_dir: Path, queries: list[dict[str, Any]], conf: EvalConfig, i
         "config": asdict(conf),
         "per_query": per_query,
     }
+
+
+def read_query_tokens(directory: str | Path, keys: list[str]) -> dict[str, LocalTokens]:
+    """Query-side local tokens by key from a descriptor directory (schema v2 with codes); every
+    key must be there."""
+    import pyarrow.parquet as pq
+
+    from index.locals import read_token_records, tokens_from_records
+    from ingest.descriptors import list_descriptor_files
+
+    wanted = set(keys)
+    found: dict[str, LocalTokens] = {}
+    info_path = Path(directory) / "ingest_info.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    local = next((e for e in info.get("extractors", []) if e.get("extractor") == "local"), {})
+    scales = np.asarray(local.get("scales", [1.0]), np.float32)
+    for path in list_descriptor_files(Path(directory)):
+        table_keys = pq.read_table(path, columns=["key"])["key"].to_pylist()
+        if not wanted.intersection(table_keys):
+            continue
+        offsets, records = read_token_records(path)
+        for i, key in enumerate(table_keys):
+            if key in wanted:
+                found[key] = tokens_from_records(records[offsets[i] : offsets[i + 1]], scales)
+    missing = [k for k in keys if k not in found]
+    if missing:
+        raise NeedleInputError(f"query descriptors {directory} lack local tokens of {len(missing)} queries, e.g. {missing[:3]}")
+    return found
 
 
 def main(conf: EvalConfig, index_dir: Path, ground_truth: Path, output: Path) -> Path:

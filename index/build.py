@@ -34,12 +34,14 @@ import pyarrow.ipc
 import pyarrow.parquet as pq
 
 from index.factory import IndexPlan, parse_bytes, plan_index
+from index.locals import SegmentInfo, locals_infos, write_segment
 from index.memory import peak_rss_bytes, process_memory
 from ingest.descriptors import (
     ROW_SHARD_SHIFT,
     STATUS_OK,
     DescriptorFileError,
     global_dim,
+    has_locals,
     list_descriptor_files,
     read_global,
     write_atomic,
@@ -73,6 +75,7 @@ class IndexConfig:
     quantizer_ef: int = DEFAULT_QUANTIZER_EF  # HNSW coarse quantizer: graph candidates explored per assignment (FAISS's
     # default 16 puts some vectors in a list far from them, where no query probes: recall@1000 capped at 0.986 on 1M)
     seed: int = 0  # training sample and k-means seed
+    locals: bool = True  # build the local store when the descriptors carry local tokens (schema v2)
 
 
 @dataclass(frozen=True)
@@ -211,10 +214,12 @@ def train(plan: IndexPlan, xt: np.ndarray, quantizer_ef: int = DEFAULT_QUANTIZER
     return index
 
 
-def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path: str, part_path: str) -> dict[str, int]:
+def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path: str, part_path: str,
+               locals_name: str | None = None) -> dict[str, Any]:
     """Add ``files`` to a copy of the trained index (saved at ``part_path``) and write their
-    vectors into their rows of the shared memory-mapped ``vectors_path``. Plain function: the Ray
-    job runs one per task."""
+    vectors into their rows of the shared memory-mapped ``vectors_path``; with ``locals_name``,
+    also write their local tokens as that segment of the local store. Plain function: the Ray job
+    runs one per task."""
     import faiss
 
     index = faiss.read_index(trained_path)
@@ -234,7 +239,16 @@ def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path:
             rejected += bad
     rss = process_memory().get("rss", 0)  # the part's codes are in memory now: the add phase's high point
     write_atomic(Path(part_path), lambda tmp: faiss.write_index(index, str(tmp)))
-    return {"added": added, "rejected_non_finite": rejected, "rss_bytes": rss}
+    stats: dict[str, Any] = {"added": added, "rejected_non_finite": rejected, "rss_bytes": rss}
+    if locals_name is not None:
+        segment = write_segment(Path(part_path).parent, locals_name, [(f.path, f.rows, f.offset) for f in files])
+        stats["locals"] = segment.to_dict()
+    return stats
+
+
+def _local_extractor(ingest: dict[str, Any]) -> dict[str, Any] | None:
+    """The local extractor's info recorded by the ingestion, if any."""
+    return next((e for e in ingest.get("extractors", []) if e.get("extractor") == "local"), None)
 
 
 def split_ranges(files: list[FileInfo], parts: int) -> list[list[FileInfo]]:
@@ -270,10 +284,12 @@ def merge_parts(part_paths: list[str], out_path: Path) -> int:
     return int(index.ntotal)
 
 
-PartRunner = Callable[[list[tuple[str, list[FileInfo], int, str, str]]], list[dict[str, int]]]
+# (trained index, files, d, vectors file, part file, local segment name or None)
+PartTask = tuple[str, list[FileInfo], int, str, str, str | None]
+PartRunner = Callable[[list[PartTask]], list[dict[str, Any]]]
 
 
-def run_parts_sequentially(tasks: list[tuple[str, list[FileInfo], int, str, str]]) -> list[dict[str, int]]:
+def run_parts_sequentially(tasks: list[PartTask]) -> list[dict[str, Any]]:
     return [build_part(*task) for task in tasks]
 
 
@@ -317,7 +333,12 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     if shards > 1 and len(ranges) < shards:
         raise DescriptorFileError(f"--shards {shards} needs at least {shards} descriptor files, found {len(infos)}")
     part_paths = [str(output / f"part_{i:03d}.faiss") for i in range(len(ranges))]
-    tasks = [(str(trained_path), r, dim, str(output / (VECTORS_FILE + ".tmp")), p) for r, p in zip(ranges, part_paths)]
+    with_locals = conf.locals and all(has_locals(Path(f.path)) for f in infos)
+    if conf.locals and not with_locals and any(has_locals(Path(f.path)) for f in infos):
+        raise DescriptorFileError("some descriptor files carry local tokens and others do not: ingest them alike, "
+                                  "or build with locals off")
+    tasks = [(str(trained_path), r, dim, str(output / (VECTORS_FILE + ".tmp")), p, f"locals_{i:03d}" if with_locals else None)
+             for i, (r, p) in enumerate(zip(ranges, part_paths))]
     stats = run_parts(tasks)
     timings["add_s"] = time.perf_counter() - start - sum(timings.values())
 
@@ -357,6 +378,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
         "descriptors": [str(d) for d in ([descriptors] if isinstance(descriptors, (str, Path)) else descriptors)],
         "parquet_files": len(infos),
         "extractors": ingest.get("extractors", []),
+        "locals": locals_infos([SegmentInfo(**s["locals"]) for s in stats], _local_extractor(ingest), n_rows) if with_locals else None,
         "build_s": round(time.perf_counter() - start, 3),
         "timings": {name: round(seconds, 3) for name, seconds in timings.items()},  # scan, sample, train, add, merge
         "memory": {  # this process's high-water RSS after training and at the end; the parts' RSS when full

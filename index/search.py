@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc
 
 from index.build import DEFAULT_QUANTIZER_EF, IDS_FILE, INFOS_FILE, VECTORS_FILE, hnsw_quantizer
+from index.locals import LocalStore, open_local_store
 from ingest.descriptors import ROW_SHARD_SHIFT, STATUS_OK
 from ingest.errors import NeedleInputError
 
@@ -215,6 +216,11 @@ class SearchIndex:
     @cached_property
     def offsets(self) -> tuple[np.ndarray, np.ndarray]:
         return offset_table(self.infos)
+
+    @cached_property
+    def local_store(self) -> LocalStore | None:
+        """The rows' binary local tokens (None: the index was built without them)."""
+        return open_local_store(self.path, self.infos)
 
     def positions_of_rows(self, I: np.ndarray) -> np.ndarray:
         """Row ids -> positions in ids/vectors (-1 stays -1)."""

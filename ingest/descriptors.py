@@ -1,4 +1,4 @@
-"""Parquet descriptor files: schema v1 (see docs/schema.md), atomic writes, and reading.
+"""Parquet descriptor files: schema v1/v2 (see docs/schema.md), atomic writes, and reading.
 
 One Parquet file per shard, ``<out>/<shard>.parquet``. Columns:
 
@@ -9,6 +9,9 @@ One Parquet file per shard, ``<out>/<shard>.parquet``. Columns:
 - ``width``, ``height``: int32, the original image size (0 on error rows)
 - ``status``: string, ``ok`` or ``error``
 - ``error``: string, why the sample failed (empty when ok)
+
+Schema v2 adds the local tokens of each row as list columns (``local_codes``, ``local_x``,
+``local_y``, ``local_scale``, ``local_weight``, optionally ``local_desc``); v1 files stay readable.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import pyarrow.parquet as pq
 
 from ingest.errors import NeedleInputError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # globals only
+SCHEMA_VERSION_LOCALS = 2  # globals and local tokens
 ROW_SHARD_SHIFT = 32  # row = (shard_id << 32) | position: up to 4G samples per shard
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
@@ -39,7 +43,8 @@ def make_row_id(shard_id: int, position: int) -> int:
 
 
 def descriptor_schema(dim: int, extra: list[pa.Field] | None = None) -> pa.Schema:
-    """Schema v1 for descriptors of dimension ``dim``; extractors may add ``extra`` columns."""
+    """Schema for descriptors of dimension ``dim``; extractors may add ``extra`` columns (local
+    token columns make it schema v2)."""
     fields = [
         pa.field("key", pa.string(), nullable=False),
         pa.field("shard", pa.string(), nullable=False),
@@ -50,7 +55,9 @@ def descriptor_schema(dim: int, extra: list[pa.Field] | None = None) -> pa.Schem
         pa.field("status", pa.string(), nullable=False),
         pa.field("error", pa.string()),
     ]
-    return pa.schema(fields + list(extra or []), metadata={b"needle_schema_version": str(SCHEMA_VERSION).encode()})
+    extra = list(extra or [])
+    version = SCHEMA_VERSION_LOCALS if any(f.name.startswith("local_") for f in extra) else SCHEMA_VERSION
+    return pa.schema(fields + extra, metadata={b"needle_schema_version": str(version).encode()})
 
 
 def fixed_size_list(array: np.ndarray, value_type: pa.DataType) -> pa.FixedSizeListArray:
@@ -58,6 +65,59 @@ def fixed_size_list(array: np.ndarray, value_type: pa.DataType) -> pa.FixedSizeL
     n, d = array.shape
     flat = pa.array(np.ascontiguousarray(array).reshape(-1), type=value_type)
     return pa.FixedSizeListArray.from_arrays(flat, d)
+
+
+def list_column(per_row: list[np.ndarray | None], list_type: pa.ListType) -> pa.ListArray:
+    """Per-row numpy arrays (None: an empty list) -> an Arrow list column of ``list_type``, whose
+    values are scalars, fixed-size binary (rows of an (n, bytes) uint8 array) or fixed-size lists
+    (rows of an (n, d) array)."""
+    value_type = list_type.value_type
+    lengths = np.array([0 if v is None else len(v) for v in per_row], dtype=np.int32)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    present = [v for v in per_row if v is not None and len(v)]
+    if pa.types.is_fixed_size_binary(value_type):
+        width = value_type.byte_width
+        flat = np.concatenate(present).astype(np.uint8) if present else np.zeros((0, width), np.uint8)
+        if flat.ndim != 2 or flat.shape[1] != width:
+            raise TypeError(f"fixed-size binary column needs (n, {width}) uint8 rows, got {flat.shape}")
+        values = pa.FixedSizeBinaryArray.from_buffers(value_type, len(flat), [None, pa.py_buffer(np.ascontiguousarray(flat).tobytes())])
+    elif pa.types.is_fixed_size_list(value_type):
+        d = value_type.list_size
+        dtype = value_type.value_type.to_pandas_dtype()
+        flat = np.concatenate(present).astype(dtype) if present else np.zeros((0, d), dtype)
+        values = fixed_size_list(flat.reshape(-1, d), value_type.value_type)
+    else:
+        dtype = value_type.to_pandas_dtype()
+        values = pa.array(np.concatenate(present).astype(dtype) if present else np.zeros(0, dtype), type=value_type)
+    return pa.ListArray.from_arrays(offsets, values, type=list_type)
+
+
+def list_values(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """An Arrow list column -> (offsets (n+1,) int64, flat numpy values). Fixed-size binary values
+    come back as (total, bytes) uint8, fixed-size lists as (total, d)."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    # Offsets relative to the array's own slice: flatten() drops what lies outside it.
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    offsets = offsets - offsets[0]
+    flat = array.flatten()
+    value_type = flat.type
+    if pa.types.is_fixed_size_binary(value_type):
+        buffer = flat.buffers()[1]
+        width = value_type.byte_width
+        raw = np.frombuffer(buffer, dtype=np.uint8)[flat.offset * width : (flat.offset + len(flat)) * width]
+        return offsets, raw.reshape(len(flat), width)
+    if pa.types.is_fixed_size_list(value_type):
+        inner = flat.flatten().to_numpy(zero_copy_only=False)
+        return offsets, np.asarray(inner).reshape(len(flat), value_type.list_size)
+    return offsets, flat.to_numpy(zero_copy_only=False)
+
+
+def has_locals(path: Path) -> bool:
+    """Whether a descriptor file carries binary local tokens (schema v2 with codes)."""
+    try:
+        return "local_codes" in pq.read_schema(path).names
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise DescriptorFileError(f"cannot read Parquet file {path}: {exc}") from exc
 
 
 def write_atomic(path: Path, write: Any) -> Path:

@@ -28,17 +28,27 @@ def decode_resized(data: bytes, longer_side: int, key: str = "?") -> tuple[np.nd
     decoding of large photos); the final size is then reached with a bicubic resize.
     Raises ImageDecodeError naming ``key`` for empty, truncated or non-image bytes.
     """
+    images, width, height = decode_resized_many(data, (longer_side,), key)
+    return images[longer_side], width, height
+
+
+def decode_resized_many(data: bytes, longer_sides: tuple[int, ...], key: str = "?") -> tuple[dict[int, np.ndarray], int, int]:
+    """Decode once, resize to each of ``longer_sides`` (each from the decoded image, so every size
+    is exactly what :func:`decode_resized` gives alone, as long as the draft-mode scale is the same:
+    the draft is taken for the largest size). Returns ({longer side: array}, width, height)."""
     if not data:
         raise ImageDecodeError(key, "empty image bytes")
     try:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
-            target = resized_size(width, height, longer_side)
+            largest = resized_size(width, height, max(longer_sides))
             if img.format == "JPEG":
-                img.draft("RGB", target)
+                img.draft("RGB", largest)
             rgb = img.convert("RGB")
-            if rgb.size != target:
-                rgb = rgb.resize(target, RESAMPLE)
-            return np.asarray(rgb, dtype=np.uint8), width, height
+            out = {}
+            for side in longer_sides:
+                target = resized_size(width, height, side)
+                out[side] = np.asarray(rgb if rgb.size == target else rgb.resize(target, RESAMPLE), dtype=np.uint8)
+            return out, width, height
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise ImageDecodeError(key, f"{type(exc).__name__}: {exc}") from exc

@@ -27,10 +27,11 @@ from ingest.descriptors import (
     STATUS_OK,
     descriptor_schema,
     fixed_size_list,
+    list_column,
     make_row_id,
 )
 from ingest.errors import ImageDecodeError, ShardReadError
-from ingest.images import decode_resized
+from ingest.images import decode_resized_many
 from ingest.reader import image_bytes, iter_samples
 from ingest.shards import shard_name
 from ingest.storage import Storage, open_url, storage_for
@@ -60,30 +61,31 @@ class ShardResult:
 @dataclass
 class _Decoded:
     key: str
-    image: np.ndarray | None
+    images: dict[int, np.ndarray] | None  # longer side -> RGB array, one per extractor resolution
     width: int
     height: int
     error: str
 
 
-def _decode_sample(sample: dict[str, Any], longer_side: int) -> _Decoded:
+def _decode_sample(sample: dict[str, Any], longer_sides: tuple[int, ...]) -> _Decoded:
     key = sample["__key__"]
     data = image_bytes(sample)
     if data is None:
         members = sorted(k for k in sample if not k.startswith("__"))
         return _Decoded(key, None, 0, 0, f"sample has no image member (members: {members})")
     try:
-        image, width, height = decode_resized(data, longer_side, key)
+        images, width, height = decode_resized_many(data, longer_sides, key)
     except ImageDecodeError as exc:
         return _Decoded(key, None, 0, 0, exc.reason)
-    return _Decoded(key, image, width, height, "")
+    return _Decoded(key, images, width, height, "")
 
 
-def _decoded_stream(samples: Iterator[dict[str, Any]], longer_side: int, pool: ThreadPoolExecutor, ahead: int) -> Iterator[_Decoded]:
+def _decoded_stream(samples: Iterator[dict[str, Any]], longer_sides: tuple[int, ...], pool: ThreadPoolExecutor,
+                    ahead: int) -> Iterator[_Decoded]:
     """Decode samples in ``pool``, keeping up to ``ahead`` decodes in flight, in input order."""
     pending: deque[Future[_Decoded]] = deque()
     for sample in samples:
-        pending.append(pool.submit(_decode_sample, sample, longer_side))
+        pending.append(pool.submit(_decode_sample, sample, longer_sides))
         if len(pending) >= ahead:
             yield pending.popleft().result()
     while pending:
@@ -104,7 +106,7 @@ def _chunks(stream: Iterator[_Decoded], size: int) -> Iterator[list[_Decoded]]:
 def _mark_duplicate_keys(items: list[_Decoded], seen: set[str]) -> None:
     for item in items:
         if item.key in seen:
-            item.image, item.error = None, f"duplicate sample key {item.key!r} in shard"
+            item.images, item.error = None, f"duplicate sample key {item.key!r} in shard"
         seen.add(item.key)
 
 
@@ -164,17 +166,19 @@ def _describe(url: str, opener: Any, extractors: Sequence[Extractor], decode_thr
     keys, widths, heights, errors = [], [], [], []
     # Extractor outputs for the decodable rows only, with those rows' positions in the shard.
     ok_rows: list[np.ndarray] = []
-    columns: dict[str, list[np.ndarray]] = {}
+    columns: dict[str, list[Any]] = {}
     seen: set[str] = set()
+    # One decode per image, resized to every extractor's resolution (globals and locals differ).
+    longer_sides = tuple(sorted({e.resolution for e in extractors}))
     with ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix=f"decode-{name}") as pool:
-        stream = _decoded_stream(iter_samples(url, opener), extractors[0].resolution, pool, ahead=2 * chunk_size)
+        stream = _decoded_stream(iter_samples(url, opener), longer_sides, pool, ahead=2 * chunk_size)
         for chunk in _chunks(stream, chunk_size):
             _mark_duplicate_keys(chunk, seen)
-            ok = [i for i, item in enumerate(chunk) if item.image is not None]
+            ok = [i for i, item in enumerate(chunk) if item.images is not None]
             if ok:
-                images = [chunk[i].image for i in ok]
                 ok_rows.append(np.asarray(ok, dtype=np.int64) + len(keys))
                 for extractor in extractors:
+                    images = [chunk[i].images[extractor.resolution] for i in ok]
                     for column, values in extractor(images).items():
                         columns.setdefault(column, []).append(values)
             keys += [item.key for item in chunk]
@@ -195,7 +199,8 @@ def _build_table(
     columns: dict[str, list[np.ndarray]],
     extractors: Sequence[Extractor],
 ) -> pa.Table:
-    """Assemble schema v1; rows without descriptors (error rows) hold zeros."""
+    """Assemble the Parquet table (schema v1, v2 with local tokens); rows without descriptors
+    (error rows) hold zeros, or empty lists for list columns."""
     dim = extractors[0].dim
     extra = [f for e in extractors for f in e.extra_fields()]
     schema = descriptor_schema(dim, extra)
@@ -212,8 +217,14 @@ def _build_table(
     for field in schema:
         if field.name in arrays:
             continue
+        if pa.types.is_list(field.type):  # variable-length per row (local tokens)
+            per_row: list[np.ndarray | None] = [None] * n
+            for position, values in zip(positions, (v for block in columns.get(field.name, []) for v in block)):
+                per_row[position] = values
+            arrays[field.name] = list_column(per_row, field.type)
+            continue
         if not pa.types.is_fixed_size_list(field.type):
-            raise TypeError(f"extractor column {field.name!r}: only fixed-size list columns are supported")
+            raise TypeError(f"extractor column {field.name!r}: only fixed-size or variable list columns are supported")
         full = np.zeros((n, field.type.list_size), dtype=field.type.value_type.to_pandas_dtype())
         if field.name in columns:
             full[positions] = np.concatenate(columns[field.name])

@@ -1,0 +1,315 @@
+"""Local descriptors: up to K tokens per image, each with ``x, y``, ``scale``, ``weight`` and a
+descriptor binarised to 128 ITQ bits, written by the same ingestion pass as the global descriptor.
+
+Token sources (``LocalConfig.kind``):
+
+- ``cnn``: a CNN stage's feature map (default: EfficientNet-Lite0's stride-16 stage, 112 channels,
+  with the shipped ImageNet weights); weight = the token's L2 norm; descriptor = the token
+  L2-normalised.
+- ``vit_ames``: ViT patch tokens through the AMES detector head (embed/local_vit.py).
+- ``sift``: kornia's SIFT / RootSIFT keypoints (embed/local_sift.py), weight-free.
+
+Multi-scale: the image is resized by each factor of ``scales`` (relative to ``resolution``, the base
+longer side), every token's position is mapped back to base pixels, and the ``top_k`` tokens of
+highest weight are kept (over all scales, or per scale with ``per_scale``). Queries use more
+scales and tokens than database images (the asymmetric setting): see the presets.
+
+Parquet columns (schema v2, docs/schema.md), one list per row:
+``local_codes`` (16-byte codes), ``local_x``, ``local_y`` (int16 base pixels), ``local_scale``
+(uint8 index into the recorded ``scales``), ``local_weight`` (float16), and with ``keep_desc`` the
+float16 descriptors ``local_desc``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+import torch
+from PIL import Image
+from torch import nn
+
+from embed.extract import batches_by_shape, file_sha256
+from embed.itq import ITQ, load_itq
+from embed.models import DEFAULT_MODEL, build_global_model, get_model_config, resolve_package_file
+from ingest.errors import NeedleInputError
+from ingest.images import RESAMPLE, resized_size
+from rerank.tokens import CODE_BYTES, LocalTokens
+
+log = logging.getLogger(__name__)
+
+LOCAL_KINDS = ("cnn", "vit_ames", "sift")
+LOCAL_COLUMNS = ("local_codes", "local_x", "local_y", "local_scale", "local_weight")
+
+
+class UnknownLocalPresetError(NeedleInputError):
+    """A local-descriptor preset name that is not in the registry."""
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    kind: str = "cnn"  # token source: cnn | vit_ames | sift
+    model: str = DEFAULT_MODEL  # registry preset of the backbone (cnn: its weights and normalisation)
+    feature_stage: int = 4  # cnn: index of the timm block whose output are the tokens (Lite0: 4 = stride 16, 112 channels)
+    resolution: int = 512  # base longer side; token x, y are pixels of the image resized to it
+    scales: tuple[float, ...] = (1.0,)  # resize factors of the base image that tokens are taken from
+    top_k: int = 100  # tokens kept per image (per scale with per_scale), by weight
+    per_scale: bool = False  # top_k at each scale (queries) instead of over all scales (database)
+    itq: str | None = None  # ITQ projection .npz (key proj, d x 128); "package:<module>/<file>" for a shipped one
+    keep_desc: bool = False  # also store float16 descriptors (quality-first setting, ITQ training)
+    detector_weights: str | None = None  # vit_ames: the AMES detector's state dict (conv1, bn, conv2)
+
+    def __post_init__(self) -> None:
+        if self.kind not in LOCAL_KINDS:
+            raise NeedleInputError(f"unknown local kind {self.kind!r}; choose from {LOCAL_KINDS}")
+        if not self.scales or any(not 0.1 <= s <= 4.0 for s in self.scales):
+            raise NeedleInputError(f"local scales must be factors in [0.1, 4], got {self.scales}")
+        if len(self.scales) > 255:
+            raise NeedleInputError("at most 255 local scales (stored as uint8 indices)")
+        if self.top_k < 1:
+            raise NeedleInputError(f"top_k must be >= 1, got {self.top_k}")
+
+    @property
+    def max_tokens(self) -> int:
+        return self.top_k * (len(self.scales) if self.per_scale else 1)
+
+
+# The ITQ projection shipped for the default CNN tokens: learned by `needle locals train-itq` on
+# the demo collection's photos (scikit-image, public domain), never on evaluation data.
+LITE0_ITQ = "package:embed/data/itq_lite0_s16.npz"
+
+LOCAL_PRESETS: dict[str, LocalConfig] = {
+    # Database side: 100 tokens of one scale (2.3 KB per image in the local store).
+    "lite0-s16": LocalConfig(itq=LITE0_ITQ),
+    # Query side: 100 tokens at each of three scales (384, 512, 768 px longer side).
+    "lite0-s16-query": LocalConfig(itq=LITE0_ITQ, scales=(0.75, 1.0, 1.5), per_scale=True),
+    # AMES's DINOv2 setting: ViT-B/14 with registers, detector head; needs an ITQ file (--local-itq).
+    "dinov2-ames": LocalConfig(kind="vit_ames", model="vit_base_patch14_reg4_dinov2.ames", resolution=518),
+    "dinov2-ames-query": LocalConfig(kind="vit_ames", model="vit_base_patch14_reg4_dinov2.ames", resolution=518,
+                                     scales=(0.707, 1.0, 1.414), per_scale=True),
+    # Classical: RootSIFT keypoints; needs an ITQ file (--local-itq) for its 128-d descriptors.
+    "sift": LocalConfig(kind="sift", resolution=512, top_k=300),
+}
+
+
+def get_local_preset(name: str, **overrides: Any) -> LocalConfig:
+    try:
+        conf = LOCAL_PRESETS[name]
+    except KeyError:
+        raise UnknownLocalPresetError(f"unknown local preset {name!r}; known presets: {sorted(LOCAL_PRESETS)}") from None
+    return dataclasses.replace(conf, **{k: v for k, v in overrides.items() if v is not None})
+
+
+class DenseLocalModel(Protocol):
+    """A network giving a dense grid of local descriptors and their weights."""
+
+    dim: int  # descriptor dimension
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised images (B, 3, H, W) -> (descriptors (B, d, h, w) L2-normalised over d, weights (B, h, w))."""
+        ...
+
+
+class CNNStageTokens(nn.Module):
+    """A timm CNN up to one block: its feature map's cells are the tokens, weighted by their L2 norm."""
+
+    def __init__(self, backbone: nn.Module, stage: int):
+        super().__init__()
+        if not hasattr(backbone, "blocks") or not 0 <= stage < len(backbone.blocks):
+            raise NeedleInputError(f"feature_stage {stage} is not a block of {type(backbone).__name__}")
+        self.stem = nn.Sequential(backbone.conv_stem, backbone.bn1)
+        self.blocks = backbone.blocks[: stage + 1]
+        self.dim = int(self.forward_map(torch.zeros(1, 3, 32, 32)).shape[1])
+
+    def forward_map(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.stem(x))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.forward_map(x).float()
+        weight = features.norm(dim=1)
+        return torch.nn.functional.normalize(features, dim=1), weight
+
+
+def resolve_itq(reference: str | None) -> tuple[ITQ | None, Path | None]:
+    if reference is None:
+        return None, None
+    path = resolve_package_file(reference) if reference.startswith("package:") else Path(reference)
+    return load_itq(path), path
+
+
+def build_local_model(conf: LocalConfig, weights: str | Path | None = None) -> tuple[nn.Module, tuple, tuple, Path | None]:
+    """(dense model or SIFT, mean, std, weights path) for ``conf``, in eval mode."""
+    if conf.kind == "cnn":
+        net, path = build_global_model(conf.model, weights)
+        mc = get_model_config(conf.model)
+        return CNNStageTokens(net.backbone, conf.feature_stage).eval(), mc.mean, mc.std, path
+    if conf.kind == "vit_ames":
+        from embed.local_vit import build_vit_ames
+
+        return build_vit_ames(conf, weights)
+    from embed.local_sift import SiftTokens
+
+    return SiftTokens(), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), None
+
+
+@dataclass
+class _ScaleTokens:
+    desc: np.ndarray  # (n, d) float32
+    xy: np.ndarray  # (n, 2) float32, base pixels
+    weight: np.ndarray  # (n,)
+    scale_index: np.ndarray  # (n,) uint8
+
+
+class LocalExtractor:
+    """Local tokens of images, as Parquet list columns (ingestion) or LocalTokens (queries)."""
+
+    def __init__(self, conf: LocalConfig, weights: str | Path | None = None, device: str = "cpu", batch_size: int = 16,
+                 itq: ITQ | None = None):
+        if batch_size < 1:
+            raise NeedleInputError(f"batch_size must be >= 1, got {batch_size}")
+        self.conf = conf
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.net, mean, std, self.weights_path = build_local_model(conf, weights)
+        self.net.to(self.device)
+        self.itq, self.itq_path = (itq, None) if itq is not None else resolve_itq(conf.itq)
+        if self.itq is None and not conf.keep_desc:
+            raise NeedleInputError(
+                f"local tokens of kind {conf.kind!r} need an ITQ projection to be binarised: learn one with "
+                "`needle locals train-itq` from descriptors kept with --keep-local-desc, and pass --local-itq"
+            )
+        self.dim = int(self.net.dim)
+        if self.itq is not None and self.itq.dim != self.dim:
+            raise NeedleInputError(f"ITQ projection {self.itq_path} is for d={self.itq.dim}, the local descriptors have d={self.dim}")
+        self._mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
+        self._std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
+        # Images arrive at the largest scale; smaller scales are resized from them.
+        self.resolution = round(conf.resolution * max(conf.scales))
+
+    # --- extraction ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _dense(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = torch.from_numpy(batch).to(self.device).permute(0, 3, 1, 2).float().div_(255.0)
+        desc, weight = self.net((x - self._mean) / self._std)
+        return desc.float().cpu().numpy(), weight.float().cpu().numpy()
+
+    def _at_scale(self, images: list[np.ndarray], scale_index: int) -> list[_ScaleTokens]:
+        factor = self.conf.scales[scale_index]
+        longer = max(1, round(self.conf.resolution * factor))
+        scaled = [_resize(image, longer) for image in images]
+        out: list[_ScaleTokens | None] = [None] * len(images)
+        for idx in batches_by_shape(scaled, self.batch_size):
+            if self.conf.kind == "sift":
+                for i in idx:
+                    out[i] = self._sift_tokens(scaled[i], images[i], scale_index)
+                continue
+            desc, weight = self._dense(np.stack([scaled[i] for i in idx]))
+            for j, i in enumerate(idx):
+                out[i] = _grid_tokens(desc[j], weight[j], scaled[i].shape[:2], images[i].shape[:2],
+                                      self.resolution / self.conf.resolution, scale_index)
+        return out  # type: ignore[return-value]
+
+    def _sift_tokens(self, scaled: np.ndarray, original: np.ndarray, scale_index: int) -> _ScaleTokens:
+        xy, weight, desc = self.net(scaled)
+        to_base = original.shape[1] / scaled.shape[1] / (self.resolution / self.conf.resolution)
+        return _ScaleTokens(desc, xy * to_base, weight, np.full(len(xy), scale_index, np.uint8))
+
+    def _select(self, per_scale: list[_ScaleTokens]) -> _ScaleTokens:
+        if self.conf.per_scale:
+            per_scale = [_top(t, self.conf.top_k) for t in per_scale]
+        merged = _ScaleTokens(*(np.concatenate([getattr(t, f.name) for t in per_scale]) for f in dataclasses.fields(_ScaleTokens)))
+        return _top(merged, self.conf.max_tokens)
+
+    def describe(self, images: list[np.ndarray]) -> list[_ScaleTokens]:
+        """Each image's selected tokens (float descriptors, base-pixel positions), images given
+        at ``self.resolution`` (longer side)."""
+        by_scale = [self._at_scale(images, s) for s in range(len(self.conf.scales))]
+        return [self._select([scale[i] for scale in by_scale]) for i in range(len(images))]
+
+    def tokens(self, images: list[np.ndarray]) -> list[LocalTokens]:
+        """LocalTokens of images (the query side and AMES training)."""
+        if self.itq is None:
+            raise NeedleInputError("binary tokens need an ITQ projection (LocalConfig.itq)")
+        scales = np.asarray(self.conf.scales, np.float32)
+        return [
+            LocalTokens(self.itq.binarize(t.desc), t.xy.astype(np.float32), scales[t.scale_index],
+                        t.weight.astype(np.float32), t.desc)
+            for t in self.describe(images)
+        ]
+
+    # --- the Extractor protocol of ingestion ------------------------------------------------------
+    def extra_fields(self) -> list[pa.Field]:
+        return local_fields(self.itq is not None, self.dim if self.conf.keep_desc else None)
+
+    def __call__(self, images: list[np.ndarray]) -> dict[str, list[np.ndarray]]:
+        described = self.describe(images)
+        columns: dict[str, list[np.ndarray]] = {
+            "local_x": [np.round(t.xy[:, 0]).clip(-32768, 32767).astype(np.int16) for t in described],
+            "local_y": [np.round(t.xy[:, 1]).clip(-32768, 32767).astype(np.int16) for t in described],
+            "local_scale": [t.scale_index for t in described],
+            "local_weight": [t.weight.astype(np.float16) for t in described],
+        }
+        if self.itq is not None:
+            columns["local_codes"] = [self.itq.binarize(t.desc) for t in described]
+        if self.conf.keep_desc:
+            columns["local_desc"] = [t.desc.astype(np.float16) for t in described]
+        return columns
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "extractor": "local",
+            "config": dataclasses.asdict(self.conf),
+            "scales": list(self.conf.scales),
+            "dim": self.dim,
+            "code_bytes": CODE_BYTES if self.itq is not None else None,
+            "weights": str(self.weights_path) if self.weights_path else None,
+            "weights_sha256": file_sha256(self.weights_path) if self.weights_path else None,
+            "itq": str(self.itq_path) if self.itq_path else None,
+            "itq_sha256": file_sha256(self.itq_path) if self.itq_path else None,
+            "resolution": self.conf.resolution,
+        }
+
+
+def local_fields(with_codes: bool, desc_dim: int | None) -> list[pa.Field]:
+    """The schema-v2 list columns of local tokens."""
+    fields = [
+        pa.field("local_x", pa.list_(pa.int16())),
+        pa.field("local_y", pa.list_(pa.int16())),
+        pa.field("local_scale", pa.list_(pa.uint8())),
+        pa.field("local_weight", pa.list_(pa.float16())),
+    ]
+    if with_codes:
+        fields.insert(0, pa.field("local_codes", pa.list_(pa.binary(CODE_BYTES))))
+    if desc_dim is not None:
+        fields.append(pa.field("local_desc", pa.list_(pa.list_(pa.float16(), desc_dim))))
+    return fields
+
+
+def _resize(image: np.ndarray, longer_side: int) -> np.ndarray:
+    h, w = image.shape[:2]
+    size = resized_size(w, h, longer_side)
+    if size == (w, h):
+        return image
+    return np.asarray(Image.fromarray(image).resize(size, RESAMPLE))
+
+
+def _grid_tokens(desc: np.ndarray, weight: np.ndarray, scaled_hw: tuple[int, int], input_hw: tuple[int, int],
+                 input_over_base: float, scale_index: int) -> _ScaleTokens:
+    """Every cell of a (d, h, w) map as a token at the centre of its cell, in base pixels."""
+    d, h, w = desc.shape
+    ys, xs = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    # Cell centres in pixels of the scaled image, then of the input image, then of the base image.
+    x = (xs.reshape(-1) + 0.5) * scaled_hw[1] / w * input_hw[1] / scaled_hw[1] / input_over_base
+    y = (ys.reshape(-1) + 0.5) * scaled_hw[0] / h * input_hw[0] / scaled_hw[0] / input_over_base
+    return _ScaleTokens(desc.reshape(d, -1).T, np.stack([x, y], 1).astype(np.float32), weight.reshape(-1),
+                        np.full(h * w, scale_index, np.uint8))
+
+
+def _top(tokens: _ScaleTokens, k: int) -> _ScaleTokens:
+    order = np.argsort(-tokens.weight, kind="stable")[:k]
+    return _ScaleTokens(tokens.desc[order], tokens.xy[order], tokens.weight[order], tokens.scale_index[order])

@@ -1,0 +1,236 @@
+"""The query path: ``needle query``, ``needle serve`` and ``needle eval`` embed queries with the
+model the index was built with, search the index, and re-rank the shortlist with local tokens.
+
+Without re-ranking a search is the index's (D, I). With ``QueryConfig.rerank`` the index returns
+the global top ``shortlist``; each query's local tokens (extracted at the query-side scales for an
+image, read from the local store or a query-descriptor directory for a stored key) re-score that
+shortlist (rerank/), which is re-ordered by the ensemble score; candidates past the shortlist
+follow in global order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from index.search import SearchIndex
+from ingest.errors import NeedleInputError
+from rerank.rerank import Reranker, RerankConfig
+from rerank.tokens import LocalTokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QueryConfig:
+    k: int = 10  # results per query
+    nprobe: int | None = None  # IVF lists visited (IVF indexes only); None: the index's setting
+    refine_factor: int | None = None  # IVF-PQ shortlist = this * k, re-scored exactly; None: the index's setting
+    weights: str | None = None  # weights file for embedding query images; None: the one the index was built with
+    rerank: RerankConfig | None = None  # re-rank the global shortlist with local tokens; None: global only
+
+
+def results_json(index: SearchIndex, D: np.ndarray, I: np.ndarray) -> list[list[dict[str, Any]]]:
+    """(D, I) -> per query a list of {key, row, score}, padding (-1) dropped."""
+    keys = index.keys_of(I)
+    return [
+        [{"key": key, "row": int(i), "score": float(s)} for key, i, s in zip(krow, irow, drow) if i >= 0]
+        for krow, irow, drow in zip(keys, I, D)
+    ]
+
+
+def recorded_extractor(index: SearchIndex, weights: str | None = None) -> tuple[dict[str, Any], str | None]:
+    """(the global extractor's info recorded at ingestion, the weights file to use: ``weights``,
+    else the recorded file when it still exists, else None for the preset's default)."""
+    extractors = [e for e in index.infos.get("extractors", []) if e.get("extractor") == "global"]
+    if not extractors:
+        raise NeedleInputError(f"index {index.path} does not record its model: query by --key or --vectors instead")
+    recorded = extractors[0].get("weights")
+    if weights is None and recorded and Path(recorded).is_file():
+        weights = recorded
+    return extractors[0], weights
+
+
+def query_extractor(index: SearchIndex, weights: str | None = None):
+    """The global extractor the index's descriptors were made with (same model and resolution)."""
+    from embed.extract import GlobalExtractor
+
+    info, weights = recorded_extractor(index, weights)
+    return GlobalExtractor(info["model"]["name"], weights, resolution=info["resolution"], precision=info.get("precision", "auto"))
+
+
+def embed_image_files(index: SearchIndex, paths: list[Path], weights: str | None = None) -> np.ndarray:
+    """(n, d) float32 descriptors of image files, made exactly as during ingestion."""
+    from ingest.images import decode_resized
+
+    extractor = query_extractor(index, weights)
+    images = [decode_resized(_read_image(path), extractor.resolution, str(path))[0] for path in paths]
+    return extractor(images)["global"].astype(np.float32)
+
+
+def embed_texts(index: SearchIndex, texts: list[str], weights: str | None = None) -> np.ndarray:
+    """(n, d) descriptors of text queries, from the text tower of the index's (CLIP-like) model."""
+    import torch
+
+    from embed.models import build_global_model
+    from embed.pooling import l2_normalize
+    from embed.torchvision_compat import ensure_torchvision_importable
+
+    if not texts or not all(t.strip() for t in texts):
+        raise NeedleInputError("empty text query")
+    info, weights = recorded_extractor(index, weights)
+    model = info["model"]
+    if model.get("library") != "open_clip":
+        raise NeedleInputError(f"the index's model {model.get('name')!r} has no text tower: text queries need an open_clip model")
+    ensure_torchvision_importable()
+    import open_clip
+
+    net, _ = build_global_model(model["name"], weights)
+    tokens = open_clip.get_tokenizer(model["architecture"])(texts)
+    with torch.inference_mode():
+        return l2_normalize(net.backbone.encode_text(tokens)).numpy().astype(np.float32)
+
+
+def load_vectors(path: Path, d: int) -> np.ndarray:
+    """Query vectors from a .npy file: (d,) or (n, d)."""
+    try:
+        xq = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise NeedleInputError(f"cannot read query vectors {path}: {exc}") from exc
+    xq = np.atleast_2d(xq).astype(np.float32)
+    if xq.ndim != 2 or xq.shape[1] != d:
+        raise NeedleInputError(f"query vectors {path} have shape {xq.shape}, the index expects (n, {d})")
+    return xq
+
+
+def query(index: SearchIndex, conf: QueryConfig, keys: list[str] = (), images: list[Path] = (),
+          texts: list[str] = (), vectors: np.ndarray | None = None) -> list[dict[str, Any]]:
+    """Search for every stored key, image file, text and vector; one result dict per query, in input order."""
+    if not keys and not images and not texts and vectors is None:
+        raise NeedleInputError("nothing to query: give --key, --image, --text or --vectors")
+    if conf.k > index.ntotal:
+        raise NeedleInputError(f"k={conf.k} is larger than the index ({index.ntotal} vectors)")
+    blocks, labels = [], []
+    if keys:
+        blocks.append(np.stack([index.vector_of(k) for k in keys]))
+        labels += [{"key": k} for k in keys]
+    if images:
+        blocks.append(embed_image_files(index, list(images), conf.weights))
+        labels += [{"image": str(p)} for p in images]
+    if texts:
+        blocks.append(embed_texts(index, list(texts), conf.weights))
+        labels += [{"text": t} for t in texts]
+    if vectors is not None:
+        blocks.append(vectors)
+        labels += [{"vector": i} for i in range(len(vectors))]
+    tokens: list[LocalTokens | None] | None = None
+    if conf.rerank is not None:  # keys use their stored tokens, images their query-side tokens; texts and vectors have none
+        tokens = (stored_tokens(index, list(keys)) if keys else []) + \
+            (query_tokens_of_images(index, list(images), conf.rerank, conf.weights) if images else []) + \
+            [None] * (len(texts) + (0 if vectors is None else len(vectors)))
+    D, I, details = search(index, np.concatenate(blocks), conf, tokens)
+    results = results_json(index, D, I)
+    for res, detail in zip(results, details):
+        add_rerank_details(res, detail)
+    return [{"query": label, "k": conf.k, "results": res} for label, res in zip(labels, results)]
+
+
+def add_rerank_details(results: list[dict[str, Any]], detail: dict[str, Any]) -> None:
+    """Put each re-ranked result's global and local scores (and inlier evidence) beside its score."""
+    if not detail:
+        return
+    n = len(detail["global_score"])
+    for i, result in enumerate(results[:n]):
+        result["global_score"] = float(detail["global_score"][i])
+        result["local_score"] = float(detail["local_score"][i])
+        if detail.get("inliers") is not None:
+            result["inliers"] = int(detail["inliers"][i])
+        if detail.get("evidence") is not None:
+            result["matches"] = {"query_xy": detail["evidence"][i]["query_xy"], "db_xy": detail["evidence"][i]["db_xy"]}
+
+
+# --- local tokens and re-ranking ---------------------------------------------------------------
+def recorded_local_extractor(index: SearchIndex) -> dict[str, Any]:
+    """The local extractor's info recorded at ingestion (and copied into the index infos)."""
+    info = (index.infos.get("locals") or {}).get("extractor")
+    if not info:
+        raise NeedleInputError(f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank")
+    return info
+
+
+def query_local_extractor(index: SearchIndex, conf: RerankConfig, weights: str | None = None):
+    """The index's local extractor at the query-side scales and token count (the asymmetric setting)."""
+    import dataclasses
+
+    from embed.locals import LocalConfig, LocalExtractor
+
+    info = recorded_local_extractor(index)
+    recorded = dict(info["config"], scales=tuple(info["config"]["scales"]))
+    itq = info.get("itq") if info.get("itq") and Path(info["itq"]).is_file() else recorded["itq"]
+    local = dataclasses.replace(LocalConfig(**recorded), scales=conf.query_scales, per_scale=True,
+                                top_k=conf.query_top_k, keep_desc=False, itq=itq)
+    if weights is None and info.get("weights") and Path(info["weights"]).is_file():
+        weights = info["weights"]
+    return LocalExtractor(local, weights)
+
+
+def query_tokens_of_images(index: SearchIndex, paths: list[Path], conf: RerankConfig, weights: str | None = None) -> list[LocalTokens]:
+    """Query-side local tokens of image files."""
+    from ingest.images import decode_resized
+
+    extractor = query_local_extractor(index, conf, weights)
+    images = [decode_resized(_read_image(path), extractor.resolution, str(path))[0] for path in paths]
+    return extractor.tokens(images)
+
+
+def _read_image(path: Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise NeedleInputError(f"cannot read query image {path}: {exc}") from exc
+
+
+def stored_tokens(index: SearchIndex, keys: list[str]) -> list[LocalTokens]:
+    """Database-side tokens of stored keys, from the index's local store."""
+    store = index.local_store
+    if store is None:
+        raise NeedleInputError(f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank")
+    return [store.tokens(index.position_of(key)) for key in keys]
+
+
+def search(index: SearchIndex, xq: np.ndarray, conf: QueryConfig, tokens: list[LocalTokens | None] | None = None,
+           reranker: Reranker | None = None, evidence: bool = False) -> tuple[np.ndarray, np.ndarray, list[dict[str, Any]]]:
+    """(D, I, per-query re-ranking details) for (nq, d) queries; re-ranked where ``conf.rerank``
+    is set and the query has tokens (``tokens[q]``)."""
+    if conf.rerank is None:
+        D, I = index.search(xq, conf.k, conf.nprobe, refine_factor=conf.refine_factor)
+        return D, I, [{} for _ in range(len(D))]
+    if tokens is None or len(tokens) != len(xq):
+        raise NeedleInputError(f"re-ranking needs the local tokens of each of the {len(xq)} queries")
+    store = index.local_store
+    if store is None:
+        raise NeedleInputError(f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank")
+    reranker = reranker or Reranker(conf.rerank)
+    k = min(conf.k, index.ntotal)
+    D, I = index.search(xq, max(k, conf.rerank.shortlist), conf.nprobe, refine_factor=conf.refine_factor)
+    D = D.astype(np.float64)
+    details = []
+    for q in range(len(xq)):
+        if tokens[q] is None:
+            details.append({})
+            continue
+        n = min(conf.rerank.shortlist, int((I[q] >= 0).sum()))
+        rows, s_global = I[q, :n], D[q, :n]
+        candidates = store.batch(index.positions_of_rows(rows), conf.rerank.db_tokens)
+        order, scores, local = reranker.rerank(rows, s_global, tokens[q], candidates, evidence)
+        I[q, :n], D[q, :n] = rows[order], scores[order]
+        details.append({
+            "global_score": s_global[order], "local_score": local.raw[order],
+            "inliers": None if local.inliers is None else local.inliers[order],
+            "evidence": None if local.evidence is None else [local.evidence[i] for i in order],
+        })
+    return D[:, :k], I[:, :k], details

@@ -1,0 +1,106 @@
+"""Combining global and local scores: s = λ·s_global + (1 − λ)·f(s_local), and choosing λ (and
+AMES's γ) by grid search on validation queries, never on the test queries.
+
+f maps each method's raw local score to [0, 1]: spatial verification min(inliers, cap) / cap
+(0 below the minimum inlier count, already applied by the verifier), Chamfer max(0, chamfer) (the
+mean best-match similarity, 1 − 2·hamming/128), AMES sigmoid(γ·logit) as in its paper's code.
+Candidates without local tokens keep their global score.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ingest.errors import NeedleInputError
+
+METHODS = ("sp", "chamfer", "ames")
+
+
+@dataclass(frozen=True)
+class EnsembleConfig:
+    lam: float = 0.35  # weight of the global score (1 - lam for the local one)
+    gamma: float = 1.0  # AMES: sigmoid temperature over its logit
+    inlier_cap: int = 50  # SP: inliers at which the local score saturates at 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.lam <= 1.0:
+            raise NeedleInputError(f"ensemble lambda must be in [0, 1], got {self.lam}")
+        if self.inlier_cap < 1:
+            raise NeedleInputError(f"inlier_cap must be >= 1, got {self.inlier_cap}")
+
+
+def local_to_unit(method: str, raw: np.ndarray, conf: EnsembleConfig) -> np.ndarray:
+    """A method's raw local scores -> f(s_local) in [0, 1]."""
+    raw = np.asarray(raw, dtype=np.float64)
+    if method == "sp":
+        return np.minimum(raw, conf.inlier_cap) / conf.inlier_cap
+    if method == "chamfer":
+        return np.clip(raw, 0.0, 1.0)
+    if method == "ames":
+        return 1.0 / (1.0 + np.exp(-conf.gamma * raw))
+    raise NeedleInputError(f"unknown re-ranking method {method!r}; choose from {METHODS}")
+
+
+def combine(method: str, s_global: np.ndarray, raw_local: np.ndarray, has_locals: np.ndarray, conf: EnsembleConfig) -> np.ndarray:
+    """Final scores of a shortlist: the ensemble where a candidate has tokens, else its global score."""
+    mixed = conf.lam * np.asarray(s_global, np.float64) + (1.0 - conf.lam) * local_to_unit(method, raw_local, conf)
+    return np.where(has_locals, mixed, s_global)
+
+
+def rerank_order(scores: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Order of a shortlist by descending score, ties to the lower row id (as the index does)."""
+    return np.lexsort((rows, -np.asarray(scores)))
+
+
+@dataclass(frozen=True)
+class ValidationQuery:
+    """What the grid search needs of one validation query's shortlist."""
+
+    rows: np.ndarray  # (C,) candidate row ids in global order
+    s_global: np.ndarray  # (C,) global scores
+    raw_local: np.ndarray  # (C,) the method's raw local scores
+    has_locals: np.ndarray  # (C,) bool
+    positive: np.ndarray  # (C,) bool: candidate is a positive
+    n_positives: int  # positives in the whole database (AP's denominator)
+
+
+def ap_of_order(positive_in_order: np.ndarray, n_positives: int, k: int) -> float:
+    """AP@k (ILIAS) of a ranked list of hit flags whose query has ``n_positives`` positives."""
+    hits = np.asarray(positive_in_order[:k], dtype=bool)
+    if n_positives < 1:
+        raise NeedleInputError("a query without positives has no AP")
+    ranks = np.flatnonzero(hits) + 1
+    return float((np.arange(1, len(ranks) + 1) / ranks).sum() / min(k, n_positives))
+
+
+def mean_ap(queries: Sequence[ValidationQuery], method: str, conf: EnsembleConfig, k: int) -> float:
+    """mAP@k x 100 of the validation queries re-ranked with ``conf``."""
+    aps = []
+    for q in queries:
+        scores = combine(method, q.s_global, q.raw_local, q.has_locals, conf)
+        aps.append(ap_of_order(q.positive[rerank_order(scores, q.rows)], q.n_positives, k))
+    return 100.0 * float(np.mean(aps))
+
+
+DEFAULT_LAMBDAS = tuple(np.round(np.linspace(0.0, 1.0, 21), 3))
+DEFAULT_GAMMAS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def grid_search(queries: Sequence[ValidationQuery], method: str, k: int = 1000,
+                lambdas: Sequence[float] = DEFAULT_LAMBDAS, gammas: Sequence[float] = DEFAULT_GAMMAS,
+                inlier_cap: int = 50) -> tuple[EnsembleConfig, float]:
+    """The (λ, γ) of best validation mAP@k (γ only for AMES); ties go to the first in grid order."""
+    if not queries:
+        raise NeedleInputError("grid search needs at least one validation query")
+    best: tuple[EnsembleConfig, float] | None = None
+    for lam, gamma in itertools.product(lambdas, gammas if method == "ames" else (1.0,)):
+        conf = EnsembleConfig(lam=float(lam), gamma=float(gamma), inlier_cap=inlier_cap)
+        value = mean_ap(queries, method, conf, k)
+        if best is None or value > best[1] + 1e-12:
+            best = (conf, value)
+    assert best is not None  # the grid is never empty: lambdas and gammas have defaults
+    return best

@@ -1,0 +1,108 @@
+"""Re-ranking one query's shortlist with local tokens: a method's local scores, then the ensemble.
+
+Methods: ``sp`` (spatial verification: inliers of the best transform), ``chamfer`` (mean best-match
+similarity of the binary codes), ``ames`` (the AMES transformer's logit). The shortlist's tokens come
+from the index's local store (index/locals.py); the query's from the local extractor the index was
+built with, at the query-side scales (query/retrieve.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ingest.errors import NeedleInputError
+from rerank.ensemble import METHODS, EnsembleConfig, combine, rerank_order
+from rerank.matching import MatchConfig, matches_from_nearest, nearest_tokens
+from rerank.spatial import SpatialConfig, verify
+from rerank.tokens import LocalTokens, TokenBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RerankConfig:
+    method: str = "sp"  # sp | chamfer | ames
+    shortlist: int = 1000  # global top candidates re-ranked
+    ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)  # s = lam * global + (1 - lam) * f(local)
+    match: MatchConfig = field(default_factory=MatchConfig)  # tentative correspondences (Hamming threshold, mutual)
+    spatial: SpatialConfig = field(default_factory=SpatialConfig)  # spatial verification thresholds
+    ames: str | None = None  # AMES checkpoint (method ames)
+    query_scales: tuple[float, ...] = (0.75, 1.0, 1.5)  # query-side extraction factors of the base resolution
+    query_top_k: int = 100  # query tokens kept at each query scale
+    db_tokens: int | None = None  # use only each candidate's best this many tokens (None: all stored)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise NeedleInputError(f"unknown re-ranking method {self.method!r}; choose from {METHODS}")
+        if self.shortlist < 1:
+            raise NeedleInputError(f"shortlist must be >= 1, got {self.shortlist}")
+        if self.method == "ames" and not self.ames:
+            raise NeedleInputError("re-ranking with AMES needs a checkpoint (--ames FILE, trained by `needle ames train`)")
+
+
+@dataclass(frozen=True)
+class LocalScores:
+    """One query's local evidence on its shortlist."""
+
+    raw: np.ndarray  # (C,) the method's raw score (inliers, Chamfer similarity, AMES logit)
+    has_locals: np.ndarray  # (C,) bool: the candidate has tokens
+    inliers: np.ndarray | None = None  # (C,) SP inlier counts
+    evidence: list[dict[str, Any]] | None = None  # SP: per candidate, the inlier point pairs (query xy, database xy)
+
+
+class Reranker:
+    """Scores shortlists with one method; holds the AMES model when that is the method."""
+
+    def __init__(self, conf: RerankConfig):
+        self.conf = conf
+        self.ames = None
+        if conf.method == "ames":
+            from rerank.ames import load_ames
+
+            self.ames = load_ames(conf.ames)
+
+    def local_scores(self, query: LocalTokens, candidates: TokenBatch, evidence: bool = False) -> LocalScores:
+        has_locals = candidates.mask.any(1)
+        if len(query) == 0:  # nothing to match: every candidate keeps its global score
+            return LocalScores(np.zeros(len(candidates)), np.zeros(len(candidates), bool))
+        if self.conf.method == "ames":
+            from rerank.ames import score_shortlist
+
+            return LocalScores(score_shortlist(self.ames, query, candidates).astype(np.float64), has_locals)
+        if self.conf.method == "chamfer":
+            from rerank.chamfer import chamfer_from_nearest
+
+            nearest = nearest_tokens(query.codes, candidates, within=-1, mutual=False)
+            return LocalScores(chamfer_from_nearest(nearest), has_locals)
+        nearest = nearest_tokens(query.codes, candidates, within=self.conf.match.max_distance, mutual=self.conf.match.mutual)
+        matches = matches_from_nearest(nearest, self.conf.match)
+        result = verify(query, candidates, matches, self.conf.spatial)
+        inliers = np.where(result.verified, result.inliers, 0)
+        return LocalScores(inliers.astype(np.float64), has_locals, inliers,
+                           _inlier_evidence(query, candidates, matches, result) if evidence else None)
+
+    def rerank(self, rows: np.ndarray, s_global: np.ndarray, query: LocalTokens, candidates: TokenBatch,
+               evidence: bool = False) -> tuple[np.ndarray, np.ndarray, LocalScores]:
+        """(order of the shortlist, its final scores, the local evidence)."""
+        local = self.local_scores(query, candidates, evidence)
+        scores = combine(self.conf.method, s_global, local.raw, local.has_locals, self.conf.ensemble)
+        order = rerank_order(scores, rows)
+        return order, scores, local
+
+
+def _inlier_evidence(query: LocalTokens, candidates: TokenBatch, matches: Any, result: Any) -> list[dict[str, Any]]:
+    """Per candidate the inlier correspondences as point pairs, for drawing."""
+    out = []
+    for c in range(len(candidates)):
+        inl = matches.mask[c] & result.inlier_mask[c]
+        q_idx, d_idx = matches.query[c, inl], matches.token[c, inl]
+        out.append({
+            "inliers": int(result.inliers[c]) if result.verified[c] else 0,
+            "query_xy": query.xy[q_idx].round(1).tolist(),
+            "db_xy": candidates.xy[c, d_idx].round(1).tolist(),
+        })
+    return out
