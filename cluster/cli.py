@@ -65,13 +65,40 @@ def _open_index(args: argparse.Namespace):
     return load_index(args.index)
 
 
+def _rerank_config(args: argparse.Namespace):
+    """The --rerank flags as a RerankConfig (None without --rerank)."""
+    if not args.rerank:
+        return None
+    from rerank.ensemble import EnsembleConfig
+    from rerank.matching import MatchConfig
+    from rerank.rerank import RerankConfig
+
+    return RerankConfig(
+        method=args.rerank, shortlist=args.shortlist, ames=args.ames,
+        ensemble=EnsembleConfig(lam=args.rerank_lambda, gamma=args.rerank_gamma),
+        match=MatchConfig(max_distance=args.max_hamming, mutual=not args.no_mutual),
+    )
+
+
+def _add_rerank_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("re-ranking with local tokens (index built from --locals descriptors)")
+    g.add_argument("--rerank", choices=["sp", "chamfer", "ames"], help="re-rank the global shortlist: spatial verification, Chamfer or AMES")
+    g.add_argument("--shortlist", type=int, default=1000, help="global candidates re-ranked")
+    g.add_argument("--rerank-lambda", type=float, default=0.35, help="weight of the global score in the ensemble")
+    g.add_argument("--rerank-gamma", type=float, default=1.0, help="AMES: sigmoid temperature of its logit")
+    g.add_argument("--max-hamming", type=int, default=32, help="tentative matches within this many bits (of 128)")
+    g.add_argument("--no-mutual", action="store_true", help="do not require mutual nearest neighbours")
+    g.add_argument("--ames", help="AMES checkpoint (--rerank ames)")
+
+
 def _query(args: argparse.Namespace) -> int:
     from query.retrieve import QueryConfig, load_vectors, query
 
     index = _open_index(args)
     vectors = load_vectors(Path(args.vectors), index.d) if args.vectors else None
-    results = query(index, QueryConfig(k=args.k, nprobe=args.nprobe, refine_factor=args.refine_factor, weights=args.weights), args.key or [],
-                    [Path(p) for p in args.image or []], args.text or [], vectors)
+    conf = QueryConfig(k=args.k, nprobe=args.nprobe, refine_factor=args.refine_factor, weights=args.weights,
+                       rerank=_rerank_config(args))
+    results = query(index, conf, args.key or [], [Path(p) for p in args.image or []], args.text or [], vectors)
     print(json.dumps(results if len(results) > 1 else results[0], indent=2))
     return 0
 
@@ -80,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster.serve import QueryService, make_server
 
     index = _open_index(args)
-    server = make_server(QueryService(index, args.weights), args.host, args.port)
+    server = make_server(QueryService(index, args.weights, _rerank_config(args)), args.host, args.port)
     log.info("serving %s on http://%s:%d (%d vectors)", args.index, args.host, server.server_address[1], index.ntotal)
     try:
         server.serve_forever()
@@ -94,7 +121,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from eval.evaluate import EvalConfig, main
 
-    out = main(EvalConfig(k=args.k, nprobe=args.nprobe), Path(args.index), Path(args.ground_truth), Path(args.out))
+    conf = EvalConfig(k=args.k, nprobe=args.nprobe, rerank=_rerank_config(args), query_locals=args.query_locals)
+    out = main(conf, Path(args.index), Path(args.ground_truth), Path(args.out))
     report = json.loads(out.read_text())
     print(json.dumps({k: v for k, v in report.items() if k != "per_query"}, indent=2))
     return 0
@@ -121,6 +149,16 @@ def _local_presets(args: argparse.Namespace) -> int:
         scales = "/".join(f"{s:g}" for s in conf.scales)
         print(f"{name:20s} {conf.kind:9s} {conf.resolution:4d}px scales {scales:14s} top-{conf.top_k}"
               f"{' per scale' if conf.per_scale else '':10s} itq {conf.itq or '(give --local-itq)'}")
+    return 0
+
+
+def _ames_train(args: argparse.Namespace) -> int:
+    from cluster.ingest_job import IngestConfig, make_local_extractor
+    from rerank.ames_train import TrainConfig, main
+
+    extractor = make_local_extractor(IngestConfig(locals=args.locals, local_itq=args.local_itq))
+    conf = TrainConfig(pairs=args.pairs, epochs=args.epochs, layers=args.layers, seed=args.seed)
+    main(conf, Path(args.images), Path(args.out), describe=extractor.tokens_of_any_size, projection=extractor.itq.proj)
     return 0
 
 
@@ -207,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", help="weights file for embedding query images or texts")
     p.add_argument("--ray-shards", action="store_true", help="search the shards in Ray actors")
     p.add_argument("--address", help="Ray cluster for --ray-shards (default: $RAY_ADDRESS, else local)")
+    _add_rerank_flags(p)
     p.set_defaults(func=_query)
 
     p = sub.add_parser("serve", help="HTTP search endpoint (127.0.0.1 by default)")
@@ -216,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", help="weights file for embedding query images or texts")
     p.add_argument("--ray-shards", action="store_true", help="serve the shards from Ray actors")
     p.add_argument("--address", help="Ray cluster for --ray-shards (default: $RAY_ADDRESS, else local)")
+    _add_rerank_flags(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("eval", help="mAP@k (ILIAS protocol) of an index against a ground-truth JSON")
@@ -224,7 +264,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=1000)
     p.add_argument("--nprobe", type=int)
     p.add_argument("--out", required=True, help="JSON report to write")
+    p.add_argument("--query-locals", help="descriptor directory of the queries' local tokens (a query-side preset); "
+                   "default: the index's stored tokens")
+    _add_rerank_flags(p)
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("ames", help="AMES re-ranking model commands")
+    asub = p.add_subparsers(dest="ames_command", required=True)
+    t = asub.add_parser("train", help="train AMES on pairs made from unlabelled images (random homographies, photometric changes)")
+    t.add_argument("--images", required=True, help="directory of images (e.g. distractors; never your test queries)")
+    t.add_argument("--out", required=True, help="checkpoint file (.pt) or directory")
+    t.add_argument("--locals", default="lite0-s16", help="local-token preset describing the images (the index's)")
+    t.add_argument("--local-itq", help="ITQ projection (default: the preset's)")
+    t.add_argument("--pairs", type=int, default=2000)
+    t.add_argument("--epochs", type=int, default=20)
+    t.add_argument("--layers", type=int, default=5)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_ames_train)
 
     p = sub.add_parser("demo", help="the whole pipeline on the built-in demo collection (local Ray)")
     p.add_argument("--workdir", default="demo_run", help="where the demo data and outputs go")

@@ -85,11 +85,24 @@ def serve_sharded(path: str | Path, cpus_per_shard: float | None = None) -> RayS
 class QueryService:
     """Turns requests into searches; shared by the HTTP handler threads."""
 
-    def __init__(self, index: SearchIndex, weights: str | None = None):
+    def __init__(self, index: SearchIndex, weights: str | None = None, rerank: Any = None):
+        from rerank.rerank import Reranker
+
         self.index = index
         self.weights = weights
+        self.rerank = rerank  # RerankConfig: re-rank key and image queries with local tokens; None: global only
+        self.reranker = Reranker(rerank) if rerank is not None else None
         self._lock = threading.Lock()
         self._extractor = None
+        self._local_extractor = None
+
+    def local_extractor(self):
+        from query.retrieve import query_local_extractor
+
+        with self._lock:
+            if self._local_extractor is None:
+                self._local_extractor = query_local_extractor(self.index, self.rerank, self.weights)
+            return self._local_extractor
 
     def extractor(self):
         from query.retrieve import query_extractor
@@ -107,11 +120,17 @@ class QueryService:
         return k
 
     def search(self, xq: np.ndarray, k: int, nprobe: int | None, labels: list[dict[str, Any]],
-               refine_factor: int | None = None) -> list[dict[str, Any]]:
-        from query.retrieve import results_json
+               refine_factor: int | None = None, tokens: list[Any] | None = None) -> list[dict[str, Any]]:
+        """Search (re-ranked where the service re-ranks and ``tokens`` holds the queries' tokens)."""
+        from query.retrieve import QueryConfig, add_rerank_details, results_json, search
 
-        D, I = self.index.search(xq, self.check_k(k), nprobe, refine_factor=refine_factor)
-        return [{"query": label, "k": k, "results": r} for label, r in zip(labels, results_json(self.index, D, I))]
+        rerank = self.rerank if tokens is not None else None
+        conf = QueryConfig(k=self.check_k(k), nprobe=nprobe, refine_factor=refine_factor, rerank=rerank)
+        D, I, details = search(self.index, xq, conf, tokens, self.reranker, evidence=True)
+        results = results_json(self.index, D, I)
+        for res, detail in zip(results, details):
+            add_rerank_details(res, detail)
+        return [{"query": label, "k": k, "results": r} for label, r in zip(labels, results)]
 
     def search_json(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         from query.retrieve import embed_texts
@@ -124,7 +143,13 @@ class QueryService:
             keys = body["keys"]
             if not isinstance(keys, list) or not keys or not all(isinstance(x, str) for x in keys):
                 raise NeedleInputError("'keys' must be a non-empty list of strings")
-            return self.search(np.stack([self.index.vector_of(x) for x in keys]), k, nprobe, [{"key": x} for x in keys], factor)
+            tokens = None
+            if self.rerank is not None:
+                from query.retrieve import stored_tokens
+
+                tokens = stored_tokens(self.index, keys)
+            return self.search(np.stack([self.index.vector_of(x) for x in keys]), k, nprobe, [{"key": x} for x in keys],
+                               factor, tokens)
         if "vectors" in body:
             try:
                 xq = np.asarray(body["vectors"], dtype=np.float32)
@@ -154,7 +179,11 @@ class QueryService:
         extractor = self.extractor()
         image = decode_resized(data, extractor.resolution, "request body")[0]
         xq = extractor([image])["global"].astype(np.float32)
-        return self.search(xq, k, nprobe, [{"image": f"{len(data)} bytes"}])
+        tokens = None
+        if self.rerank is not None:
+            local = self.local_extractor()
+            tokens = local.tokens([decode_resized(data, local.resolution, "request body")[0]])
+        return self.search(xq, k, nprobe, [{"image": f"{len(data)} bytes"}], tokens=tokens)
 
 
 def make_handler(service: QueryService):

@@ -242,6 +242,10 @@ class LocalExtractor:
             for t in self.describe(images)
         ]
 
+    def tokens_of_any_size(self, images: list[np.ndarray]) -> list[LocalTokens]:
+        """LocalTokens of RGB images of any size (resized to the extractor's resolution first)."""
+        return self.tokens([_resize(image, self.resolution) for image in images])
+
     # --- the Extractor protocol of ingestion ------------------------------------------------------
     def extra_fields(self) -> list[pa.Field]:
         return local_fields(self.itq is not None, self.dim if self.conf.keep_desc else None)

@@ -252,15 +252,19 @@ def _local_extractor(ingest: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def split_ranges(files: list[FileInfo], parts: int) -> list[list[FileInfo]]:
-    """Contiguous ranges of files with about equal row counts."""
+    """Contiguous ranges of files with about equal row counts (each file goes to the part its
+    middle row falls in); never fewer ranges than ``min(parts, len(files))``."""
     parts = max(1, min(parts, len(files)))
     total = sum(f.rows for f in files)
     ranges: list[list[FileInfo]] = [[] for _ in range(parts)]
     done = 0
     for f in files:
-        ranges[min(parts - 1, done * parts // max(1, total))].append(f)
+        ranges[min(parts - 1, int((done + f.rows / 2) * parts // max(1, total)))].append(f)
         done += f.rows
-    return [r for r in ranges if r]
+    ranges = [r for r in ranges if r]
+    if len(ranges) < parts:  # very uneven files: split by file count instead
+        ranges = [list(r) for r in np.array_split(np.array(files, dtype=object), parts)]
+    return ranges
 
 
 def merge_parts(part_paths: list[str], out_path: Path) -> int:

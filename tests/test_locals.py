@@ -1,0 +1,284 @@
+"""Local tokens end to end: ITQ, the CNN extractor, schema-v2 Parquet, the local store, the ensemble
+and the query path with re-ranking."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from embed.itq import ITQ, ITQFileError, load_itq, quantization_loss, save_itq, train_itq
+from ingest.descriptors import list_column, list_values
+from rerank.tokens import LocalTokens, TokenBatch, hamming
+
+# --- ITQ ----------------------------------------------------------------------------------------
+
+
+def _correlated(n: int, d: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)) @ rng.normal(size=(d, d)) + 0.3
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_itq_codes_are_signs_of_the_projection_and_round_trip(tmp_path):
+    x = _correlated(2000, 112)
+    itq = train_itq(x, iterations=20)
+    codes = itq.binarize(x[:50])
+    assert codes.shape == (50, 16) and codes.dtype == np.uint8
+    expected = np.packbits(((x[:50] - itq.mean) @ itq.proj) >= 0, axis=1)
+    np.testing.assert_array_equal(codes, expected)
+    loaded = load_itq(save_itq(itq, tmp_path / "itq.npz"))
+    np.testing.assert_array_equal(loaded.proj, itq.proj)
+    np.testing.assert_array_equal(loaded.binarize(x), itq.binarize(x))
+
+
+def test_itq_pads_short_descriptors_to_128_informative_bits():
+    x = _correlated(3000, 64)
+    itq = train_itq(x, iterations=30)
+    assert itq.proj.shape == (64, 128)
+    bits = np.unpackbits(itq.binarize(x), axis=1)
+    rate = bits.mean(0)
+    assert ((rate > 0.02) & (rate < 0.98)).all(), "every bit should vary (the rotation spreads the PCA variance)"
+
+
+def test_itq_rotation_lowers_the_quantisation_loss_of_pca():
+    x = _correlated(3000, 128, seed=1)
+    pca_only = train_itq(x, iterations=0)
+    learned = train_itq(x, iterations=50)
+    assert quantization_loss(learned, x) < quantization_loss(pca_only, x) - 1e-4
+
+
+def test_itq_reads_ames_files_without_mean_and_refuses_bad_ones(tmp_path):
+    proj = np.random.default_rng(0).normal(size=(768, 128)).astype(np.float32)
+    np.savez(tmp_path / "ames.npz", proj=proj)
+    itq = load_itq(tmp_path / "ames.npz")
+    assert not itq.mean.any() and itq.dim == 768
+    np.savez(tmp_path / "bad.npz", proj=proj[:, :64])
+    with pytest.raises(ITQFileError, match="bad.npz"):
+        load_itq(tmp_path / "bad.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(ITQFileError, match="junk.npz"):
+        load_itq(tmp_path / "junk.npz")
+    with pytest.raises(ITQFileError, match="missing.npz"):
+        load_itq(tmp_path / "missing.npz")
+
+
+# --- list columns -------------------------------------------------------------------------------
+
+
+def test_list_columns_round_trip_every_value_kind():
+    rng = np.random.default_rng(0)
+    codes = [rng.integers(0, 256, (n, 16), dtype=np.uint8) if n is not None else None for n in (3, None, 0, 5)]
+    descs = [rng.normal(size=(n, 7)).astype(np.float16) if n is not None else None for n in (3, None, 0, 5)]
+    xs = [np.arange(n, dtype=np.int16) if n is not None else None for n in (3, None, 0, 5)]
+    for values, type_ in ((codes, pa.list_(pa.binary(16))), (descs, pa.list_(pa.list_(pa.float16(), 7))), (xs, pa.list_(pa.int16()))):
+        column = list_column(values, type_)
+        # Through Parquet and a slice, so that offsets do not start at 0.
+        table = pq.read_table(pa.BufferReader(_parquet_bytes(pa.table({"c": column}))))
+        offsets, flat = list_values(table["c"].slice(1))
+        expected = [v if v is not None else None for v in values[1:]]
+        for i, v in enumerate(expected):
+            got = flat[offsets[i] : offsets[i + 1]]
+            if v is None:
+                assert len(got) == 0
+            else:
+                np.testing.assert_array_equal(got, v)
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+# --- the CNN extractor --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def local_extractor():
+    from embed.locals import LITE0_ITQ, LocalConfig, LocalExtractor
+
+    return LocalExtractor(LocalConfig(resolution=192, top_k=30, itq=LITE0_ITQ, keep_desc=True))
+
+
+def test_cnn_tokens_follow_the_image_content(local_extractor, photos):
+    """Cropping 32 px (two stride-16 cells) off the left moves the same tokens 32 px left."""
+    from embed.locals import _resize
+
+    image = _resize(photos["astronaut"], 192)
+    cropped = np.ascontiguousarray(image[:, 32:])
+    full, crop = local_extractor.describe([image, cropped])
+    assert len(full.desc) == 30 and (np.diff(full.weight) <= 0).all()
+    assert np.allclose(np.linalg.norm(full.desc, axis=1), 1, atol=1e-4)
+    # Base pixels of the crop: its own resize to 192 on the longer side (unchanged height).
+    h, w = cropped.shape[:2]
+    scale = 192 / max(h, w)
+    moved = []
+    for desc, xy in zip(crop.desc, crop.xy):
+        j = int(np.argmax(full.desc @ desc))
+        moved.append(full.xy[j] - (xy / scale + [32, 0]))
+    moved = np.abs(np.array(moved))
+    assert np.median(moved[:, 0]) <= 8 and np.median(moved[:, 1]) <= 8
+
+
+def test_multi_scale_tokens_per_scale_and_codes(photos):
+    from embed.locals import LITE0_ITQ, LocalConfig, LocalExtractor
+
+    ex = LocalExtractor(LocalConfig(resolution=128, scales=(0.75, 1.0, 1.5), per_scale=True, top_k=12, itq=LITE0_ITQ))
+    assert ex.resolution == 192
+    from embed.locals import _resize
+
+    image = _resize(photos["coffee"], ex.resolution)
+    [described] = ex.describe([image])
+    assert np.bincount(described.scale_index, minlength=3).tolist() == [12, 12, 12]
+    [tokens] = ex.tokens([image])
+    np.testing.assert_array_equal(tokens.codes, ex.itq.binarize(described.desc))
+    assert set(np.unique(tokens.scale).round(3)) == {0.75, 1.0, 1.5}
+    base_w, base_h = 128, 128 * image.shape[0] / image.shape[1]
+    assert (tokens.xy[:, 0] > 0).all() and (tokens.xy[:, 0] < base_w).all() and (tokens.xy[:, 1] < base_h + 1).all()
+
+
+def test_local_extractor_refuses_missing_or_mismatched_itq(tmp_path):
+    from embed.locals import LocalConfig, LocalExtractor
+    from ingest.errors import NeedleInputError
+
+    with pytest.raises(NeedleInputError, match="ITQ"):
+        LocalExtractor(LocalConfig(resolution=64, itq=None))
+    save_itq(ITQ(np.zeros((768, 128), np.float32), np.zeros(768, np.float32)), tmp_path / "vit.npz")
+    with pytest.raises(NeedleInputError, match="d=768"):
+        LocalExtractor(LocalConfig(resolution=64, itq=str(tmp_path / "vit.npz")))
+
+
+# --- ingestion, the local store -----------------------------------------------------------------
+
+
+@pytest.fixture
+def local_descriptors(tmp_path, tiny_shards, extractor, local_extractor):
+    """The tiny shards through the shard pipeline with global and local extractors; the second
+    shard gets a corrupt sample (an error row)."""
+    import tarfile
+
+    from ingest.pipeline import process_shard
+
+    with tarfile.open(tiny_shards[1], "a") as tar:
+        import io
+
+        info = tarfile.TarInfo("99999.jpg")
+        info.size = 10
+        tar.addfile(info, io.BytesIO(b"not a jpeg"))
+    out = tmp_path / "desc"
+    for i, shard in enumerate(tiny_shards):
+        result = process_shard(str(shard), i, out, [extractor, local_extractor])
+        assert result.status == "ok"
+    return out
+
+
+def test_schema_v2_rows_carry_their_tokens(local_descriptors, local_extractor):
+    from index.locals import read_token_records
+
+    path = local_descriptors / "000001.parquet"
+    table = pq.read_table(path)
+    assert table.schema.metadata[b"needle_schema_version"] == b"2"
+    assert {"local_codes", "local_x", "local_y", "local_scale", "local_weight", "local_desc"} <= set(table.column_names)
+    offsets, records = read_token_records(path)
+    counts = np.diff(offsets)
+    status = table["status"].to_pylist()
+    assert status == ["ok", "ok", "ok", "error"]
+    assert counts.tolist() == [30, 30, 30, 0]
+    _, desc = list_values(table["local_desc"])
+    np.testing.assert_array_equal(records["code"], local_extractor.itq.binarize(desc.astype(np.float32)))
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_local_store_returns_each_rows_tokens_exactly(tmp_path, local_descriptors, shards):
+    from index.build import IndexConfig, main as build
+    from index.locals import LocalStoreError, read_token_records
+    from index.search import load_index
+
+    out = build(IndexConfig(kind="flat", shards=shards), local_descriptors, tmp_path / "idx")
+    index = load_index(out)
+    infos = index.infos["locals"]
+    assert len(infos["segments"]) == shards and infos["bytes_per_image"] > 0
+    store = index.local_store
+    expected = []
+    for path in sorted(local_descriptors.glob("*.parquet")):
+        offsets, records = read_token_records(path)
+        expected += [records[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+    for position, records in enumerate(expected):
+        got = store.records(position)
+        assert got.tobytes() == records.tobytes()
+    positions = np.array([5, -1, 0, 6, 3])
+    batch = store.batch(positions, length=25)
+    for b, p in enumerate(positions):
+        n = 0 if p < 0 else min(25, len(expected[p]))
+        assert batch.mask[b].sum() == n
+        if n:
+            np.testing.assert_array_equal(batch.codes[b, :n], expected[p]["code"][:n])
+            np.testing.assert_array_equal(batch.xy[b, :n, 0], expected[p]["x"][:n])
+            np.testing.assert_array_equal(batch.weight[b, :n], expected[p]["weight"][:n].astype(np.float32))
+    with pytest.raises(LocalStoreError, match="outside"):
+        store.batch(np.array([len(expected)]))
+    segment = out / infos["segments"][0]["tokens"]
+    segment.write_bytes(segment.read_bytes()[:-5])
+    with pytest.raises(LocalStoreError, match="bytes"):
+        load_index(out).local_store
+
+
+# --- ensemble -----------------------------------------------------------------------------------
+
+
+def test_ensemble_map_equals_the_metric_and_grid_search_uses_validation_only():
+    from eval.metrics import average_precision_at_k
+    from rerank.ensemble import EnsembleConfig, ValidationQuery, combine, grid_search, mean_ap, rerank_order
+
+    rng = np.random.default_rng(0)
+    queries = []
+    for _ in range(20):
+        c = 50
+        positive = rng.random(c) < 0.1
+        positive[rng.integers(c)] = True
+        s_global = np.sort(rng.random(c))[::-1]
+        raw = np.where(positive, rng.integers(3, 60, c), rng.integers(0, 8, c)).astype(float)  # inliers: informative
+        has = rng.random(c) < 0.9
+        queries.append(ValidationQuery(np.arange(c) * 7, s_global, raw, has, positive, int(positive.sum()) + 1))
+    conf = EnsembleConfig(lam=0.3)
+    brute = []
+    for q in queries:
+        scores = combine("sp", q.s_global, q.raw_local, q.has_locals, conf)
+        ranking = sorted(range(len(scores)), key=lambda i: (-scores[i], q.rows[i]))
+        positives = set(np.flatnonzero(q.positive)) | {-1}  # one positive outside the shortlist
+        brute.append(average_precision_at_k(ranking, positives, 10))
+        assert (combine("sp", q.s_global, q.raw_local, q.has_locals, conf)[~q.has_locals] == q.s_global[~q.has_locals]).all()
+    assert mean_ap(queries, "sp", conf, 10) == pytest.approx(100 * np.mean(brute))
+    best, value = grid_search(queries[:10], "sp", k=10)
+    assert value == pytest.approx(mean_ap(queries[:10], "sp", best, 10))
+    assert value >= mean_ap(queries[:10], "sp", EnsembleConfig(lam=1.0), 10)
+    assert best.lam < 1.0  # the informative local score is used
+    assert rerank_order(np.array([1.0, 2.0, 2.0]), np.array([9, 5, 3])).tolist() == [2, 1, 0]
+
+
+# --- the query path -----------------------------------------------------------------------------
+
+
+def test_query_and_eval_rerank_with_local_tokens(tmp_path, local_descriptors, capsys):
+    from cluster.cli import main as cli
+    from eval.evaluate import EvalConfig, evaluate
+    from index.build import IndexConfig, main as build
+    from rerank.rerank import RerankConfig
+
+    out = build(IndexConfig(kind="flat"), local_descriptors, tmp_path / "idx")
+    # Photo i of shard 0 and its mirror in shard 1 are each other's positives.
+    truth = [{"key": f"000000/00{i:03d}", "positives": [f"000001/01{i:03d}"]} for i in range(3)]
+    plain = evaluate(out, truth, EvalConfig(k=5))
+    reranked = evaluate(out, truth, EvalConfig(k=5, rerank=RerankConfig(method="chamfer", shortlist=4)))
+    assert reranked["n_queries"] == plain["n_queries"] == 3
+    assert 0 <= reranked["map_at_5"] <= 100
+    assert cli(["query", "--index", str(out), "--key", "000000/00000", "--k", "3", "--rerank", "sp", "--shortlist", "5"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["results"][0]["key"] == "000000/00000"  # itself: every token matches in place
+    assert result["results"][0]["inliers"] >= 5
+    assert {"global_score", "local_score", "inliers"} <= set(result["results"][1])
