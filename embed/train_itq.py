@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from embed.itq import quantization_loss, save_itq, train_itq
+from embed.itq import BITS, quantization_loss, save_itq, train_itq
 from ingest.descriptors import DescriptorFileError, list_descriptor_files, list_values, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,8 @@ def main(conf: TrainITQConfig, descriptors: Path | str, output: Path | str) -> P
     source = Path(descriptors)
     files = [source] if source.is_file() else list_descriptor_files(source)
     x = sample_local_desc(files, conf.sample, conf.seed)
-    if len(x) < 256:
-        raise DescriptorFileError(f"{source}: only {len(x)} local descriptors to learn ITQ from (need >= 256)")
+    if len(x) < BITS:  # fewer points than bits: the PCA basis would be rank-deficient
+        raise DescriptorFileError(f"{source}: only {len(x)} local descriptors to learn ITQ from (need >= {BITS})")
     itq = train_itq(x, iterations=conf.iterations, seed=conf.seed)
     output = save_itq(itq, Path(output))
     write_json_atomic({

@@ -20,3 +20,4 @@ def test_demo_end_to_end(tmp_path):
     assert report["images"] == len(truth["database"]) and report["error_rows"] == 0
     # Augmented views of the same photo must be found far above chance (random ranking: about 5).
     assert report["map_at_1000"] > 80
+    assert report["map_at_1000_rerank_sp"] > 80  # re-ranked with the stored local tokens

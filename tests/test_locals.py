@@ -282,3 +282,22 @@ def test_query_and_eval_rerank_with_local_tokens(tmp_path, local_descriptors, ca
     assert result["results"][0]["key"] == "000000/00000"  # itself: every token matches in place
     assert result["results"][0]["inliers"] >= 5
     assert {"global_score", "local_score", "inliers"} <= set(result["results"][1])
+
+
+def test_train_itq_stage_learns_from_kept_descriptors(tmp_path, local_descriptors):
+    from cluster.cli import main as cli
+    from ingest.descriptors import DescriptorFileError
+
+    out = tmp_path / "itq.npz"
+    assert cli(["locals", "train-itq", "--descriptors", str(local_descriptors), "--out", str(out), "--iterations", "5"]) == 0
+    itq = load_itq(out)
+    assert itq.proj.shape == (112, 128)
+    record = json.loads((tmp_path / "itq.npz.json").read_text())
+    assert record["trained_on"] == 6 * 30  # six photos, 30 tokens each and record["dim"] == 112
+    from embed.train_itq import TrainITQConfig, main
+
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    pq.write_table(pq.read_table(local_descriptors / "000000.parquet").drop_columns(["local_desc"]), v1 / "000000.parquet")
+    with pytest.raises(DescriptorFileError, match="local_desc"):
+        main(TrainITQConfig(), v1, tmp_path / "x.npz")
