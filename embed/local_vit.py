@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,9 @@ from torch import nn
 
 from embed.models import WeightsError, build_global_model, get_model_config
 from ingest.errors import NeedleInputError
+
+if TYPE_CHECKING:  # embed.locals imports this module lazily; no import cycle at run time either way
+    from embed.locals import LocalConfig
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +174,7 @@ class ViTAmesTokens(nn.Module):
         return desc, weight[:, 0]
 
 
-def build_vit_ames(conf: Any, weights: str | Path | None = None,
+def build_vit_ames(conf: LocalConfig, weights: str | Path | None = None,
                    precision: str = "auto") -> tuple[ViTAmesTokens, tuple, tuple, Path | None]:
     """(ViTAmesTokens in eval mode, mean, std, backbone weights path) for a ``vit_ames`` LocalConfig.
 

@@ -154,7 +154,8 @@ def build_local_model(conf: LocalConfig, weights: str | Path | None = None) -> t
         return build_vit_ames(conf, weights)
     from embed.local_sift import SiftTokens
 
-    return SiftTokens(), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), None
+    # SIFT proposes at most num_features keypoints; keep enough candidates for every scale's top-K.
+    return SiftTokens(num_features=max(1000, 2 * conf.top_k)), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), None
 
 
 @dataclass
@@ -275,6 +276,7 @@ class LocalExtractor:
             "weights_sha256": file_sha256(self.weights_path) if self.weights_path else None,
             "itq": str(self.itq_path) if self.itq_path else None,
             "itq_sha256": file_sha256(self.itq_path) if self.itq_path else None,
+            "detector_weights_sha256": file_sha256(Path(self.conf.detector_weights)) if self.conf.detector_weights else None,
             "resolution": self.conf.resolution,
         }
 

@@ -196,6 +196,12 @@ def load_weights(module: nn.Module, path: Path, mapping: str = "by_name") -> Non
     """Load a local state dict into ``module``: "by_name" (strict), "in_order" (by position, shapes
     checked) or "auto" (by name when the names match, else in order)."""
     state = _read_state_dict(path)
+    if "mask_token" in state and hasattr(module, "patch_embed"):
+        # The original DINOv2 release's layout (mask token, registers apart, 1370 positions):
+        # timm's own filter turns it into timm's names and shapes.
+        from timm.models.vision_transformer import checkpoint_filter_fn
+
+        state = checkpoint_filter_fn(state, module)
     if mapping == "auto":
         # A file in the model's own naming loads by name; a foreign one (another codebase's
         # names, same layers) is mapped by position, every shape checked.
