@@ -174,6 +174,8 @@ def local_descriptors(tmp_path, tiny_shards, extractor, local_extractor):
     for i, shard in enumerate(tiny_shards):
         result = process_shard(str(shard), i, out, [extractor, local_extractor])
         assert result.status == "ok"
+    # What the ingestion job records beside its parts: how the columns were made.
+    (out / "ingest_info.json").write_text(json.dumps({"extractors": [extractor.info(), local_extractor.info()]}))
     return out
 
 
@@ -301,3 +303,56 @@ def test_train_itq_stage_learns_from_kept_descriptors(tmp_path, local_descriptor
     pq.write_table(pq.read_table(local_descriptors / "000000.parquet").drop_columns(["local_desc"]), v1 / "000000.parquet")
     with pytest.raises(DescriptorFileError, match="local_desc"):
         main(TrainITQConfig(), v1, tmp_path / "x.npz")
+
+
+@pytest.mark.slow
+def test_ames_train_cli_and_ames_reranking(tmp_path, local_descriptors, photos):
+    """`needle ames train` on a few photos writes a checkpoint in the published layout that
+    `needle eval --rerank ames` then uses."""
+    from PIL import Image
+
+    from cluster.cli import main as cli
+    from index.build import IndexConfig, main as build
+    from rerank.ames import load_ames
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for name, photo in photos.items():
+        Image.fromarray(photo).save(images / f"{name}.jpg")
+    ckpt = tmp_path / "ames.pt"
+    assert cli(["ames", "train", "--images", str(images), "--out", str(ckpt), "--pairs", "12", "--epochs", "2", "--layers", "1"]) == 0
+    model = load_ames(ckpt)
+    assert model.conf.binarized and model.conf.local_dim == 112
+    record = json.loads(ckpt.with_suffix(".json").read_text())
+    assert record["pairs"] == 12 and len(record["loss_history"]) == 2
+    out = build(IndexConfig(kind="flat"), local_descriptors, tmp_path / "idx")
+    truth = tmp_path / "truth.json"
+    truth.write_text(json.dumps({"queries": [{"key": f"000000/00{i:03d}", "positives": [f"000001/01{i:03d}"]} for i in range(3)]}))
+    report = tmp_path / "report.json"
+    assert cli(["eval", "--index", str(out), "--ground-truth", str(truth), "--out", str(report), "--k", "5",
+                "--rerank", "ames", "--ames", str(ckpt), "--shortlist", "4"]) == 0
+    result = json.loads(report.read_text())
+    assert result["config"]["rerank"]["method"] == "ames" and result["n_queries"] == 3
+
+
+def test_serve_reranks_key_and_image_queries_with_evidence(tmp_path, local_descriptors, tiny_shards):
+    import tarfile
+
+    from cluster.serve import QueryService
+    from index.build import IndexConfig, main as build
+    from index.search import load_index
+    from rerank.rerank import RerankConfig
+
+    index = load_index(build(IndexConfig(kind="flat"), local_descriptors, tmp_path / "idx"))
+    service = QueryService(index, rerank=RerankConfig(method="sp", shortlist=5))
+    [by_key] = service.search_json({"keys": ["000000/00001"], "k": 3})
+    top = by_key["results"][0]
+    assert top["key"] == "000000/00001" and top["inliers"] >= 5
+    assert len(top["matches"]["query_xy"]) == len(top["matches"]["db_xy"]) == top["inliers"]
+    with tarfile.open(tiny_shards[0]) as tar:
+        data = tar.extractfile("00001.jpg").read()
+    [by_image] = service.search_image(data, 3, None)
+    assert by_image["results"][0]["key"] == "000000/00001"  # the same photo, re-extracted at the query scales
+    assert by_image["results"][0]["inliers"] >= 5
+    [by_vector] = service.search_json({"vectors": index.vector_of("000000/00001").tolist(), "k": 3})
+    assert "inliers" not in by_vector["results"][0]  # no tokens: global scores only
