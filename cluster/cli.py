@@ -84,7 +84,7 @@ def _add_rerank_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("re-ranking with local tokens (index built from --locals descriptors)")
     g.add_argument("--rerank", choices=["sp", "chamfer", "ames"], help="re-rank the global shortlist: spatial verification, Chamfer or AMES")
     g.add_argument("--shortlist", type=int, default=1000, help="global candidates re-ranked")
-    g.add_argument("--rerank-lambda", type=float, default=0.35, help="weight of the global score in the ensemble")
+    g.add_argument("--rerank-lambda", type=float, default=0.5, help="weight of the global score in the ensemble")
     g.add_argument("--rerank-gamma", type=float, default=1.0, help="AMES: sigmoid temperature of its logit")
     g.add_argument("--max-hamming", type=int, default=32, help="tentative matches within this many bits (of 128)")
     g.add_argument("--no-mutual", action="store_true", help="do not require mutual nearest neighbours")

@@ -22,7 +22,7 @@ METHODS = ("sp", "chamfer", "ames")
 
 @dataclass(frozen=True)
 class EnsembleConfig:
-    lam: float = 0.35  # weight of the global score (1 - lam for the local one)
+    lam: float = 0.5  # weight of the global score (1 - lam for the local one); realbench validation folds chose 0.5-0.6 for SP
     gamma: float = 1.0  # AMES: sigmoid temperature over its logit
     inlier_cap: int = 50  # SP: inliers at which the local score saturates at 1
 
