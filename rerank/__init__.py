@@ -1,2 +1,4 @@
-"""Re-ranking a shortlist with local descriptors (spatial verification, Chamfer similarity, AMES,
-global+local score ensembles). Not built yet: the foundation slice ranks by global descriptors only."""
+"""Re-ranking a shortlist with local tokens: tentative correspondences (matching), spatial
+verification (spatial), Chamfer similarity (chamfer), AMES (ames, ames_train), the global+local
+score ensemble (ensemble), and one query's re-ranking (rerank). Plain library code: the query path
+(query/retrieve.py) calls it."""
