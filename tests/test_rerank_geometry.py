@@ -259,9 +259,10 @@ def test_batched_verification_equals_pairs_on_random_matches() -> None:
     assert 5 <= result.verified.sum() < 60
 
     # the same matches with padding slots between them (order kept): same verification
-    packed = padded_matches(pairs)
-    slots = [np.sort(rng.choice(2 * packed.mask.shape[1], len(p), replace=False)) for p in pairs]
-    holey = Matches(*(np.stack([np.zeros(2 * packed.mask.shape[1], a.dtype) for _ in pairs]) for a in (packed.query, packed.token, packed.distance, packed.mask)))
+    width = 2 * max(len(p) for p in pairs)
+    slots = [np.sort(rng.choice(width, len(p), replace=False)) for p in pairs]
+    shape = (len(pairs), width)
+    holey = Matches(np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int16), np.zeros(shape, bool))
     for c, (p, slot) in enumerate(zip(pairs, slots)):
         holey.query[c, slot], holey.token[c, slot], holey.mask[c, slot] = p[:, 0], p[:, 1], True
     spread = verify(query, TokenBatch.stack(candidates), holey, config)
