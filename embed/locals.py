@@ -211,8 +211,7 @@ class LocalExtractor:
                 continue
             desc, weight = self._dense(np.stack([scaled[i] for i in idx]))
             for j, i in enumerate(idx):
-                out[i] = _grid_tokens(desc[j], weight[j], scaled[i].shape[:2], images[i].shape[:2],
-                                      self.resolution / self.conf.resolution, scale_index)
+                out[i] = _grid_tokens(desc[j], weight[j], images[i].shape[:2], self.resolution / self.conf.resolution, scale_index)
         return out  # type: ignore[return-value]
 
     def _sift_tokens(self, scaled: np.ndarray, original: np.ndarray, scale_index: int) -> _ScaleTokens:
@@ -304,14 +303,14 @@ def _resize(image: np.ndarray, longer_side: int) -> np.ndarray:
     return np.asarray(Image.fromarray(image).resize(size, RESAMPLE))
 
 
-def _grid_tokens(desc: np.ndarray, weight: np.ndarray, scaled_hw: tuple[int, int], input_hw: tuple[int, int],
-                 input_over_base: float, scale_index: int) -> _ScaleTokens:
-    """Every cell of a (d, h, w) map as a token at the centre of its cell, in base pixels."""
+def _grid_tokens(desc: np.ndarray, weight: np.ndarray, input_hw: tuple[int, int], input_over_base: float,
+                 scale_index: int) -> _ScaleTokens:
+    """Every cell of a (d, h, w) map as a token at the centre of its cell, in base pixels (the map
+    covers the scaled image evenly, so a cell's centre in input pixels is (j + 0.5) * W / w)."""
     d, h, w = desc.shape
     ys, xs = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-    # Cell centres in pixels of the scaled image, then of the input image, then of the base image.
-    x = (xs.reshape(-1) + 0.5) * scaled_hw[1] / w * input_hw[1] / scaled_hw[1] / input_over_base
-    y = (ys.reshape(-1) + 0.5) * scaled_hw[0] / h * input_hw[0] / scaled_hw[0] / input_over_base
+    x = (xs.reshape(-1) + 0.5) * input_hw[1] / w / input_over_base
+    y = (ys.reshape(-1) + 0.5) * input_hw[0] / h / input_over_base
     return _ScaleTokens(desc.reshape(d, -1).T, np.stack([x, y], 1).astype(np.float32), weight.reshape(-1),
                         np.full(h * w, scale_index, np.uint8))
 
