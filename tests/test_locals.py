@@ -356,3 +356,26 @@ def test_serve_reranks_key_and_image_queries_with_evidence(tmp_path, local_descr
     assert by_image["results"][0]["inliers"] >= 5
     [by_vector] = service.search_json({"vectors": index.vector_of("000000/00001").tolist(), "k": 3})
     assert "inliers" not in by_vector["results"][0]  # no tokens: global scores only
+
+
+@pytest.mark.ray
+def test_ray_sharded_index_reranks_like_the_single_process_one(tmp_path, local_descriptors, ray_local):
+    from cluster.serve import serve_sharded
+    from index.build import IndexConfig, main as build
+    from index.search import load_index
+    from query.retrieve import QueryConfig, search, stored_tokens
+    from rerank.rerank import RerankConfig
+
+    out = build(IndexConfig(kind="flat", shards=2), local_descriptors, tmp_path / "idx")
+    keys = ["000000/00000", "000001/01002"]
+    conf = QueryConfig(k=4, rerank=RerankConfig(method="sp", shortlist=6))
+    results = []
+    for index in (load_index(out), serve_sharded(out)):
+        xq = np.stack([index.vector_of(k) for k in keys])
+        D, I, details = search(index, xq, conf, stored_tokens(index, keys))
+        results.append((D, I, [d["inliers"] for d in details]))
+    (D1, I1, n1), (D2, I2, n2) = results
+    np.testing.assert_array_equal(I1, I2)
+    np.testing.assert_allclose(D1, D2)
+    for a, b in zip(n1, n2):
+        np.testing.assert_array_equal(a, b)
