@@ -121,7 +121,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from eval.evaluate import EvalConfig, main
 
-    conf = EvalConfig(k=args.k, nprobe=args.nprobe, rerank=_rerank_config(args), query_locals=args.query_locals)
+    conf = EvalConfig(k=args.k, nprobe=args.nprobe, rerank=_rerank_config(args), query_locals=args.query_locals,
+                      ilias_pickle=args.ilias_pickle, ilias_json=args.ilias_json)
     out = main(conf, Path(args.index), Path(args.ground_truth), Path(args.out))
     report = json.loads(out.read_text())
     print(json.dumps({k: v for k, v in report.items() if k != "per_query"}, indent=2))
@@ -264,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=1000)
     p.add_argument("--nprobe", type=int)
     p.add_argument("--out", required=True, help="JSON report to write")
+    p.add_argument("--ilias-pickle", help="also write the rankings as the ILIAS benchmark's result pickle")
+    p.add_argument("--ilias-json", help="also write the rankings as the ILIAS benchmark's result JSON")
     p.add_argument("--query-locals", help="descriptor directory of the queries' local tokens (a query-side preset); "
                    "default: the index's stored tokens")
     _add_rerank_flags(p)

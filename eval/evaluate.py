@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from eval.metrics import average_precision_at_k
+from eval.ilias import write_results_json, write_results_pickle
+from eval.metrics import average_precision_at_k, recall_at_k
 from index.search import load_index
 from query.retrieve import QueryConfig, search, stored_tokens
 from rerank.rerank import Reranker, RerankConfig
@@ -38,6 +39,8 @@ class EvalConfig:
     batch: int = 256  # queries searched at once
     rerank: RerankConfig | None = None  # re-rank each shortlist with local tokens; None: global only
     query_locals: str | None = None  # descriptor directory of query-side local tokens; None: the index's store
+    ilias_pickle: str | None = None  # also write the rankings as the ILIAS benchmark's result pickle
+    ilias_json: str | None = None  # ... and/or its result JSON ({query: {db_id: score}})
 
 
 def load_ground_truth(path: Path) -> list[dict[str, Any]]:
@@ -74,11 +77,22 @@ def evaluate(index_dir: Path, queries: list[dict[str, Any]], conf: EvalConfig, i
         if conf.rerank:
             tokens = [query_tokens[q["key"]] for q in chunk] if query_tokens else stored_tokens(index, [q["key"] for q in chunk])
         D, I, _ = search(index, xq, query_conf, tokens, reranker)
-        for q, keys in zip(chunk, index.keys_of(I)):
-            ranking = [k for k in keys if k is not None and k != q["key"] and k not in ignore][: conf.k]
-            per_query.append({"key": q["key"], "ap": average_precision_at_k(ranking, q["positives"], conf.k)})
+        for q, keys, scores in zip(chunk, index.keys_of(I), D):
+            kept = [(k, float(s)) for k, s in zip(keys, scores) if k is not None and k != q["key"] and k not in ignore][: conf.k]
+            ranking = [k for k, _ in kept]
+            per_query.append({"key": q["key"], "ap": average_precision_at_k(ranking, q["positives"], conf.k),
+                              "recall": recall_at_k(ranking, q["positives"], conf.k),
+                              "ranking": ranking, "scores": [s for _, s in kept]})
+    rankings = [p.pop("ranking") for p in per_query]
+    scores = [p.pop("scores") for p in per_query]
+    if conf.ilias_pickle:
+        write_results_pickle(conf.ilias_pickle, [p["key"] for p in per_query], rankings, scores)
+    if conf.ilias_json:
+        write_results_json(conf.ilias_json, [p["key"] for p in per_query], rankings, scores)
     return {
         f"map_at_{conf.k}": 100.0 * float(np.mean([p["ap"] for p in per_query])),
+        # ILIAS's oracle: the positives in the top k over all positives (a perfect re-ranking's bound).
+        f"recall_at_{conf.k}": 100.0 * float(np.mean([p["recall"] for p in per_query])),
         "k": conf.k,
         "n_queries": len(per_query),
         "skipped_without_positives": len(queries) - len(usable),

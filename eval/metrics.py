@@ -30,6 +30,15 @@ def average_precision_at_k(ranking: Sequence[Hashable], positives: Collection[Ha
     return total / min(k, len(positives))
 
 
+def recall_at_k(ranking: Sequence[Hashable], positives: Collection[Hashable], k: int) -> float:
+    """Positives in the top k over all positives (in [0, 1]): ILIAS's "oracle", the mAP@k a perfect
+    re-ranking of the top k would reach is at most this."""
+    positives = set(positives)
+    if not positives:
+        raise NeedleInputError("a query without positives has no recall; leave it out of the evaluation")
+    return sum(1 for item in ranking[:k] if item in positives) / len(positives)
+
+
 def rank_by_score(scores: np.ndarray) -> np.ndarray:
     """Column indices of each row by descending score; ties go to the lower column index."""
     return np.argsort(-np.asarray(scores), axis=1, kind="stable")

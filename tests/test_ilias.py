@@ -1,0 +1,139 @@
+"""ILIAS layout, result formats and scoring: needle eval's mAP equals the benchmark's own scoring
+of the pickle and JSON needle writes."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.metrics import average_precision_score
+
+from eval.ilias import (SCALE_GROUPS, ILIASDataError, evaluate_results, load_ilias, score_query, sklearn_average_precision,
+                        write_results_json)
+from eval.metrics import average_precision_at_k
+from conftest import jpeg_bytes, write_tar
+
+
+def test_average_precision_equals_scikit_learn_with_ties():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        y_true = rng.random(n) < 0.3
+        y_score = rng.integers(0, 6, n).astype(float)  # many ties
+        if not y_true.any():
+            assert sklearn_average_precision(y_true, y_score) == 0.0
+            continue
+        assert sklearn_average_precision(y_true, y_score) == pytest.approx(average_precision_score(y_true, y_score))
+
+
+def test_benchmark_ap_equals_needle_ap_without_ties():
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        n, k = 60, int(rng.integers(1, 60))
+        ids = np.array([f"i{j}" for j in range(n)])
+        scores = rng.random(n)
+        gt = set(rng.choice(ids, int(rng.integers(1, 10)), replace=False)) | {"elsewhere/never-retrieved"}
+        ap, oracle = score_query(ids, scores, gt, k)
+        ranking = list(ids[np.argsort(-scores)])
+        assert ap == pytest.approx(average_precision_at_k(ranking, gt, k))
+        assert oracle == pytest.approx(sum(i in gt for i in ranking[:k]) / len(gt))
+
+
+def _ilias_reference(dataset_dir: Path, payload: dict, k: int) -> float:
+    """The benchmark's scoring written from its evaluation code, with scikit-learn."""
+    positives = [line.split(",")[0] for line in (dataset_dir / "image_ids" / "positive_ids.txt").read_text().split()]
+    gt = defaultdict(set)
+    for p in positives:
+        gt[p.split("/")[0]].add(p)
+    aps = []
+    db_ids = np.asarray(payload["db_ids"])
+    for q, s, r in zip(payload["query_ids"], payload["similarities"], payload["ranks"]):
+        order = np.argsort(-s)
+        top = db_ids[r[order][:k]]
+        y_true = np.isin(top, list(gt[q.split("/")[0]]))
+        if not y_true.any():
+            aps.append(0.0)
+            continue
+        ap = average_precision_score(y_true, s[order][:k]) * y_true.sum() / min(k, len(gt[q.split("/")[0]]))
+        aps.append(100 * ap)
+    return float(np.mean(aps))
+
+
+@pytest.fixture
+def ilias_like(tmp_path, photos, extractor):
+    """Tars named by instance (the ILIAS id layout): each instance tar holds a query view and two
+    positives; a distractor tar holds other photos. Returns (index dir, ground truth, dataset dir)."""
+    from index.build import IndexConfig, main as build
+    from ingest.pipeline import process_shard
+
+    names = list(photos)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    dataset = tmp_path / "ilias" / "image_ids"
+    dataset.mkdir(parents=True)
+    queries, positives = [], []
+    for i, name in enumerate(names[:3]):
+        photo = photos[name]
+        views = [photo, np.ascontiguousarray(photo[:, ::-1]), np.ascontiguousarray(photo[photo.shape[0] // 6 :, : photo.shape[1] * 5 // 6])]
+        write_tar(shards / f"inst{i}.tar", [(f"v{j}.jpg", jpeg_bytes(v)) for j, v in enumerate(views)])
+        queries.append(f"inst{i}/v0")
+        positives += [(f"inst{i}/v1", 0.1 * (i + 1), 10 * i), (f"inst{i}/v2", 0.3, 40)]
+    write_tar(shards / "distractors.tar", [(f"d{j}.jpg", jpeg_bytes(photos[n])) for j, n in enumerate(names[3:])])
+    for i, shard in enumerate(sorted(shards.glob("*.tar"))):
+        process_shard(str(shard), i, tmp_path / "desc", [extractor])
+    index = build(IndexConfig(kind="flat"), tmp_path / "desc", tmp_path / "index")
+    (dataset / "image_query_ids.txt").write_text("".join(f"{q},query\n" for q in queries))
+    (dataset / "text_query_ids.txt").write_text("".join(f"inst{i}/T{i:03d}\n" for i in range(3)))
+    (dataset / "positive_ids.txt").write_text("".join(f"{p},{s},{c}\n" for p, s, c in positives))
+    truth = [{"key": q, "positives": [p for p, _, _ in positives if p.startswith(q.split("/")[0] + "/")]} for q in queries]
+    return index, truth, tmp_path / "ilias"
+
+
+def test_ilias_pickle_and_json_score_like_needle_eval(tmp_path, ilias_like):
+    from eval.evaluate import EvalConfig, evaluate
+
+    index, truth, dataset_dir = ilias_like
+    k = 4  # smaller than the database, so the cut matters
+    conf = EvalConfig(k=k, ilias_pickle=str(tmp_path / "r.pkl"), ilias_json=str(tmp_path / "r.json"))
+    report = evaluate(index, truth, conf)
+    payload = pickle.loads((tmp_path / "r.pkl").read_bytes())
+    assert set(payload) == {"query_ids", "db_ids", "similarities", "ranks"}
+    assert payload["similarities"].shape == payload["ranks"].shape == (3, k)
+    dataset = load_ilias(dataset_dir)
+    ours = evaluate_results(dataset, **payload, k=k)
+    assert ours["map"] == pytest.approx(report[f"map_at_{k}"])
+    assert _ilias_reference(dataset_dir, payload, k) == pytest.approx(report[f"map_at_{k}"])
+    assert ours["oracle"] == pytest.approx(report[f"recall_at_{k}"])
+    assert set(ours["scale"]) <= {f"{a}-{b}" for a, b in SCALE_GROUPS}
+    from_json = json.loads((tmp_path / "r.json").read_text())
+    assert list(from_json) == payload["query_ids"]
+    for q, s, r in zip(payload["query_ids"], payload["similarities"], payload["ranks"]):
+        assert list(from_json[q]) == [payload["db_ids"][i] for i in r]
+        np.testing.assert_allclose(list(from_json[q].values()), s, rtol=1e-6)
+
+
+def test_breakdown_removes_positives_outside_the_bin():
+    from eval.ilias import ILIASDataset
+
+    dataset = ILIASDataset(["a/q"], [], {"a/p1": (0.01, 5), "a/p2": (0.5, 60)})
+    db_ids = np.array(["a/p2", "x/d", "a/p1"])
+    # p2 (large, cluttered) first, then a distractor, then p1 (small, clean).
+    report = evaluate_results(dataset, ["a/q"], db_ids, np.array([[0.9, 0.8, 0.7]]), np.array([[0, 1, 2]]), k=3)
+    assert report["map"] == pytest.approx(100 * (1 + 2 / 3) / 2)
+    small = f"{0.0}-{0.06880213760855043}"
+    assert report["scale"][small] == pytest.approx(100 * 1 / 2)  # p2 removed: p1 at rank 2
+    assert report["clutter"]["53-inf"] == pytest.approx(100.0)  # p1 removed: p2 at rank 1
+
+
+def test_bad_ilias_inputs_are_named(tmp_path):
+    from eval.ilias import write_results_pickle
+
+    with pytest.raises(ILIASDataError, match="positive_ids.txt"):
+        load_ilias(tmp_path)
+    with pytest.raises(ILIASDataError, match="same number"):
+        write_results_pickle(tmp_path / "r.pkl", ["a/q", "b/q"], [["x"], ["x", "y"]], [[1.0], [1.0, 0.5]])
+    assert write_results_json(tmp_path / "r.json", ["a/q"], [["x"]], [[1.0]]).is_file()
