@@ -91,13 +91,17 @@ def _add_rerank_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ames", help="AMES checkpoint (--rerank ames)")
 
 
+def _add_qe_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--qe", type=int, default=0, help="query expansion: average each query with its similarity-weighted top-N, search again")
+
+
 def _query(args: argparse.Namespace) -> int:
     from query.retrieve import QueryConfig, load_vectors, query
 
     index = _open_index(args)
     vectors = load_vectors(Path(args.vectors), index.d) if args.vectors else None
     conf = QueryConfig(k=args.k, nprobe=args.nprobe, refine_factor=args.refine_factor, weights=args.weights,
-                       rerank=_rerank_config(args))
+                       rerank=_rerank_config(args), qe_top=args.qe)
     results = query(index, conf, args.key or [], [Path(p) for p in args.image or []], args.text or [], vectors)
     print(json.dumps(results if len(results) > 1 else results[0], indent=2))
     return 0
@@ -122,7 +126,7 @@ def _eval(args: argparse.Namespace) -> int:
     from eval.evaluate import EvalConfig, main
 
     conf = EvalConfig(k=args.k, nprobe=args.nprobe, rerank=_rerank_config(args), query_locals=args.query_locals,
-                      ilias_pickle=args.ilias_pickle, ilias_json=args.ilias_json)
+                      ilias_pickle=args.ilias_pickle, ilias_json=args.ilias_json, qe_top=args.qe)
     out = main(conf, Path(args.index), Path(args.ground_truth), Path(args.out))
     report = json.loads(out.read_text())
     print(json.dumps({k: v for k, v in report.items() if k != "per_query"}, indent=2))
@@ -247,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-shards", action="store_true", help="search the shards in Ray actors")
     p.add_argument("--address", help="Ray cluster for --ray-shards (default: $RAY_ADDRESS, else local)")
     _add_rerank_flags(p)
+    _add_qe_flag(p)
     p.set_defaults(func=_query)
 
     p = sub.add_parser("serve", help="HTTP search endpoint (127.0.0.1 by default)")
@@ -270,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query-locals", help="descriptor directory of the queries' local tokens (a query-side preset); "
                    "default: the index's stored tokens")
     _add_rerank_flags(p)
+    _add_qe_flag(p)
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("ames", help="AMES re-ranking model commands")

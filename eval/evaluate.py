@@ -39,6 +39,7 @@ class EvalConfig:
     batch: int = 256  # queries searched at once
     rerank: RerankConfig | None = None  # re-rank each shortlist with local tokens; None: global only
     query_locals: str | None = None  # descriptor directory of query-side local tokens; None: the index's store
+    qe_top: int = 0  # query expansion with the top-n (0: off)
     ilias_pickle: str | None = None  # also write the rankings as the ILIAS benchmark's result pickle
     ilias_json: str | None = None  # ... and/or its result JSON ({query: {db_id: score}})
 
@@ -66,7 +67,8 @@ def evaluate(index_dir: Path, queries: list[dict[str, Any]], conf: EvalConfig, i
     if not usable:
         raise NeedleInputError("no query with positives to evaluate")
     # +1: the query finds itself; ignored keys may take places in the shortlist too.
-    query_conf = QueryConfig(k=min(index.ntotal, conf.k + 1 + len(ignore)), nprobe=conf.nprobe, rerank=conf.rerank)
+    query_conf = QueryConfig(k=min(index.ntotal, conf.k + 1 + len(ignore)), nprobe=conf.nprobe, rerank=conf.rerank,
+                             qe_top=conf.qe_top)
     reranker = Reranker(conf.rerank) if conf.rerank else None
     query_tokens = read_query_tokens(conf.query_locals, [q["key"] for q in usable]) if conf.rerank and conf.query_locals else None
     per_query = []

@@ -32,6 +32,7 @@ class QueryConfig:
     refine_factor: int | None = None  # IVF-PQ shortlist = this * k, re-scored exactly; None: the index's setting
     weights: str | None = None  # weights file for embedding query images; None: the one the index was built with
     rerank: RerankConfig | None = None  # re-rank the global shortlist with local tokens; None: global only
+    qe_top: int = 0  # query expansion: average the query with its similarity-weighted top-n, search again (0: off)
 
 
 def results_json(index: SearchIndex, D: np.ndarray, I: np.ndarray) -> list[list[dict[str, Any]]]:
@@ -202,10 +203,26 @@ def stored_tokens(index: SearchIndex, keys: list[str]) -> list[LocalTokens]:
     return [store.tokens(index.position_of(key)) for key in keys]
 
 
+def expand_queries(index: SearchIndex, xq: np.ndarray, conf: QueryConfig) -> np.ndarray:
+    """Average query expansion: each query plus its top ``qe_top`` database vectors weighted by
+    their similarity to it, L2-normalised (the ILIAS query-side option)."""
+    if conf.qe_top < 0:
+        raise NeedleInputError(f"qe_top must be >= 0, got {conf.qe_top}")
+    xq = index.check_queries(xq, 1)
+    D, I = index.search(xq, min(conf.qe_top, index.ntotal), conf.nprobe, refine_factor=conf.refine_factor)
+    positions = index.positions_of_rows(I)
+    neighbours = np.where((positions >= 0)[..., None], index.vectors[positions.clip(0)].astype(np.float32), 0.0)
+    weights = np.where(I >= 0, np.maximum(D, 0.0), 0.0)[..., None]
+    expanded = xq + (weights * neighbours).sum(1)
+    return (expanded / np.linalg.norm(expanded, axis=1, keepdims=True)).astype(np.float32)
+
+
 def search(index: SearchIndex, xq: np.ndarray, conf: QueryConfig, tokens: list[LocalTokens | None] | None = None,
            reranker: Reranker | None = None, evidence: bool = False) -> tuple[np.ndarray, np.ndarray, list[dict[str, Any]]]:
     """(D, I, per-query re-ranking details) for (nq, d) queries; re-ranked where ``conf.rerank``
     is set and the query has tokens (``tokens[q]``)."""
+    if conf.qe_top:
+        xq = expand_queries(index, xq, conf)
     if conf.rerank is None:
         D, I = index.search(xq, conf.k, conf.nprobe, refine_factor=conf.refine_factor)
         return D, I, [{} for _ in range(len(D))]

@@ -137,3 +137,21 @@ def test_bad_ilias_inputs_are_named(tmp_path):
     with pytest.raises(ILIASDataError, match="same number"):
         write_results_pickle(tmp_path / "r.pkl", ["a/q", "b/q"], [["x"], ["x", "y"]], [[1.0], [1.0, 0.5]])
     assert write_results_json(tmp_path / "r.json", ["a/q"], [["x"]], [[1.0]]).is_file()
+
+
+def test_query_expansion_searches_with_the_weighted_average(ilias_like):
+    from index.search import load_index
+    from query.retrieve import QueryConfig, expand_queries, search
+
+    index_dir, _, _ = ilias_like
+    index = load_index(index_dir)
+    xq = np.stack([index.vector_of("inst0/v0"), index.vector_of("inst1/v0")])
+    D, I = index.search(xq, 2)
+    positions = index.positions_of_rows(I)
+    manual = xq + (D[..., None] * index.vectors[positions].astype(np.float32)).sum(1)
+    manual /= np.linalg.norm(manual, axis=1, keepdims=True)
+    np.testing.assert_allclose(expand_queries(index, xq, QueryConfig(qe_top=2)), manual, rtol=1e-5, atol=1e-6)
+    D_qe, I_qe, _ = search(index, xq, QueryConfig(k=5, qe_top=2))
+    D_ref, I_ref = index.search(manual.astype(np.float32), 5)
+    np.testing.assert_array_equal(I_qe, I_ref)
+    np.testing.assert_allclose(D_qe, D_ref, rtol=1e-5)
