@@ -157,6 +157,13 @@ def _local_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _adapt_train(args: argparse.Namespace) -> int:
+    from embed.adapt import AdaptConfig, main
+
+    main(AdaptConfig(out_dim=args.dim, epochs=args.epochs, seed=args.seed), Path(args.descriptors), Path(args.labels), Path(args.out))
+    return 0
+
+
 def _ames_train(args: argparse.Namespace) -> int:
     from cluster.ingest_job import IngestConfig, make_local_extractor
     from rerank.ames_train import TrainConfig, main
@@ -277,6 +284,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rerank_flags(p)
     _add_qe_flag(p)
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("adapt", help="adaptation of global descriptors")
+    dsub = p.add_subparsers(dest="adapt_command", required=True)
+    t = dsub.add_parser("train", help="the ILIAS linear adaptation: Linear + L2 trained with a normalised softmax over labels")
+    t.add_argument("--descriptors", required=True, help="descriptor directory (Parquet)")
+    t.add_argument("--labels", required=True, help="CSV or Parquet with columns key,label[,domain]")
+    t.add_argument("--out", required=True, help="adapter file to write (state dict weight, bias)")
+    t.add_argument("--dim", type=int, default=512, help="adapted dimension")
+    t.add_argument("--epochs", type=int, default=2)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_adapt_train)
 
     p = sub.add_parser("ames", help="AMES re-ranking model commands")
     asub = p.add_subparsers(dest="ames_command", required=True)
