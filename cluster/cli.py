@@ -39,7 +39,7 @@ def _index_build(args: argparse.Namespace) -> int:
         kind="flat" if args.exact else args.kind, memory_budget=args.memory_budget, factory=args.factory,
         nlist=args.nlist, pq_bytes=args.pq_bytes, shards=args.shards, parts=args.parts, nprobe=args.nprobe,
         refine_factor=args.refine_factor, quantizer_ef=args.quantizer_ef, points_per_list=args.points_per_list,
-        s3_endpoint_url=args.s3_endpoint_url,
+        s3_endpoint_url=args.s3_endpoint_url, adapt=args.adapt,
     )
     if args.ray:
         from cluster.index_job import main
@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--refine-factor", type=int, default=2, help="shortlist = factor * k, re-scored exactly")
     b.add_argument("--quantizer-ef", type=int, default=128, help="HNSW coarse quantizer search depth (large IVF)")
     b.add_argument("--ray", action="store_true", help="run the add parts as Ray tasks")
+    b.add_argument("--adapt", help="adapter file (needle adapt train, or ILIAS's): index the adapted descriptors")
     b.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else a local instance)")
     b.set_defaults(func=_index_build)
 

@@ -71,6 +71,7 @@ class IndexConfig:
     shards: int = 1  # keep this many index shards (served by one Ray actor each) instead of one index
     parts: int | None = None  # parallel add tasks; None: shards (at least 1)
     nprobe: int = 64  # default IVF lists visited per query (recorded; queries may override)
+    adapt: str | None = None  # adapter file (needle adapt train, or ILIAS's): index adapted descriptors; None: as ingested
     refine_factor: int = 2  # IVF-PQ shortlist = refine_factor * k, re-scored exactly from float16
     quantizer_ef: int = DEFAULT_QUANTIZER_EF  # HNSW coarse quantizer: graph candidates explored per assignment (FAISS's
     # default 16 puts some vectors in a list far from them, where no query probes: recall@1000 capped at 0.986 on 1M)
@@ -158,8 +159,9 @@ def scan(files: list[Path], ids_path: Path) -> tuple[list[FileInfo], int, int]:
     return infos, int(dim), n_ok
 
 
-def read_valid(path: str, dim: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(row ids, float16 (n, d) descriptors) of a file's ok, finite rows, and how many were rejected."""
+def read_valid(path: str, dim: int, adapter: Any = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """(row ids, float16 (n, d) descriptors) of a file's ok, finite rows, and how many were
+    rejected; with ``adapter`` (embed.adapt.LinearAdapter) the adapted descriptors."""
     table, xb = read_global(Path(path), ("row", "status"))
     if xb.shape[1] != dim:
         raise DescriptorFileError(f"{path}: descriptor dimension {xb.shape[1]} differs from {dim} (file changed during the build?)")
@@ -169,17 +171,18 @@ def read_valid(path: str, dim: int) -> tuple[np.ndarray, np.ndarray, int]:
     if rejected:
         log.warning("%s: %d descriptors with NaN/inf rejected", path, rejected)
     keep = ok & finite
-    return table["row"].to_numpy()[keep], xb[keep], rejected
+    xb = xb[keep] if adapter is None else adapter.apply(xb[keep]).astype(np.float16)
+    return table["row"].to_numpy()[keep], xb, rejected
 
 
-def training_sample(files: list[FileInfo], dim: int, n_train: int, seed: int) -> np.ndarray:
-    """About ``n_train`` valid vectors drawn uniformly, reading one file at a time."""
+def training_sample(files: list[FileInfo], dim: int, n_train: int, seed: int, adapter: Any = None) -> np.ndarray:
+    """About ``n_train`` valid (adapted) vectors drawn uniformly, reading one file at a time."""
     total = sum(f.rows for f in files)
     rng = np.random.default_rng(seed)
     take = min(1.0, 1.1 * n_train / total)
     blocks = []
     for f in files:
-        rows, xb, _ = read_valid(f.path, dim)
+        rows, xb, _ = read_valid(f.path, dim, adapter)
         if len(xb):
             blocks.append(xb[rng.random(len(xb)) < take])
     xt = np.concatenate(blocks)  # float16: half the memory while the sample is drawn
@@ -215,13 +218,15 @@ def train(plan: IndexPlan, xt: np.ndarray, quantizer_ef: int = DEFAULT_QUANTIZER
 
 
 def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path: str, part_path: str,
-               locals_name: str | None = None) -> dict[str, Any]:
+               locals_name: str | None = None, adapt: str | None = None) -> dict[str, Any]:
     """Add ``files`` to a copy of the trained index (saved at ``part_path``) and write their
     vectors into their rows of the shared memory-mapped ``vectors_path``; with ``locals_name``,
-    also write their local tokens as that segment of the local store. Plain function: the Ray job
-    runs one per task."""
+    also write their local tokens as that segment of the local store; with ``adapt``, add the
+    descriptors through that adapter. Plain function: the Ray job runs one per task."""
     import faiss
 
+    adapter = _load_adapter(adapt)
+    index_dim = adapter.out_dim if adapter is not None else dim
     index = faiss.read_index(trained_path)
     data_offset = np.load(vectors_path, mmap_mode="r").offset  # after the .npy header
     added = rejected = 0
@@ -229,11 +234,11 @@ def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path:
     # process's memory and inflate its RSS by the size of the vectors.
     with open(vectors_path, "r+b") as out:
         for f in files:
-            rows, xb, bad = read_valid(f.path, dim)
+            rows, xb, bad = read_valid(f.path, dim, adapter)
             index.add_with_ids(np.ascontiguousarray(xb, dtype=np.float32), rows)
-            block = np.zeros((f.rows, dim), dtype=np.float16)
+            block = np.zeros((f.rows, index_dim), dtype=np.float16)
             block[(rows - (np.int64(f.shard_id) << ROW_SHARD_SHIFT)).astype(np.int64)] = xb
-            out.seek(data_offset + f.offset * dim * 2)
+            out.seek(data_offset + f.offset * index_dim * 2)
             out.write(block.tobytes())
             added += len(rows)
             rejected += bad
@@ -244,6 +249,23 @@ def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path:
         segment = write_segment(Path(part_path).parent, locals_name, [(f.path, f.rows, f.offset) for f in files])
         stats["locals"] = segment.to_dict()
     return stats
+
+
+def _load_adapter(path: str | None) -> Any:
+    if path is None:
+        return None
+    from embed.adapt import load_adapter
+
+    return load_adapter(path)
+
+
+def _adapt_infos(path: str | None, adapter: Any) -> dict[str, Any] | None:
+    """How the indexed descriptors were adapted (None: they were not)."""
+    if adapter is None:
+        return None
+    from embed.extract import file_sha256
+
+    return {"file": str(Path(path).resolve()), "sha256": file_sha256(Path(path)), "in_dim": adapter.in_dim, "out_dim": adapter.out_dim}
 
 
 def _local_extractor(ingest: dict[str, Any]) -> dict[str, Any] | None:
@@ -288,8 +310,8 @@ def merge_parts(part_paths: list[str], out_path: Path) -> int:
     return int(index.ntotal)
 
 
-# (trained index, files, d, vectors file, part file, local segment name or None)
-PartTask = tuple[str, list[FileInfo], int, str, str, str | None]
+# (trained index, files, descriptor d, vectors file, part file, local segment name or None, adapter file or None)
+PartTask = tuple[str, list[FileInfo], int, str, str, str | None, str | None]
 PartRunner = Callable[[list[PartTask]], list[dict[str, Any]]]
 
 
@@ -313,14 +335,18 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     info_path = files[0].parent / "ingest_info.json"  # how the descriptors were made
     ingest = json.loads(info_path.read_text()) if info_path.is_file() else {}
     infos, dim, n_ok = scan(files, output / IDS_FILE)
+    adapter = _load_adapter(conf.adapt)
+    if adapter is not None and adapter.in_dim != dim:
+        raise DescriptorFileError(f"adapter {conf.adapt} takes d={adapter.in_dim}, the descriptors have d={dim}")
+    index_dim = adapter.out_dim if adapter is not None else dim  # what the index and the refine vectors hold
     timings = {"scan_s": time.perf_counter() - start}
     n_rows = sum(f.rows for f in infos)
     budget = parse_bytes(conf.memory_budget)
-    plan = plan_index(max(1, n_ok), dim, budget, conf.kind, conf.factory, conf.flat_threshold,
+    plan = plan_index(max(1, n_ok), index_dim, budget, conf.kind, conf.factory, conf.flat_threshold,
                       conf.points_per_list, conf.nlist, conf.pq_bytes)
     log.info("index plan: %s (%s)", plan.factory, "; ".join(plan.reasons))
 
-    xt = training_sample(infos, dim, plan.n_train, conf.seed) if plan.kind == "ivfpq" else np.zeros((1, dim), np.float32)
+    xt = training_sample(infos, dim, plan.n_train, conf.seed, adapter) if plan.kind == "ivfpq" else np.zeros((1, index_dim), np.float32)
     timings["sample_s"] = time.perf_counter() - start - sum(timings.values())
     trained = train(plan, xt, conf.quantizer_ef)
     trained_path = output / TRAINED_FILE
@@ -329,7 +355,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     timings["train_s"] = time.perf_counter() - start - sum(timings.values())
     del xt
     training_peak = peak_rss_bytes()
-    vectors = np.lib.format.open_memmap(output / (VECTORS_FILE + ".tmp"), mode="w+", dtype=np.float16, shape=(n_rows, dim))
+    vectors = np.lib.format.open_memmap(output / (VECTORS_FILE + ".tmp"), mode="w+", dtype=np.float16, shape=(n_rows, index_dim))
     del vectors
 
     shards = max(1, conf.shards)
@@ -341,7 +367,8 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     if conf.locals and not with_locals and any(has_locals(Path(f.path)) for f in infos):
         raise DescriptorFileError("some descriptor files carry local tokens and others do not: ingest them alike, "
                                   "or build with locals off")
-    tasks = [(str(trained_path), r, dim, str(output / (VECTORS_FILE + ".tmp")), p, f"locals_{i:03d}" if with_locals else None)
+    tasks = [(str(trained_path), r, dim, str(output / (VECTORS_FILE + ".tmp")), p, f"locals_{i:03d}" if with_locals else None,
+              conf.adapt)
              for i, (r, p) in enumerate(zip(ranges, part_paths))]
     stats = run_parts(tasks)
     timings["add_s"] = time.perf_counter() - start - sum(timings.values())
@@ -372,7 +399,8 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
         "metric": "inner_product",
         "ntotal": ntotal,
         "rows": n_rows,
-        "dim": dim,
+        "dim": index_dim,
+        "adapt": _adapt_infos(conf.adapt, adapter),
         "index_files": index_files,
         "nprobe": conf.nprobe,
         "refine_factor": conf.refine_factor,

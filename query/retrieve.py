@@ -70,7 +70,17 @@ def embed_image_files(index: SearchIndex, paths: list[Path], weights: str | None
 
     extractor = query_extractor(index, weights)
     images = [decode_resized(_read_image(path), extractor.resolution, str(path))[0] for path in paths]
-    return extractor(images)["global"].astype(np.float32)
+    return adapt_queries(index, extractor(images)["global"].astype(np.float32))
+
+
+def adapt_queries(index: SearchIndex, xq: np.ndarray) -> np.ndarray:
+    """Embedded queries through the adapter the index was built with (unchanged without one)."""
+    info = index.infos.get("adapt")
+    if not info:
+        return xq
+    from embed.adapt import load_adapter
+
+    return load_adapter(info["file"]).apply(xq)
 
 
 def embed_texts(index: SearchIndex, texts: list[str], weights: str | None = None) -> np.ndarray:
@@ -93,7 +103,7 @@ def embed_texts(index: SearchIndex, texts: list[str], weights: str | None = None
     net, _ = build_global_model(model["name"], weights)
     tokens = open_clip.get_tokenizer(model["architecture"])(texts)
     with torch.inference_mode():
-        return l2_normalize(net.backbone.encode_text(tokens)).numpy().astype(np.float32)
+        return adapt_queries(index, l2_normalize(net.backbone.encode_text(tokens)).numpy().astype(np.float32))
 
 
 def load_vectors(path: Path, d: int) -> np.ndarray:

@@ -72,3 +72,31 @@ def test_adapt_train_stage_from_parquet_and_csv(tmp_path):
     assert record["classes"] == 4 and record["samples"] == 160 and len(record["loss_history"]) == 3
     (tmp_path / "missing.csv").write_text("key,label\n000000/99999,c0\n")
     assert cli(["adapt", "train", "--descriptors", str(desc), "--labels", str(tmp_path / "missing.csv"), "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivfpq"])
+def test_index_built_through_an_adapter_holds_adapted_vectors(tmp_path, kind):
+    from index.build import IndexConfig, main as build
+    from index.search import load_index
+    from query.retrieve import adapt_queries
+
+    x, labels = _classes(4, 60, 32, seed=2)
+    desc = tmp_path / "desc"
+    write_descriptor_file(desc, "000000", 0, x[:120].astype(np.float16))
+    write_descriptor_file(desc, "000001", 1, x[120:].astype(np.float16))
+    adapter = LinearAdapter(32, 16)
+    path = save_adapter(adapter, tmp_path / "a.pt")
+    conf = IndexConfig(kind=kind, adapt=str(path), nlist=4 if kind == "ivfpq" else None, pq_bytes=8 if kind == "ivfpq" else None)
+    index = load_index(build(conf, desc, tmp_path / "idx"))
+    expected = adapter.apply(x.astype(np.float16).astype(np.float32)).astype(np.float16)
+    assert index.d == 16 and index.infos["adapt"]["out_dim"] == 16 and index.infos["dim"] == 16
+    np.testing.assert_array_equal(np.asarray(index.vectors), expected)
+    xq = adapt_queries(index, x[:3])
+    np.testing.assert_allclose(xq, adapter.apply(x[:3]), rtol=1e-6)
+    if kind == "flat":  # (4-bit PQ trained on 240 vectors scores too coarsely to assert on)
+        D, I = index.search(xq, 1)
+        best = (np.asarray(index.vectors, np.float32) @ xq.T).max(0)  # brute force over the adapted vectors
+        np.testing.assert_allclose(D[:, 0], best, atol=1e-3)
+        assert (D[:, 0] > 0.99).all()  # each query's own vector is in the index, adapted
+    with pytest.raises(Exception, match="d=32"):
+        build(IndexConfig(kind="flat", adapt=str(save_adapter(LinearAdapter(8, 4), tmp_path / "b.pt"))), desc, tmp_path / "idx2")
