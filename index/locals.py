@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ingest.descriptors import DescriptorFileError, list_values, write_atomic
@@ -42,7 +43,7 @@ def read_token_records(path: Path | str) -> tuple[np.ndarray, np.ndarray]:
     """(offsets (rows + 1,), TOKEN_DTYPE records) of one schema-v2 Parquet file's local tokens."""
     try:
         table = pq.read_table(path, columns=LOCAL_COLUMNS)
-    except (OSError, KeyError, Exception) as exc:  # pyarrow raises several types for a missing column
+    except (OSError, KeyError, pa.ArrowInvalid) as exc:  # a missing file or column, a corrupt file
         raise DescriptorFileError(f"{path}: cannot read local token columns {LOCAL_COLUMNS}: {exc}") from exc
     offsets, codes = list_values(table["local_codes"])
     records = np.zeros(len(codes), TOKEN_DTYPE)
