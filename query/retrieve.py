@@ -253,11 +253,11 @@ def search(index: SearchIndex, xq: np.ndarray, conf: QueryConfig, tokens: list[L
         n = min(conf.rerank.shortlist, int((I[q] >= 0).sum()))
         rows, s_global = I[q, :n], D[q, :n]
         candidates = store.batch(index.positions_of_rows(rows), conf.rerank.db_tokens)
-        order, scores, local = reranker.rerank(rows, s_global, tokens[q], candidates, evidence)
+        order, scores, local = reranker.rerank(rows, s_global, tokens[q], candidates)
         I[q, :n], D[q, :n] = rows[order], scores[order]
         details.append({
             "global_score": s_global[order], "local_score": local.raw[order],
             "inliers": None if local.inliers is None else local.inliers[order],
-            "evidence": None if local.evidence is None else [local.evidence[i] for i in order],
+            "evidence": [local.evidence(i) for i in order[:k]] if evidence and local.evidence else None,
         })
     return D[:, :k], I[:, :k], details

@@ -8,7 +8,9 @@ built with, at the query-side scales (query/retrieve.py).
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +53,7 @@ class LocalScores:
     raw: np.ndarray  # (C,) the method's raw score (inliers, Chamfer similarity, AMES logit)
     has_locals: np.ndarray  # (C,) bool: the candidate has tokens
     inliers: np.ndarray | None = None  # (C,) SP inlier counts
-    evidence: list[dict[str, Any]] | None = None  # SP: per candidate, the inlier point pairs (query xy, database xy)
+    evidence: Callable[[int], dict[str, Any]] | None = None  # SP: candidate -> its inlier point pairs, built on demand
 
 
 class Reranker:
@@ -65,7 +67,7 @@ class Reranker:
 
             self.ames = load_ames(conf.ames)
 
-    def local_scores(self, query: LocalTokens, candidates: TokenBatch, evidence: bool = False) -> LocalScores:
+    def local_scores(self, query: LocalTokens, candidates: TokenBatch) -> LocalScores:
         has_locals = candidates.mask.any(1)
         if len(query) == 0:  # nothing to match: every candidate keeps its global score
             return LocalScores(np.zeros(len(candidates)), np.zeros(len(candidates), bool))
@@ -82,27 +84,25 @@ class Reranker:
         matches = matches_from_nearest(nearest, self.conf.match)
         result = verify(query, candidates, matches, self.conf.spatial)
         inliers = np.where(result.verified, result.inliers, 0)
+        # Evidence is drawn for the few results shown, not for the whole shortlist.
         return LocalScores(inliers.astype(np.float64), has_locals, inliers,
-                           _inlier_evidence(query, candidates, matches, result) if evidence else None)
+                           functools.partial(_inlier_evidence, query, candidates, matches, result))
 
-    def rerank(self, rows: np.ndarray, s_global: np.ndarray, query: LocalTokens, candidates: TokenBatch,
-               evidence: bool = False) -> tuple[np.ndarray, np.ndarray, LocalScores]:
+    def rerank(self, rows: np.ndarray, s_global: np.ndarray, query: LocalTokens,
+               candidates: TokenBatch) -> tuple[np.ndarray, np.ndarray, LocalScores]:
         """(order of the shortlist, its final scores, the local evidence)."""
-        local = self.local_scores(query, candidates, evidence)
+        local = self.local_scores(query, candidates)
         scores = combine(self.conf.method, s_global, local.raw, local.has_locals, self.conf.ensemble)
         order = rerank_order(scores, rows)
         return order, scores, local
 
 
-def _inlier_evidence(query: LocalTokens, candidates: TokenBatch, matches: Any, result: Any) -> list[dict[str, Any]]:
-    """Per candidate the inlier correspondences as point pairs, for drawing."""
-    out = []
-    for c in range(len(candidates)):
-        inl = matches.mask[c] & result.inlier_mask[c]
-        q_idx, d_idx = matches.query[c, inl], matches.token[c, inl]
-        out.append({
-            "inliers": int(result.inliers[c]) if result.verified[c] else 0,
-            "query_xy": query.xy[q_idx].round(1).tolist(),
-            "db_xy": candidates.xy[c, d_idx].round(1).tolist(),
-        })
-    return out
+def _inlier_evidence(query: LocalTokens, candidates: TokenBatch, matches: Any, result: Any, c: int) -> dict[str, Any]:
+    """Candidate ``c``'s inlier correspondences as point pairs, for drawing."""
+    inl = matches.mask[c] & result.inlier_mask[c]
+    q_idx, d_idx = matches.query[c, inl], matches.token[c, inl]
+    return {
+        "inliers": int(result.inliers[c]) if result.verified[c] else 0,
+        "query_xy": query.xy[q_idx].round(1).tolist(),
+        "db_xy": candidates.xy[c, d_idx].round(1).tolist(),
+    }
