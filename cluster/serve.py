@@ -170,19 +170,19 @@ class QueryService:
 
         from PIL import Image, UnidentifiedImageError
 
-        from ingest.images import decode_resized
+        from ingest.images import decode_resized_many
 
         try:  # refuse non-image bytes before loading any model
             Image.open(io.BytesIO(data)).close()
         except (UnidentifiedImageError, OSError) as exc:
             raise NeedleInputError(f"cannot decode the request body as an image: {exc}") from exc
         extractor = self.extractor()
-        image = decode_resized(data, extractor.resolution, "request body")[0]
-        xq = extractor([image])["global"].astype(np.float32)
-        tokens = None
-        if self.rerank is not None:
-            local = self.local_extractor()
-            tokens = local.tokens([decode_resized(data, local.resolution, "request body")[0]])
+        local = self.local_extractor() if self.rerank is not None else None
+        # One decode, resized for the global and (when re-ranking) the local extractor.
+        sides = (extractor.resolution,) + ((local.resolution,) if local is not None else ())
+        images = decode_resized_many(data, sides, "request body")[0]
+        xq = extractor([images[extractor.resolution]])["global"].astype(np.float32)
+        tokens = local.tokens([images[local.resolution]]) if local is not None else None
         return self.search(xq, k, nprobe, [{"image": f"{len(data)} bytes"}], tokens=tokens)
 
 
