@@ -31,7 +31,8 @@ def _ingest(args: argparse.Namespace) -> int:
     conf = IngestConfig(
         model=args.model, weights=weights, resolution=args.resolution, batch_size=args.batch_size,
         precision=args.precision, num_workers=args.workers, cpus_per_worker=args.cpus_per_worker,
-        decode_threads=args.decode_threads, overwrite=args.overwrite and not args.resume, address=args.address,
+        cpus_per_gpu_worker=args.cpus_per_gpu_worker, chunk_size=args.chunk_size, decode_threads=args.decode_threads,
+        decoder=args.decoder, overwrite=args.overwrite and not args.resume, address=args.address,
         max_retries=args.max_retries, s3_endpoint_url=args.s3_endpoint_url, locals=args.locals,
         local_itq=args.local_itq, local_top_k=args.local_top_k, keep_local_desc=args.keep_local_desc,
         query_scales=query_scales, query_rotations=args.rotations,
@@ -330,7 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--workers", type=int, help="worker actors (default: one per GPU, else CPUs / --cpus-per-worker)")
-    p.add_argument("--cpus-per-worker", type=int, default=2)
+    p.add_argument("--cpus-per-worker", type=int, default=2, help="CPUs of each CPU worker (its torch threads)")
+    p.add_argument("--cpus-per-gpu-worker", type=int, help="CPUs of each GPU worker, all decoding (default: node CPUs / GPUs)")
+    p.add_argument("--decoder", choices=("pil", "nvjpeg"), default="pil",
+                   help="JPEG decoding: PIL on the worker's CPUs, or nvjpeg on its GPU (GPU workers only)")
+    p.add_argument("--chunk-size", type=int, help="images batched together per extractor call (default: 512 on GPU, 64 on CPU)")
     p.add_argument("--decode-threads", type=int, help="decoding threads per worker (default: all its CPUs on GPU, 1/4 on CPU)")
     p.add_argument("--overwrite", action="store_true", help="redo shards already committed")
     p.add_argument("--resume", action="store_true", help="skip committed shards (the default; overrides --overwrite)")

@@ -31,6 +31,7 @@ from ingest.storage import storage_for
 log = logging.getLogger(__name__)
 
 INFO_FILE = "ingest_info.json"
+DECODERS = ("pil", "nvjpeg")
 MANIFEST_FILE = "manifest.json"
 
 
@@ -43,7 +44,10 @@ class IngestConfig:
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: fp16 on GPU, the preset's choice on CPU)
     num_workers: int | None = None  # actors; None: one per GPU, else cluster CPUs // cpus_per_worker
     cpus_per_worker: int = 2  # CPUs reserved by each CPU actor (its torch threads)
-    decode_threads: int | None = None  # decoding threads per worker; None: cpus_per_worker on GPU, cpus/4 (min 1) on CPU
+    cpus_per_gpu_worker: int | None = None  # CPUs reserved by each GPU actor, all decoding; None: its node's CPUs / GPUs
+    decode_threads: int | None = None  # decoding threads per worker; None: all its CPUs on GPU, cpus/4 (min 1) on CPU
+    chunk_size: int | None = None  # images batched together per extractor call; None: 512 on GPU, 64 on CPU
+    decoder: str = "pil"  # pil: PIL on the decode threads; nvjpeg: JPEGs decoded on the GPU (GPU workers only)
     overwrite: bool = False  # redo shards whose Parquet part is already committed
     max_retries: int = 3  # times a shard is re-queued after its worker died or its read failed transiently
     address: str | None = None  # Ray cluster; None: $RAY_ADDRESS (set by `ray job submit`), else a new local instance
@@ -58,6 +62,8 @@ class IngestConfig:
     query_rotations: int = 1  # query-side rotations averaged likewise: 1 (none), 2 or 4 quarter turns; query images only
 
     def __post_init__(self) -> None:
+        if self.decoder not in DECODERS:
+            raise NeedleInputError(f"unknown decoder {self.decoder!r}; choose from {DECODERS}")
         # Refuse bad query-side options here, in the driver: raised inside a Ray actor they would
         # look like a dead worker and be retried.
         if self.query_scales is not None or self.query_rotations != 1:
@@ -78,11 +84,21 @@ class IngestWorker:
 
         from embed.extract import GlobalExtractor
 
-        torch.set_num_threads(max(1, torch_threads))
+        from ingest.pipeline import CHUNK_SIZE, GPU_CHUNK_SIZE
+
         self.conf = conf
-        # On CPU decoding competes with the model for the same cores and is ~10x faster per image:
-        # one thread keeps ahead (measured here: 2 threads cost 10% of throughput on 2 cores).
-        self.decode_threads = conf.decode_threads or (torch_threads if device == "cuda" else max(1, torch_threads // 4))
+        gpu = device == "cuda"
+        # A GPU worker's CPUs all decode (its model runs on the GPU; torch's host threads only stack
+        # batches). On CPU decoding competes with the model for the same cores and is ~10x faster per
+        # image: one thread in four keeps ahead (measured: 2 threads cost 10% of throughput on 2 cores).
+        torch.set_num_threads(1 if gpu else max(1, torch_threads))
+        self.decode_threads = conf.decode_threads or (torch_threads if gpu else max(1, torch_threads // 4))
+        self.chunk_size = conf.chunk_size or (GPU_CHUNK_SIZE if gpu else CHUNK_SIZE)
+        self.batch_decoder = None
+        if conf.decoder == "nvjpeg" and gpu:
+            from ingest.gpu_decode import GpuJpegDecoder
+
+            self.batch_decoder = GpuJpegDecoder(device)
         self.extractors = [
             GlobalExtractor(conf.model, conf.weights, device, conf.precision, conf.batch_size, conf.resolution,
                             scales=conf.query_scales or (1.0,), rotations=conf.query_rotations)
@@ -95,8 +111,8 @@ class IngestWorker:
         """The shard's result, plus how its columns were made (for the job's info file)."""
         from ingest.pipeline import process_shard
 
-        result = process_shard(url, shard_id, out, self.extractors, self.decode_threads,
-                               s3_endpoint_url=self.conf.s3_endpoint_url)
+        result = process_shard(url, shard_id, out, self.extractors, self.decode_threads, self.chunk_size,
+                               s3_endpoint_url=self.conf.s3_endpoint_url, batch_decoder=self.batch_decoder)
         return {**result.to_dict(), "extractors": self.extractors_info}
 
 
@@ -124,12 +140,23 @@ def connect_ray(address: str | None) -> None:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
 
 
-def _worker_layout(conf: IngestConfig, resources: dict[str, float], n_shards: int) -> tuple[int, dict[str, Any], str, int]:
-    """(count, actor options, device, torch threads) from the cluster's resources."""
+def cpus_per_gpu(nodes: list[dict[str, Any]]) -> int:
+    """CPUs per GPU on the GPU nodes of ``ray.nodes()`` (the smallest share, so that every GPU
+    node can place one actor per GPU); 1 when no live node has a GPU."""
+    shares = [int(n["Resources"].get("CPU", 0) // n["Resources"]["GPU"])
+              for n in nodes if n.get("Alive", True) and n.get("Resources", {}).get("GPU", 0) >= 1]
+    return max(1, min(shares)) if shares else 1
+
+
+def _worker_layout(conf: IngestConfig, resources: dict[str, float], n_shards: int,
+                   gpu_share: int = 1) -> tuple[int, dict[str, Any], str, int]:
+    """(count, actor options, device, CPU threads) from the cluster's resources; ``gpu_share``: the
+    CPUs per GPU of its GPU nodes (:func:`cpus_per_gpu`)."""
     gpus = int(resources.get("GPU", 0))
     if gpus:
         count = min(conf.num_workers or gpus, n_shards)
-        return count, {"num_gpus": 1, "num_cpus": 1}, "cuda", conf.cpus_per_worker
+        share = conf.cpus_per_gpu_worker or gpu_share
+        return count, {"num_gpus": 1, "num_cpus": share}, "cuda", share
     cpus = int(resources.get("CPU", 1))
     per = max(1, min(conf.cpus_per_worker, cpus))
     count = min(conf.num_workers or max(1, cpus // per), n_shards)
@@ -256,7 +283,7 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
     fresh_info = None  # how this run's workers make their columns (from the first result)
     results: list[dict[str, Any]] = []
     if todo:
-        count, options, device, threads = _worker_layout(conf, ray.cluster_resources(), len(todo))
+        count, options, device, threads = _worker_layout(conf, ray.cluster_resources(), len(todo), cpus_per_gpu(ray.nodes()))
         log.info("starting %d %s workers (%s)", count, device, options)
         actor_cls = ray.remote(**options, scheduling_strategy="SPREAD")(IngestWorker)
 

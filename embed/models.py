@@ -375,13 +375,29 @@ class GlobalModel(nn.Module):
             if side != size:
                 x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
             return x
-        patch_embed = getattr(self.backbone, "patch_embed", None)
-        if patch_embed is not None and getattr(patch_embed, "patch_size", None) is not None:
-            ph, pw = patch_embed.patch_size
-            pad_h, pad_w = (-h) % ph, (-w) % pw
+        patch = self._patch_size()
+        if patch is not None:
+            pad_h, pad_w = (-h) % patch[0], (-w) % patch[1]
             if pad_h or pad_w:
                 x = torch.nn.functional.pad(x, (0, pad_w, 0, pad_h))
         return x
+
+    def _patch_size(self) -> tuple[int, int] | None:
+        patch_embed = getattr(self.backbone, "patch_embed", None)
+        patch = getattr(patch_embed, "patch_size", None) if patch_embed is not None else None
+        return None if patch is None else (int(patch[0]), int(patch[1]))
+
+    def input_shape(self, height: int, width: int) -> tuple[int, int]:
+        """The (H, W) an image of that size is zero-padded to before the backbone (``_fit_input``'s
+        padding, before any resize). Images with equal input shapes can share a batch, each
+        zero-padded to it, with exactly the descriptors they get alone."""
+        if self.conf.square_input:
+            side = max(height, width)
+            return side, side
+        patch = self._patch_size()
+        if patch is not None:
+            return height + (-height) % patch[0], width + (-width) % patch[1]
+        return height, width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._fit_input(x)

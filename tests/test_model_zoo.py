@@ -210,3 +210,16 @@ def test_pretrained_is_recorded_and_queries_ask_for_it_again(monkeypatch):
         path = "idx"
 
     assert recorded_extractor(Index())[1] == "pretrained"
+
+
+def test_readme_lists_every_preset_with_its_resolutions():
+    import re
+    from pathlib import Path
+
+    from embed.models import MODELS, get_model_config
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = {m.group(1): m.group(2, 3, 4, 5) for m in re.finditer(r"^\| `([^`]+)` \| (\w+) \| (\d+) \| (\d+) \| (\w+) \|", readme, re.M)}
+    for name in MODELS:
+        conf = get_model_config(name)
+        assert rows.get(name) == (conf.library, str(conf.train_resolution), str(conf.resolution), conf.pooling), name
