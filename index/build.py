@@ -22,7 +22,8 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ import pyarrow.ipc
 import pyarrow.parquet as pq
 
 from index.factory import IndexPlan, parse_bytes, plan_index
+from index.gpu import assignment_quantizer, faiss_gpus
 from index.locals import SegmentInfo, locals_infos, write_segment
 from index.memory import peak_rss_bytes, process_memory
 from ingest.descriptors import (
@@ -47,6 +49,7 @@ from ingest.descriptors import (
     write_atomic,
     write_json_atomic,
 )
+from ingest.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +209,7 @@ def train(plan: IndexPlan, xt: np.ndarray, quantizer_ef: int = DEFAULT_QUANTIZER
 
     index = faiss.index_factory(xt.shape[1], plan.factory, faiss.METRIC_INNER_PRODUCT)
     if plan.kind == "ivfpq":
-        if faiss.get_num_gpus() > 0:  # k-means of the coarse quantizer on the GPUs
+        if faiss_gpus() > 0:  # k-means of the coarse quantizer on the GPUs
             ivf = faiss.extract_index_ivf(index)
             ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
         log.info("training %s on %d vectors", plan.factory, len(xt))
@@ -215,6 +218,45 @@ def train(plan: IndexPlan, xt: np.ndarray, quantizer_ef: int = DEFAULT_QUANTIZER
         if graph is not None:  # saved with the index: every part assigns its vectors with this depth
             graph.hnsw.efSearch = quantizer_ef
     return index
+
+
+def add_quantizer(index: Any) -> Any | None:
+    """Where FAISS has GPUs, a stand-in for an IVF index's coarse quantizer that assigns added
+    vectors to lists on the GPU (exact, where an HNSW quantizer's graph search is approximate;
+    index/gpu.py ``assignment_quantizer``); None for a flat index or without GPUs (the CPU
+    quantizer adds, as before)."""
+    import faiss
+
+    if faiss_gpus() == 0:
+        return None
+    try:
+        ivf = faiss.extract_index_ivf(index)
+    except RuntimeError:  # a flat index: nothing to assign
+        return None
+    return assignment_quantizer(ivf.quantizer, gpu=True)
+
+
+@contextmanager
+def assigning_with(index: Any, quantizer: Any | None) -> Iterator[Any]:
+    """Within the block, ``index``'s IVF assigns added vectors to lists (and takes their
+    residuals) with ``quantizer``, which holds the same centroids in the same order (e.g.
+    ``add_quantizer``'s); the index's own quantizer is back in place when the block ends, before
+    anything saves the index. ``quantizer`` None: the index is left as it is."""
+    import faiss
+
+    if quantizer is None:
+        yield index
+        return
+    ivf = faiss.extract_index_ivf(index)
+    if quantizer.ntotal != ivf.quantizer.ntotal or quantizer.d != ivf.quantizer.d:
+        raise NeedleInputError(f"replacement quantizer holds {quantizer.ntotal} x {quantizer.d} centroids, "
+                               f"the index {ivf.quantizer.ntotal} x {ivf.quantizer.d}")
+    own = ivf.quantizer
+    ivf.quantizer = quantizer
+    try:
+        yield index
+    finally:
+        ivf.quantizer = own
 
 
 def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path: str, part_path: str,
@@ -230,9 +272,12 @@ def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path:
     index = faiss.read_index(trained_path)
     data_offset = np.load(vectors_path, mmap_mode="r").offset  # after the .npy header
     added = rejected = 0
+    gpu_quantizer = add_quantizer(index)  # None without GPUs: the CPU add is unchanged
+    if gpu_quantizer is not None:
+        log.info("%s: assigning vectors to lists on the GPU", part_path)
     # Plain positioned writes, not a writable memory map: mapped dirty pages would count as this
     # process's memory and inflate its RSS by the size of the vectors.
-    with open(vectors_path, "r+b") as out:
+    with open(vectors_path, "r+b") as out, assigning_with(index, gpu_quantizer):
         for f in files:
             rows, xb, bad = read_valid(f.path, dim, adapter)
             index.add_with_ids(np.ascontiguousarray(xb, dtype=np.float32), rows)

@@ -11,6 +11,13 @@ re-scoring runs in the shards, in parallel, next to their vectors.
 
 A sharded directory (``shard_*.faiss``) is searched shard by shard in this process;
 cluster/serve.py runs the same ``Shard.search`` in one Ray actor per shard.
+
+A flat (exact) shard is searched by its FAISS index on the CPU, unless a GPU backend is present
+(faiss-gpu, or torch with CUDA: index/gpu.py) and the search is large enough to pay for copying
+the vectors to the GPU: at least ``GPU_EXACT_MIN_QUERIES`` queries over at least
+``GPU_EXACT_MIN_VECTORS`` vectors. Then it scans its rows of the memory-mapped float16 vectors in
+chunks with ``index.gpu.exact_search`` (the ILIAS baseline). ``device`` ("auto" | "cpu" | "cuda")
+overrides the choice; "cuda" scans on the GPU at any size.
 """
 
 from __future__ import annotations
@@ -27,9 +34,17 @@ import pyarrow.compute as pc
 import pyarrow.ipc
 
 from index.build import DEFAULT_QUANTIZER_EF, IDS_FILE, INFOS_FILE, VECTORS_FILE, hnsw_quantizer
+from index.gpu import DEVICES, chunks_at, exact_search, gpu_backend_available
 from index.locals import LocalStore, open_local_store
 from ingest.descriptors import ROW_SHARD_SHIFT, STATUS_OK
 from ingest.errors import NeedleInputError
+
+# A flat shard scans on the GPU from this many vectors and queries on ("auto"). Below them the
+# CPU's FAISS scan is cheap (the auto plan is flat only below 100k vectors), and a batch of few
+# queries is bound on both sides by reading the vectors once (RAM for the CPU, the host-to-GPU
+# copy of the float16 vectors for the GPU), so the GPU's arithmetic does not pay for the copy.
+GPU_EXACT_MIN_VECTORS = 100_000
+GPU_EXACT_MIN_QUERIES = 64
 
 
 class IndexFileError(NeedleInputError):
@@ -81,9 +96,12 @@ def set_nprobe(index: Any, nprobe: int, quantizer_ef: int | None = None) -> None
     import faiss
 
     try:
-        faiss.extract_index_ivf(index).nprobe = nprobe
+        ivf = faiss.extract_index_ivf(index)
     except RuntimeError:
         return  # flat: nothing to probe
+    # Never more than the lists there are: beyond them a fast-scan IVF with residual codes
+    # returned unrelated rows (FAISS 1.15, probing 64 of 32 lists), where nlist probes are exact.
+    ivf.nprobe = min(nprobe, ivf.nlist)
     graph = hnsw_quantizer(index)
     if graph is not None:
         graph.hnsw.efSearch = max(quantizer_ef or DEFAULT_QUANTIZER_EF, nprobe)
@@ -127,15 +145,53 @@ class Shard:
     exact: bool  # a flat index: its scores need no re-scoring
     nprobe: int  # default lists visited
     quantizer_ef: int | None  # HNSW coarse quantizer depth recorded by the build
+    device: str = "auto"  # flat shards: "auto" scans on a GPU when one is present and the search is large, "cpu" never, "cuda" always
 
     @property
     def ntotal(self) -> int:
         return int(self.index.ntotal)
 
+    @cached_property
+    def gpu_present(self) -> bool:
+        return gpu_backend_available()
+
+    def scans_on_gpu(self, nq: int) -> bool:
+        """Whether a flat shard answers ``nq`` queries by scanning its vectors with
+        ``exact_search`` on a GPU instead of searching its FAISS index on the CPU."""
+        if not self.exact or self.device == "cpu":
+            return False
+        if self.device == "cuda":
+            return True
+        return nq >= GPU_EXACT_MIN_QUERIES and self.ntotal >= GPU_EXACT_MIN_VECTORS and self.gpu_present
+
+    @cached_property
+    def scan_layout(self) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in the vectors file, row ids) of this flat shard's vectors, ascending: the
+        rows its FAISS index holds (rows whose image failed or was rejected are not in it)."""
+        import faiss
+
+        index = faiss.downcast_index(self.index)
+        if not hasattr(index, "id_map"):
+            raise IndexFileError(f"a flat shard of {type(index).__name__} has no id map to scan its vectors by")
+        rows = faiss.vector_to_array(index.id_map).astype(np.int64)
+        positions = positions_of_rows(rows, self.offsets)
+        order = np.argsort(positions, kind="stable")
+        return positions[order], rows[order]
+
+    def scan(self, xq: np.ndarray, kk: int, device: str = "cuda", backend: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Exact (D, I) of this flat shard from its float16 vectors with ``exact_search`` (on a
+        GPU by default, or NeedleInputError), ties to the lower row id."""
+        positions, rows = self.scan_layout
+        D, I = exact_search(xq, chunks_at(self.vectors, positions), kk, "ip", device, backend)
+        return D, np.where(I >= 0, rows[I.clip(0)], -1)
+
     def search(self, xq: np.ndarray, kk: int, nprobe: int | None = None, refine: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This shard's shortlist for (nq, d) float32 queries: ``(D_index, I, D_exact)``, its best
         ``kk`` candidates by index score (ties to the lower row id) with their exact inner
         products from the float16 vectors (IVF-PQ with ``refine``; otherwise the index scores)."""
+        if self.scans_on_gpu(len(xq)):
+            D, I = sort_by_score(*self.scan(xq, kk), kk)  # -inf for the -1 padding, as below
+            return D, I, D
         set_nprobe(self.index, nprobe or self.nprobe, self.quantizer_ef)
         D, I = self.index.search(xq, min(kk + tie_margin(kk), max(1, self.ntotal)))
         D, I = sort_by_score(D, I, kk)  # a cut that does not depend on FAISS's order among ties
@@ -283,11 +339,13 @@ def read_ids(path: Path) -> Any:
         return pa.ipc.open_file(source).read_all()
 
 
-def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True) -> SearchIndex:
+def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True, device: str = "auto") -> SearchIndex:
     """Open an index directory, checking that its files exist and agree (never a wrong answer).
 
-    ``with_shards=False`` skips the FAISS files (a coordinator whose shards live in Ray actors).
+    ``with_shards=False`` skips the FAISS files (a coordinator whose shards live in Ray actors);
+    ``device``: where flat shards scan (see ``Shard.device``).
     """
+    check_device(device)
     path = Path(path)
     for name in (IDS_FILE, VECTORS_FILE, INFOS_FILE):
         if not (path / name).is_file():
@@ -311,17 +369,26 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True) ->
         )
     if vectors.ndim != 2 or vectors.shape[1] != infos.get("dim") or any(s.d != vectors.shape[1] for s in faiss_indexes):
         raise IndexFileError(f"index {path}: {VECTORS_FILE} has shape {vectors.shape}, the index d={infos.get('dim')}")
-    shards = [make_shard(index, vectors, infos) for index in faiss_indexes]
+    shards = [make_shard(index, vectors, infos, device) for index in faiss_indexes]
     return SearchIndex(shards, ids, vectors, infos, path)
 
 
-def make_shard(index: Any, vectors: np.ndarray, infos: dict[str, Any]) -> Shard:
+def check_device(device: str) -> str:
+    """A valid ``device``; "cuda" only where a GPU backend exists (NeedleInputError otherwise)."""
+    if device not in DEVICES:
+        raise NeedleInputError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
+    if device == "cuda" and not gpu_backend_available():
+        raise NeedleInputError("device 'cuda': neither faiss-gpu nor torch sees a CUDA GPU")
+    return device
+
+
+def make_shard(index: Any, vectors: np.ndarray, infos: dict[str, Any], device: str = "auto") -> Shard:
     return Shard(index, vectors, offset_table(infos), infos.get("kind") == "flat", int(infos.get("nprobe", 64)),
-                 infos.get("quantizer_ef"))
+                 infos.get("quantizer_ef"), device)
 
 
-def open_shard(path: str | Path, name: str) -> Shard:
+def open_shard(path: str | Path, name: str, device: str = "auto") -> Shard:
     """One shard of an index directory, with its own memory maps (a Ray shard actor's view)."""
     path = Path(path)
     infos, vectors = read_infos_and_vectors(path)
-    return make_shard(read_faiss(path / name), vectors, infos)
+    return make_shard(read_faiss(path / name), vectors, infos, check_device(device))
