@@ -5,13 +5,18 @@ repeated to reach ``--n`` images and packed into tars in a temporary directory. 
 job's default settings for the device (batching, chunk size, precision, threads):
 
 (a) ``model_img_s``: the extractor on pre-decoded, pre-resized images, in the pipeline's chunks
-    (so with the batches the mix of aspect ratios allows); ``model_uniform_img_s``: the same number
-    of images all of one shape, in full batches (what the model could do without the mix)
+    (so with the batches the mix of aspect ratios allows), measured before and after (c) and
+    averaged (``model_img_s_before``/``_after`` show the drift of a shared machine);
+    ``model_uniform_img_s``: the same number of images all of one shape (the photo whose area is
+    nearest the mix's mean), in full batches: what the model could do at the same pixels per
+    image without the mix
 (b) ``decode_img_s``: JPEG decode + isotropic resize with PIL on all the worker's decode threads;
     on GPU also ``decode_nvjpeg_img_s`` (batched nvjpeg + resize on the GPU, copied back)
 (c) ``pipeline_img_s``: ``needle ingest`` on a local Ray instance, wall time from the job's start
     (actor start and model loading included) to the last commit; ``worker_img_s``: images over the
-    time the worker spent in its shards (the steady state; equal to the wall rate for a long job)
+    time the worker spent in its shards (the steady state; equal to the wall rate for a long job);
+    ``cpu_s_workers``/``_driver``/``_other``: CPU seconds the ingest workers, the job's driver and
+    everything else on the machine (Ray's daemons) used meanwhile, of ``cpu_s_available``
 
 CPU: the model and decoding share the cores, so the best a pipeline can do is the serial limit
 1 / (1/model + 1/decode); ``efficiency`` = pipeline / that limit. GPU: they run on different
@@ -103,12 +108,69 @@ def model_rate(extractor, images: list, chunk: int, device: str) -> float:
     return rate(len(images), time.perf_counter() - start)
 
 
+def typical_image(images: list):
+    """The image whose pixel count is nearest the mean: a one-shape run at the same compute per
+    image as the mix (the first photo could be half the mean area and flatter the comparison)."""
+    import numpy as np
+
+    areas = np.array([im.shape[0] * im.shape[1] for im in images], dtype=np.float64)
+    return images[int(np.argmin(np.abs(areas - areas.mean())))]
+
+
 def min_cosine(extractor, a: list, b: list) -> float:
     import numpy as np
 
     da = extractor(a)["global"].astype(np.float32)
     db = extractor(b)["global"].astype(np.float32)
     return round(float(np.min(np.sum(da * db, axis=1))), 5)
+
+
+class CpuAccount:
+    """CPU seconds each process on the machine used while the job ran, sampled every second
+    (a process that exits keeps its last sample), summed into the ingest workers, this process
+    and everything else (Ray's own daemons: raylet, GCS, dashboard agent, idle workers)."""
+
+    def __init__(self, period_s: float = 1.0):
+        import threading
+
+        self.period_s, self.first, self.last, self.names = period_s, {}, {}, {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.poll, daemon=True)
+
+    def sample(self) -> None:
+        import psutil
+
+        for proc in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+            times = proc.info["cpu_times"]
+            if times is None:
+                continue
+            used = times.user + times.system
+            self.first.setdefault(proc.pid, used if not self.thread.is_alive() else 0.0)
+            self.last[proc.pid] = used
+            self.names[proc.pid] = " ".join(proc.info["cmdline"] or [proc.info["name"] or ""])
+
+    def poll(self) -> None:
+        while not self.stop.wait(self.period_s):
+            self.sample()
+
+    def __enter__(self) -> "CpuAccount":
+        self.sample()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sample()
+        self.stop.set()
+        self.thread.join()
+
+    def totals(self) -> dict[str, float]:
+        out = {"cpu_s_workers": 0.0, "cpu_s_driver": 0.0, "cpu_s_other": 0.0}
+        for pid, used in self.last.items():
+            delta = used - self.first.get(pid, 0.0)
+            group = ("cpu_s_workers" if "IngestWorker" in self.names[pid]
+                     else "cpu_s_driver" if pid == os.getpid() else "cpu_s_other")
+            out[group] += delta
+        return {k: round(v, 1) for k, v in out.items()}
 
 
 def run_pipeline(args, model: str, jpegs: list[bytes], cpus: int, decoder: str) -> dict:
@@ -125,13 +187,14 @@ def run_pipeline(args, model: str, jpegs: list[bytes], cpus: int, decoder: str) 
         conf = IngestConfig(model=model, weights=args.weights, batch_size=args.batch_size, decoder=decoder,
                             **({} if args.device == "cuda" else {"cpus_per_worker": cpus}))
         start = time.perf_counter()
-        ingest(conf, pattern, Path(tmp) / "out")
+        with CpuAccount() as account:
+            ingest(conf, pattern, Path(tmp) / "out")
         wall = time.perf_counter() - start
         info = json.loads((Path(tmp) / "out" / "ingest_info.json").read_text())
         ray.shutdown()
     busy = sum(r["seconds"] for r in info["results"])
     return {"pipeline_img_s": rate(len(jpegs), wall), "worker_img_s": rate(len(jpegs), busy),
-            "error_rows": info["error_rows"]}
+            "error_rows": info["error_rows"], **account.totals(), "cpu_s_available": round(wall * cpus, 1)}
 
 
 def measure(args, model: str, jpegs: list[bytes], cpus: int) -> dict:
@@ -152,8 +215,8 @@ def measure(args, model: str, jpegs: list[bytes], cpus: int) -> dict:
               "cpus": cpus, "batch_size": args.batch_size, "chunk_size": chunk, "n": len(jpegs),
               "decode_img_s": decode_img_s}
     distinct = len({im.shape for im in images})
-    result["model_img_s"] = model_rate(extractor, images, chunk, args.device)
-    uniform = [images[0]] * len(images)
+    model_before = model_rate(extractor, images, chunk, args.device)
+    uniform = [typical_image(images)] * len(images)
     result["model_uniform_img_s"] = model_rate(extractor, uniform, chunk, args.device)
     del uniform
     if gpu:
@@ -161,12 +224,16 @@ def measure(args, model: str, jpegs: list[bytes], cpus: int) -> dict:
         sample = min(len(images), 256)
         result["nvjpeg_cosine_min"] = min_cosine(extractor, images[:sample], gpu_images[:sample])
         del gpu_images
-    del images
-    del extractor
     if gpu:
         torch.cuda.empty_cache()
     decoder = args.decoder
     result.update(run_pipeline(args, model, jpegs, cpus, decoder))
+    # The bare model again, after the job: this machine's speed drifts by 10-20% over minutes
+    # (other tenants), so the pipeline is compared with the mean of the runs around it.
+    model_after = model_rate(extractor, images, chunk, args.device)
+    del images, extractor
+    result.update({"model_img_s": round((model_before + model_after) / 2, 2),
+                   "model_img_s_before": model_before, "model_img_s_after": model_after})
     decode = result["decode_nvjpeg_img_s"] if decoder == "nvjpeg" else decode_img_s
     serial_limit = 1.0 / (1.0 / result["model_img_s"] + 1.0 / decode)
     result.update({

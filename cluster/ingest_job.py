@@ -45,7 +45,7 @@ class IngestConfig:
     num_workers: int | None = None  # actors; None: one per GPU, else cluster CPUs // cpus_per_worker
     cpus_per_worker: int = 2  # CPUs reserved by each CPU actor (its torch threads)
     cpus_per_gpu_worker: int | None = None  # CPUs reserved by each GPU actor, all decoding; None: its node's CPUs / GPUs
-    decode_threads: int | None = None  # decoding threads per worker; None: all its CPUs on GPU, cpus/4 (min 1) on CPU
+    decode_threads: int | None = None  # decoding threads per worker; None: all its CPUs (on CPU they take turns with the model)
     chunk_size: int | None = None  # images batched together per extractor call; None: 512 on GPU, 64 on CPU
     decoder: str = "pil"  # pil: PIL on the decode threads; nvjpeg: JPEGs decoded on the GPU (GPU workers only)
     overwrite: bool = False  # redo shards whose Parquet part is already committed
@@ -88,11 +88,15 @@ class IngestWorker:
 
         self.conf = conf
         gpu = device == "cuda"
-        # A GPU worker's CPUs all decode (its model runs on the GPU; torch's host threads only stack
-        # batches). On CPU decoding competes with the model for the same cores and is ~10x faster per
-        # image: one thread in four keeps ahead (measured: 2 threads cost 10% of throughput on 2 cores).
+        # A GPU worker's CPUs all decode, while the GPU computes (its model runs on the GPU; torch's
+        # host threads only stack batches). On CPU decoding and the model share the same cores, so
+        # they take turns, each on all of them: a decoding thread running beside the model's threads
+        # preempts one of them and stalls the rest at the next barrier (realbench, 2 cores, in one
+        # process: turns 40.6-41.5 img/s, overlapping with one decoding thread 38.4-40.3, the bare
+        # model 40.5-43; in Ray workers both ~35).
         torch.set_num_threads(1 if gpu else max(1, torch_threads))
-        self.decode_threads = conf.decode_threads or (torch_threads if gpu else max(1, torch_threads // 4))
+        self.decode_threads = conf.decode_threads or max(1, torch_threads)
+        self.overlap = gpu
         self.chunk_size = conf.chunk_size or (GPU_CHUNK_SIZE if gpu else CHUNK_SIZE)
         self.batch_decoder = None
         if conf.decoder == "nvjpeg" and gpu:
@@ -112,7 +116,8 @@ class IngestWorker:
         from ingest.pipeline import process_shard
 
         result = process_shard(url, shard_id, out, self.extractors, self.decode_threads, self.chunk_size,
-                               s3_endpoint_url=self.conf.s3_endpoint_url, batch_decoder=self.batch_decoder)
+                               s3_endpoint_url=self.conf.s3_endpoint_url, batch_decoder=self.batch_decoder,
+                               overlap=self.overlap)
         return {**result.to_dict(), "extractors": self.extractors_info}
 
 

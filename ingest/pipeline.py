@@ -134,6 +134,22 @@ def _batch_decoded_stream(samples: Iterator[dict[str, Any]], longer_sides: tuple
         yield from pending.popleft().result()
 
 
+def _phased_chunks(samples: Iterator[dict[str, Any]], longer_sides: tuple[int, ...], pool: ThreadPoolExecutor,
+                   size: int) -> Iterator[list[_Decoded]]:
+    """Chunks of ``size`` samples, each decoded on all of ``pool``'s threads before it is handed
+    on, and nothing decoded while the caller works on it: where decoding and the model share the
+    same cores, taking turns avoids the stalls of oversubscription (a decoding thread preempting
+    one of the model's threads holds up all of them at the next barrier)."""
+    group: list[dict[str, Any]] = []
+    for sample in samples:
+        group.append(sample)
+        if len(group) == size:
+            yield list(pool.map(_decode_sample, group, [longer_sides] * len(group)))
+            group = []
+    if group:
+        yield list(pool.map(_decode_sample, group, [longer_sides] * len(group)))
+
+
 def _chunks(stream: Iterator[_Decoded], size: int) -> Iterator[list[_Decoded]]:
     chunk: list[_Decoded] = []
     for item in stream:
@@ -163,6 +179,7 @@ def process_shard(
     read_retries: int = 3,
     backoff_s: float = 1.0,
     batch_decoder: Any = None,
+    overlap: bool = True,
 ) -> ShardResult:
     """Read shard ``url`` (local or ``s3://``), describe every image, commit ``<shard>.parquet``
     into ``out`` (a directory, an ``s3://`` prefix or a Storage) atomically.
@@ -172,7 +189,9 @@ def process_shard(
     A transient read failure (an S3 stream cut mid-way) reads the shard again, up to
     ``read_retries`` times with exponential backoff from ``backoff_s``.
     ``batch_decoder``: decode JPEGs in batches with it (e.g. a GpuJpegDecoder) in one background
-    thread instead of with PIL on ``decode_threads`` threads.
+    thread instead of with PIL on ``decode_threads`` threads. ``overlap``: decode the next chunk
+    while the extractors work on this one (a GPU model); False: decode each chunk on all the
+    threads, then run the extractors (a CPU model on the same cores: taking turns is faster).
     """
     storage = out if hasattr(out, "commit_file") else storage_for(out, s3_endpoint_url)
     opener = functools.partial(open_url, endpoint_url=s3_endpoint_url)
@@ -180,7 +199,7 @@ def process_shard(
     name = shard_name(url)
     for attempt in range(read_retries + 1):
         try:
-            described = _describe(url, opener, extractors, decode_threads, chunk_size, batch_decoder)
+            described = _describe(url, opener, extractors, decode_threads, chunk_size, batch_decoder, overlap)
             break
         except ShardReadError as exc:
             if exc.transient and attempt < read_retries:
@@ -206,7 +225,7 @@ def process_shard(
 
 
 def _describe(url: str, opener: Any, extractors: Sequence[Extractor], decode_threads: int, chunk_size: int,
-              batch_decoder: Any = None) -> tuple:
+              batch_decoder: Any = None, overlap: bool = True) -> tuple:
     """Every sample of the shard through decoding and the extractors, in archive order."""
     name = shard_name(url)
     keys, widths, heights, errors = [], [], [], []
@@ -222,10 +241,12 @@ def _describe(url: str, opener: Any, extractors: Sequence[Extractor], decode_thr
         ahead = chunk_size + 4 * decode_threads
         samples = iter_samples(url, opener)
         if batch_decoder is not None:
-            stream = _batch_decoded_stream(samples, longer_sides, batch_decoder, pool, DECODE_BATCH, ahead)
+            chunks = _chunks(_batch_decoded_stream(samples, longer_sides, batch_decoder, pool, DECODE_BATCH, ahead), chunk_size)
+        elif overlap:
+            chunks = _chunks(_decoded_stream(samples, longer_sides, pool, ahead), chunk_size)
         else:
-            stream = _decoded_stream(samples, longer_sides, pool, ahead)
-        for chunk in _chunks(stream, chunk_size):
+            chunks = _phased_chunks(samples, longer_sides, pool, chunk_size)
+        for chunk in chunks:
             _mark_duplicate_keys(chunk, seen)
             ok = [i for i, item in enumerate(chunk) if item.images is not None]
             if ok:

@@ -145,6 +145,34 @@ def test_batch_decoder_path_writes_what_the_thread_path_writes(tmp_path, photos,
     assert batched.error_rows == 2 and batched.rows == 70
 
 
+def test_taking_turns_writes_what_overlapping_writes(tmp_path, photos, extractor):
+    """The CPU worker's default (decode a chunk on all threads, then the model) and the GPU
+    worker's (decode ahead while the model runs) give the same rows, errors included, across a
+    chunk boundary and a short last chunk."""
+    shard = _shard_with_errors(tmp_path, photos)
+    overlapped = process_shard(str(shard), 0, tmp_path / "overlap", [extractor], decode_threads=2, chunk_size=32)
+    turns = process_shard(str(shard), 0, tmp_path / "turns", [extractor], decode_threads=2, chunk_size=32, overlap=False)
+    a, b = pq.read_table(overlapped.output).to_pydict(), pq.read_table(turns.output).to_pydict()
+    errors_a, errors_b = a.pop("error"), b.pop("error")
+    assert a == b and a["key"] == [f"000000/{i:04d}" for i in range(70)]
+    assert [e.split(" <")[0] for e in errors_a] == [e.split(" <")[0] for e in errors_b]
+    assert turns.error_rows == 2 and turns.rows == 70
+
+
+def test_cpu_workers_take_turns_on_all_their_cpus():
+    import torch
+
+    from cluster.ingest_job import IngestWorker
+
+    threads = torch.get_num_threads()  # a worker sets its process's torch threads
+    try:
+        worker = IngestWorker(IngestConfig(model="tf_efficientnet_lite0.gem"), "cpu", 2)
+        assert worker.decode_threads == 2 and worker.overlap is False and worker.chunk_size == 64
+        assert IngestWorker(IngestConfig(model="tf_efficientnet_lite0.gem", decode_threads=1), "cpu", 2).decode_threads == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _pil_decode_jpeg(tensors, mode=None, device="cpu"):
     """torchvision's decode_jpeg signature over PIL (CHW uint8): the GPU decoder's logic on CPU."""
     import io
