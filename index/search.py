@@ -107,6 +107,22 @@ def set_nprobe(index: Any, nprobe: int, quantizer_ef: int | None = None) -> None
         graph.hnsw.efSearch = max(quantizer_ef or DEFAULT_QUANTIZER_EF, nprobe)
 
 
+def search_params(index: Any, nprobe: int, quantizer_ef: int | None = None) -> Any | None:
+    """``set_nprobe``'s settings as FAISS search parameters for one call (None for a flat index),
+    leaving the index untouched: a server's request threads share one index, and one request's
+    nprobe set on the index could be read by another request's search."""
+    import faiss
+
+    try:
+        ivf = faiss.extract_index_ivf(index)
+    except RuntimeError:
+        return None
+    params = faiss.SearchParametersIVF(nprobe=min(nprobe, ivf.nlist))
+    if hnsw_quantizer(index) is not None:
+        params.quantizer_params = faiss.SearchParametersHNSW(efSearch=max(quantizer_ef or DEFAULT_QUANTIZER_EF, nprobe))
+    return params
+
+
 def offset_table(infos: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """(first position, shard id) of every Parquet shard id, sorted by shard id."""
     items = sorted((int(s), int(o)) for s, o in infos["shard_offsets"].items())
@@ -192,8 +208,8 @@ class Shard:
         if self.scans_on_gpu(len(xq)):
             D, I = sort_by_score(*self.scan(xq, kk), kk)  # -inf for the -1 padding, as below
             return D, I, D
-        set_nprobe(self.index, nprobe or self.nprobe, self.quantizer_ef)
-        D, I = self.index.search(xq, min(kk + tie_margin(kk), max(1, self.ntotal)))
+        params = search_params(self.index, nprobe or self.nprobe, self.quantizer_ef)
+        D, I = self.index.search(xq, min(kk + tie_margin(kk), max(1, self.ntotal)), params=params)
         D, I = sort_by_score(D, I, kk)  # a cut that does not depend on FAISS's order among ties
         if refine and not self.exact:
             return D, I, self.rescore(xq, I)

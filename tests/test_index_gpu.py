@@ -313,6 +313,30 @@ def test_nprobe_beyond_the_lists_probes_them_all(tmp_path):
         np.testing.assert_array_equal(D_more, D)
 
 
+@pytest.mark.parametrize("factory", ["IVF32,PQ16x4fsr", "OPQ8_32,IVF64_HNSW32,PQ16x4fsr"])
+def test_concurrent_searches_with_their_own_nprobe_equal_sequential_ones(tmp_path, factory):
+    """Request threads share one index: each search's nprobe (and HNSW depth) travels with the
+    call, never through the index, so a thread never searches with another's settings."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for s in range(2):
+        write_descriptor_file(tmp_path / "desc", f"{s:06d}", s, clustered_unit_vectors(2000, 32, seed=s))
+    index = load_index(main(IndexConfig(factory=factory, nprobe=4), tmp_path / "desc", tmp_path / "index"))
+    ivf = faiss.extract_index_ivf(index.shards[0].index)
+    before = ivf.nprobe
+    xq = clustered_unit_vectors(40, 32, seed=9).astype(np.float32)
+    jobs = [(q, nprobe) for q in range(len(xq)) for nprobe in (1, 2, 64)]
+    sequential = [index.search(xq[q : q + 1], 10, nprobe=nprobe) for q, nprobe in jobs]
+    assert any((a[1] != b[1]).any() for a, b in zip(sequential[0::3], sequential[2::3]))  # nprobe matters here
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            concurrent = list(pool.map(lambda job: index.search(xq[job[0] : job[0] + 1], 10, nprobe=job[1]), jobs))
+            for (D_a, I_a), (D_b, I_b) in zip(concurrent, sequential):
+                np.testing.assert_array_equal(I_a, I_b)
+                np.testing.assert_array_equal(D_a, D_b)
+    assert ivf.nprobe == before  # the index itself was left as loaded
+
+
 def test_device_is_checked_when_loading(flat_index):
     out, _ = flat_index
     with pytest.raises(NeedleInputError, match="device 'gpu'"):
