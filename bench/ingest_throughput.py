@@ -138,6 +138,7 @@ class CpuAccount:
         self.thread = threading.Thread(target=self.poll, daemon=True)
 
     def sample(self) -> None:
+        import ray  # noqa: F401  (puts the psutil that Ray bundles on sys.path; it is not a dependency of ours)
         import psutil
 
         for proc in psutil.process_iter(["name", "cmdline", "cpu_times"]):
