@@ -445,19 +445,12 @@ def gpu_comparison(backend, device="cuda", metric="ip", dtype=np.float16):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("faiss-gpu", marks=pytest.mark.skipif(faiss_gpus() == 0, reason="faiss without GPU support"))])
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_torch_cuda_backend_equals_cpu(metric, dtype):
-    gpu_comparison("torch", metric=metric, dtype=dtype)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.skipif(faiss_gpus() == 0, reason="faiss without GPU support")
-@pytest.mark.parametrize("metric", ["ip", "l2"])
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_knn_gpu_backend_equals_cpu(metric, dtype):
-    gpu_comparison("faiss-gpu", metric=metric, dtype=dtype)
+def test_gpu_backends_equal_cpu(backend, metric, dtype):
+    gpu_comparison(backend, metric=metric, dtype=dtype)
 
 
 @pytest.mark.gpu
