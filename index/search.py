@@ -90,36 +90,25 @@ def float16_inner_products(block: np.ndarray, x: np.ndarray) -> np.ndarray:
     return torch.mv(torch.from_numpy(np.ascontiguousarray(block)).float(), torch.from_numpy(x)).numpy()
 
 
-def set_nprobe(index: Any, nprobe: int, quantizer_ef: int | None = None) -> None:
-    """Lists visited per query; an HNSW coarse quantizer explores ``quantizer_ef`` graph
-    candidates (the build's depth), and never fewer than the lists wanted."""
-    import faiss
-
-    try:
-        ivf = faiss.extract_index_ivf(index)
-    except RuntimeError:
-        return  # flat: nothing to probe
-    # Never more than the lists there are: beyond them a fast-scan IVF with residual codes
-    # returned unrelated rows (FAISS 1.15, probing 64 of 32 lists), where nlist probes are exact.
-    ivf.nprobe = min(nprobe, ivf.nlist)
-    graph = hnsw_quantizer(index)
-    if graph is not None:
-        graph.hnsw.efSearch = max(quantizer_ef or DEFAULT_QUANTIZER_EF, nprobe)
-
-
 def search_params(index: Any, nprobe: int, quantizer_ef: int | None = None) -> Any | None:
-    """``set_nprobe``'s settings as FAISS search parameters for one call (None for a flat index),
-    leaving the index untouched: a server's request threads share one index, and one request's
-    nprobe set on the index could be read by another request's search."""
+    """FAISS search parameters for one call (None for a flat index): ``nprobe`` lists visited per
+    query, and for an HNSW coarse quantizer a graph depth of ``quantizer_ef`` (the build's) and
+    never fewer than the lists wanted. They travel with the call, leaving the index untouched: a
+    server's request threads share one index, and a setting made on it could be read by another
+    request's search."""
     import faiss
 
     try:
         ivf = faiss.extract_index_ivf(index)
     except RuntimeError:
         return None
+    # Never more than the lists there are: beyond them a fast-scan IVF with residual codes
+    # returned unrelated rows (FAISS 1.15, probing 64 of 32 lists), where nlist probes are exact.
     params = faiss.SearchParametersIVF(nprobe=min(nprobe, ivf.nlist))
     if hnsw_quantizer(index) is not None:
-        params.quantizer_params = faiss.SearchParametersHNSW(efSearch=max(quantizer_ef or DEFAULT_QUANTIZER_EF, nprobe))
+        graph = faiss.SearchParametersHNSW(efSearch=max(quantizer_ef or DEFAULT_QUANTIZER_EF, nprobe))
+        params.quantizer_params = graph
+        params.referenced_objects = [graph]  # FAISS keeps a bare pointer: the Python object must outlive the call
     return params
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 from index.build import IDS_FILE, INFOS_FILE, IndexConfig, main
-from index.search import IndexFileError, UnknownKeyError, load_index, read_ids, set_nprobe
+from index.search import IndexFileError, UnknownKeyError, load_index, read_ids, search_params
 from ingest.errors import NeedleInputError
 from ingest.descriptors import DescriptorFileError, make_row_id
 
@@ -200,8 +200,7 @@ def test_hnsw_quantizer_plan_builds_and_searches(tmp_path, collection):
     assert index.infos["quantizer_ef"] == conf.quantizer_ef == 128
     graph = hnsw_quantizer(faiss.read_index(str(tmp_path / "index" / "index.faiss")))
     assert graph is not None and graph.hnsw.efSearch == 128
-    set_nprobe(index.shards[0].index, 300, index.infos["quantizer_ef"])
-    assert hnsw_quantizer(index.shards[0].index).hnsw.efSearch == 300
+    assert search_params(index.shards[0].index, 300, index.infos["quantizer_ef"]).referenced_objects[0].efSearch == 300
 
 
 def test_query_time_refine_factor(tmp_path, collection):
