@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder", choices=("pil", "nvjpeg"), default="pil",
                    help="JPEG decoding: PIL on the worker's CPUs, or nvjpeg on its GPU (GPU workers only)")
     p.add_argument("--chunk-size", type=int, help="images batched together per extractor call (default: 512 on GPU, 64 on CPU)")
-    p.add_argument("--decode-threads", type=int, help="decoding threads per worker (default: all its CPUs on GPU, 1/4 on CPU)")
+    p.add_argument("--decode-threads", type=int, help="decoding threads per worker (default: all its CPUs; on CPU they take turns with the model)")
     p.add_argument("--overwrite", action="store_true", help="redo shards already committed")
     p.add_argument("--resume", action="store_true", help="skip committed shards (the default; overrides --overwrite)")
     p.add_argument("--max-retries", type=int, default=3, help="times a shard is re-queued after its worker died")
