@@ -246,9 +246,18 @@ class TorchBackend:
         return np.concatenate(D).astype(np.float32), np.concatenate(I).astype(np.int64)
 
 
+def check_device(device: str) -> str:
+    """A valid ``device``; "cuda" only where a GPU backend exists (NeedleInputError otherwise)."""
+    if device not in DEVICES:
+        raise NeedleInputError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
+    if device == "cuda" and not gpu_backend_available():
+        raise NeedleInputError("device 'cuda': neither faiss-gpu nor torch sees a CUDA GPU")
+    return device
+
+
 def auto_backend(device: str, k: int) -> str:
     """The first available of faiss-gpu (while k fits its k-selection, or torch has no CUDA),
-    torch on CUDA, faiss-cpu ("cuda": a GPU one or NeedleInputError)."""
+    torch on CUDA, faiss-cpu (``device`` checked by ``check_device``: "cuda" has a GPU one)."""
     if device == "cpu":
         return "faiss-cpu"
     gpus, cuda = faiss_gpus(), torch_cuda_available()
@@ -256,16 +265,13 @@ def auto_backend(device: str, k: int) -> str:
         return "faiss-gpu"
     if cuda:
         return "torch"
-    if device == "cuda":
-        raise NeedleInputError("device 'cuda': neither faiss-gpu nor torch sees a CUDA GPU")
     return "faiss-cpu"
 
 
 def choose_backend(device: str = "auto", k: int = 1, backend: str | None = None, metric: str = "ip") -> Any:
     """The backend that ``exact_search`` uses on ``device`` (``backend`` forces one; ``torch``
     then runs on the CPU for "cpu", on CUDA for "cuda", on CUDA where available for "auto")."""
-    if device not in DEVICES:
-        raise NeedleInputError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
+    check_device(device)
     if backend is not None and backend not in BACKENDS:
         raise NeedleInputError(f"unknown exact-search backend {backend!r}; choose from {', '.join(BACKENDS)}")
     backend = backend or auto_backend(device, k)

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc
 
 from index.build import DEFAULT_QUANTIZER_EF, IDS_FILE, INFOS_FILE, VECTORS_FILE, hnsw_quantizer
-from index.gpu import DEVICES, chunks_at, exact_search, gpu_backend_available
+from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available
 from index.locals import LocalStore, open_local_store
 from ingest.descriptors import ROW_SHARD_SHIFT, STATUS_OK
 from ingest.errors import NeedleInputError
@@ -376,15 +376,6 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True, de
         raise IndexFileError(f"index {path}: {VECTORS_FILE} has shape {vectors.shape}, the index d={infos.get('dim')}")
     shards = [make_shard(index, vectors, infos, device) for index in faiss_indexes]
     return SearchIndex(shards, ids, vectors, infos, path)
-
-
-def check_device(device: str) -> str:
-    """A valid ``device``; "cuda" only where a GPU backend exists (NeedleInputError otherwise)."""
-    if device not in DEVICES:
-        raise NeedleInputError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
-    if device == "cuda" and not gpu_backend_available():
-        raise NeedleInputError("device 'cuda': neither faiss-gpu nor torch sees a CUDA GPU")
-    return device
 
 
 def make_shard(index: Any, vectors: np.ndarray, infos: dict[str, Any], device: str = "auto") -> Shard:
