@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -37,6 +37,8 @@ from ingest.shards import shard_name
 from ingest.storage import Storage, open_url, storage_for
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 # Images handed to the extractors at once on CPU (they batch equal input shapes within a chunk).
@@ -120,16 +122,10 @@ def _batch_decoded_stream(samples: Iterator[dict[str, Any]], longer_sides: tuple
                           pool: ThreadPoolExecutor, batch: int, ahead: int) -> Iterator[_Decoded]:
     """Like :func:`_decoded_stream`, decoding ``batch`` samples per call of ``decoder`` in ``pool``."""
     pending: deque[Future[list[_Decoded]]] = deque()
-    group: list[dict[str, Any]] = []
-    for sample in samples:
-        group.append(sample)
-        if len(group) == batch:
-            pending.append(pool.submit(_decode_batch, group, longer_sides, decoder))
-            group = []
-            if len(pending) * batch >= ahead:
-                yield from pending.popleft().result()
-    if group:
+    for group in _chunks(samples, batch):
         pending.append(pool.submit(_decode_batch, group, longer_sides, decoder))
+        if len(pending) * batch >= ahead:
+            yield from pending.popleft().result()
     while pending:
         yield from pending.popleft().result()
 
@@ -140,18 +136,13 @@ def _phased_chunks(samples: Iterator[dict[str, Any]], longer_sides: tuple[int, .
     on, and nothing decoded while the caller works on it: where decoding and the model share the
     same cores, taking turns avoids the stalls of oversubscription (a decoding thread preempting
     one of the model's threads holds up all of them at the next barrier)."""
-    group: list[dict[str, Any]] = []
-    for sample in samples:
-        group.append(sample)
-        if len(group) == size:
-            yield list(pool.map(_decode_sample, group, [longer_sides] * len(group)))
-            group = []
-    if group:
+    for group in _chunks(samples, size):
         yield list(pool.map(_decode_sample, group, [longer_sides] * len(group)))
 
 
-def _chunks(stream: Iterator[_Decoded], size: int) -> Iterator[list[_Decoded]]:
-    chunk: list[_Decoded] = []
+def _chunks(stream: Iterator[T], size: int) -> Iterator[list[T]]:
+    """Consecutive lists of ``size`` items of ``stream`` (the last one shorter)."""
+    chunk: list[T] = []
     for item in stream:
         chunk.append(item)
         if len(chunk) == size:
