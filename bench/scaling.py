@@ -118,7 +118,7 @@ def sklearn_ilias_map(dataset_dir: Path, payload: dict, k: int) -> float:
         gt[line.split(",")[0].split("/")[0]].add(line.split(",")[0])
     db_ids = np.asarray(payload["db_ids"])
     aps = []
-    for q, s, r in zip(payload["query_ids"], payload["similarities"], payload["ranks"]):
+    for q, s, r in zip(payload["query_ids"], payload["sims"], payload["ranks"]):
         truth = gt[q.split("/")[0]]
         order = np.argsort(-s)
         y_true = np.isin(db_ids[r[order][:k]], list(truth))
@@ -199,10 +199,8 @@ def adaptation_study(work: Path, descriptors: Path, truth: list[dict], distracto
 
 def ilias_check(work: Path, descriptors: Path, keys: dict[str, list[str]], distractors: list[str]) -> dict:
     """needle eval on realbench in the ILIAS layout vs the benchmark's scoring of its pickle."""
-    import pickle
-
     from eval.evaluate import EvalConfig, evaluate, load_truth
-    from eval.ilias import evaluate_results, load_ilias
+    from eval.ilias import evaluate_results, load_ilias, read_results_pickle
     from eval.scaling import scan_keys, write_subset
     from index.build import IndexConfig
     from index.build import main as build_index
@@ -215,7 +213,7 @@ def ilias_check(work: Path, descriptors: Path, keys: dict[str, list[str]], distr
     pickle_path = work / "ilias_results.pkl"
     report = evaluate(work / "ilias_index", load_truth(dataset_dir),
                       EvalConfig(k=1000, query_descriptors=str(descriptors), ilias_pickle=str(pickle_path)))
-    payload = pickle.loads(pickle_path.read_bytes())
+    payload = read_results_pickle(pickle_path)
     scored = evaluate_results(load_ilias(dataset_dir), **payload, k=1000)
     reference = sklearn_ilias_map(dataset_dir, payload, 1000)
     return {

@@ -6,9 +6,11 @@ Layout (``<dataset>/image_ids/``): ``image_query_ids.txt`` (``id,...`` rows), ``
 ``<tar basename>/<__key__>`` (needle's keys); an instance's ground truth is every positive whose id
 starts with ``<instance>/``, the instance being a query id's first component.
 
-Result formats the benchmark reads: a pickle ``{"query_ids", "db_ids", "similarities" (nq, k),
-"ranks" (nq, k)}`` (``ranks`` index ``db_ids``; the benchmark's ``evaluate(**pickle)`` takes these
-names) and a JSON ``{query_id: {db_id: score}}``.
+Result formats the benchmark reads: a pickle ``{"query_ids", "db_ids", "sims" (nq, k), "ranks" (nq, k)}``
+(``ranks`` index ``db_ids``) and a JSON ``{query_id: {db_id: score}}``. The pickle's names are the
+keywords of ``ILIAS.evaluate`` in the benchmark's current ``evaluation/src/dataset.py``, called as
+``evaluate(**pickle)``, and what its own ``knn_search/search.py --save_as pickle`` writes; an older
+revision of the evaluation named the scores ``similarities`` (``read_results_pickle`` reads both).
 
 Scoring, as the benchmark computes it: a query's results sorted by descending score, cut at k;
 AP = scikit-learn's average precision of that list (score ties form one threshold) times
@@ -140,23 +142,24 @@ def _breakdown(bins, attribute: int, result_ids, scores, gt, info, k, out) -> No
             out[f"{low}-{high}"].append(100 * score_query(result_ids[keep], scores[keep], gt - excluded, k)[0])
 
 
-def evaluate_results(dataset: ILIASDataset, query_ids: list[str], db_ids: np.ndarray, similarities: np.ndarray,
+def evaluate_results(dataset: ILIASDataset, query_ids: list[str], db_ids: np.ndarray, sims: np.ndarray,
                      ranks: np.ndarray, k: int = 1000) -> dict[str, Any]:
-    """mAP@k, oracle and the scale/clutter breakdowns of results in the pickle layout."""
+    """mAP@k, oracle and the scale/clutter breakdowns of results in the pickle layout (the keyword
+    names are the pickle's: ``evaluate_results(dataset, **read_results_pickle(path))``)."""
     db_ids = np.asarray(db_ids)
     gt = dataset.gt
     aps, oracles = [], []
     scale, clutter = defaultdict(list), defaultdict(list)
-    for q, sims, rank in zip(query_ids, similarities, ranks):
+    for q, scores, rank in zip(query_ids, sims, ranks):
         truth = gt.get(instance_of(q))
         if not truth:
             raise ILIASDataError(f"query {q!r} has no positives in the dataset (instance {instance_of(q)!r})")
-        result_ids, sims = db_ids[np.asarray(rank)], np.asarray(sims, np.float64)
-        ap, oracle = score_query(result_ids, sims, truth, k)
+        result_ids, scores = db_ids[np.asarray(rank)], np.asarray(scores, np.float64)
+        ap, oracle = score_query(result_ids, scores, truth, k)
         aps.append(100 * ap)
         oracles.append(100 * oracle)
-        _breakdown(SCALE_GROUPS, 0, result_ids, sims, truth, dataset.positive_info, k, scale)
-        _breakdown(CLUTTER_GROUPS, 1, result_ids, sims, truth, dataset.positive_info, k, clutter)
+        _breakdown(SCALE_GROUPS, 0, result_ids, scores, truth, dataset.positive_info, k, scale)
+        _breakdown(CLUTTER_GROUPS, 1, result_ids, scores, truth, dataset.positive_info, k, clutter)
     return {
         "queries": list(query_ids), "map": float(np.mean(aps)), "aps": aps, "oracle": float(np.mean(oracles)),
         "scale": {b: float(np.mean(v)) for b, v in scale.items()},
@@ -165,7 +168,7 @@ def evaluate_results(dataset: ILIASDataset, query_ids: list[str], db_ids: np.nda
 
 
 def results_layout(rankings: list[list[str]], scores: list[list[float]]) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """Per-query ranked ids and scores -> (db_ids, similarities (nq, k), ranks (nq, k)). Every
+    """Per-query ranked ids and scores -> (db_ids, sims (nq, k), ranks (nq, k)). Every
     query needs the same number of results: the benchmark has no padding (a padded rank would
     point at a real image)."""
     lengths = {len(r) for r in rankings} | {len(v) for v in scores}
@@ -181,8 +184,27 @@ def results_layout(rankings: list[list[str]], scores: list[list[float]]) -> tupl
 def write_results_pickle(path: Path | str, query_ids: list[str], rankings: list[list[str]], scores: list[list[float]]) -> Path:
     """The benchmark's pickle: its evaluation reads it with ``evaluate(**pickle.load(f))``."""
     db_ids, sims, ranks = results_layout(rankings, scores)
-    payload = {"query_ids": list(query_ids), "db_ids": np.asarray(db_ids), "similarities": sims, "ranks": ranks}
+    payload = {"query_ids": list(query_ids), "db_ids": np.asarray(db_ids), "sims": sims, "ranks": ranks}
     return write_atomic(Path(path), lambda tmp: Path(tmp).write_bytes(pickle.dumps(payload)))
+
+
+PICKLE_KEYS = ("query_ids", "db_ids", "sims", "ranks")
+LEGACY_SCORE_KEY = "similarities"  # the scores' name in the evaluation's older revision
+
+
+def read_results_pickle(path: Path | str) -> dict[str, Any]:
+    """A result pickle (needle's, the benchmark's knn_search's, or one with the older ``similarities``
+    name) as ``{query_ids, db_ids, sims, ranks}``; anything else is an ILIASDataError naming the file."""
+    try:
+        payload = pickle.loads(Path(path).read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
+        raise ILIASDataError(f"ILIAS result pickle {path}: cannot read it ({type(exc).__name__}: {exc})") from exc
+    if isinstance(payload, dict) and "sims" not in payload and LEGACY_SCORE_KEY in payload:
+        payload["sims"] = payload.pop(LEGACY_SCORE_KEY)
+    if not isinstance(payload, dict) or set(payload) != set(PICKLE_KEYS):
+        found = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise ILIASDataError(f"ILIAS result pickle {path}: expected the keys {list(PICKLE_KEYS)}, found {found}")
+    return payload
 
 
 def write_results_json(path: Path | str, query_ids: list[str], rankings: list[list[str]], scores: list[list[float]]) -> Path:

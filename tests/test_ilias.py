@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 import pickle
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 from sklearn.metrics import average_precision_score
 
-from eval.ilias import (SCALE_GROUPS, ILIASDataError, evaluate_results, load_ilias, score_query, sklearn_average_precision,
-                        write_results_json)
+from eval.ilias import (SCALE_GROUPS, ILIASDataError, evaluate_results, load_ilias, read_results_pickle, score_query,
+                        sklearn_average_precision, write_results_json)
 from eval.metrics import average_precision_at_k
 from conftest import jpeg_bytes, write_tar
+from ilias_benchmark import ILIAS
 
 
 def test_average_precision_equals_scikit_learn_with_ties():
@@ -41,26 +41,6 @@ def test_benchmark_ap_equals_needle_ap_without_ties():
         ranking = list(ids[np.argsort(-scores)])
         assert ap == pytest.approx(average_precision_at_k(ranking, gt, k))
         assert oracle == pytest.approx(sum(i in gt for i in ranking[:k]) / len(gt))
-
-
-def _ilias_reference(dataset_dir: Path, payload: dict, k: int) -> float:
-    """The benchmark's scoring written from its evaluation code, with scikit-learn."""
-    positives = [line.split(",")[0] for line in (dataset_dir / "image_ids" / "positive_ids.txt").read_text().split()]
-    gt = defaultdict(set)
-    for p in positives:
-        gt[p.split("/")[0]].add(p)
-    aps = []
-    db_ids = np.asarray(payload["db_ids"])
-    for q, s, r in zip(payload["query_ids"], payload["similarities"], payload["ranks"]):
-        order = np.argsort(-s)
-        top = db_ids[r[order][:k]]
-        y_true = np.isin(top, list(gt[q.split("/")[0]]))
-        if not y_true.any():
-            aps.append(0.0)
-            continue
-        ap = average_precision_score(y_true, s[order][:k]) * y_true.sum() / min(k, len(gt[q.split("/")[0]]))
-        aps.append(100 * ap)
-    return float(np.mean(aps))
 
 
 @pytest.fixture
@@ -93,6 +73,11 @@ def ilias_like(tmp_path, photos, extractor):
     return index, truth, tmp_path / "ilias"
 
 
+def _assert_benchmark_agrees(benchmark: dict, report: dict, k: int) -> None:
+    assert benchmark["map"] == pytest.approx(report[f"map_at_{k}"], abs=1e-9)
+    assert benchmark["oracle"] == pytest.approx(report[f"oracle_at_{k}"], abs=1e-9)
+
+
 def test_ilias_pickle_and_json_score_like_needle_eval(tmp_path, ilias_like):
     from eval.evaluate import EvalConfig, evaluate
 
@@ -101,19 +86,40 @@ def test_ilias_pickle_and_json_score_like_needle_eval(tmp_path, ilias_like):
     conf = EvalConfig(k=k, ilias_pickle=str(tmp_path / "r.pkl"), ilias_json=str(tmp_path / "r.json"))
     report = evaluate(index, truth, conf)
     payload = pickle.loads((tmp_path / "r.pkl").read_bytes())
-    assert set(payload) == {"query_ids", "db_ids", "similarities", "ranks"}
-    assert payload["similarities"].shape == payload["ranks"].shape == (3, k)
-    dataset = load_ilias(dataset_dir)
-    ours = evaluate_results(dataset, **payload, k=k)
+    # The names the benchmark's current ILIAS.evaluate takes: evaluate(**pickle) must not raise.
+    assert set(payload) == {"query_ids", "db_ids", "sims", "ranks"}
+    assert payload["sims"].shape == payload["ranks"].shape == (3, k)
+    benchmark = ILIAS(dataset_dir, check_ids=False)
+    from_pickle = benchmark.evaluate(**payload, k=k, report=True)
+    _assert_benchmark_agrees(from_pickle, report, k)
+    ours = evaluate_results(load_ilias(dataset_dir), **payload, k=k)
     assert ours["map"] == pytest.approx(report[f"map_at_{k}"])
-    assert _ilias_reference(dataset_dir, payload, k) == pytest.approx(report[f"map_at_{k}"])
-    assert ours["oracle"] == pytest.approx(report[f"recall_at_{k}"])
+    assert ours["scale"] == pytest.approx(from_pickle["scale"]) and ours["clutter"] == pytest.approx(from_pickle["clutter"])
     assert set(ours["scale"]) <= {f"{a}-{b}" for a, b in SCALE_GROUPS}
+    # The JSON, read as the benchmark reads it, scores the same.
     from_json = json.loads((tmp_path / "r.json").read_text())
+    _assert_benchmark_agrees(benchmark.evaluate(all_similarities=from_json, k=k, report=True), report, k)
     assert list(from_json) == payload["query_ids"]
-    for q, s, r in zip(payload["query_ids"], payload["similarities"], payload["ranks"]):
+    for q, s, r in zip(payload["query_ids"], payload["sims"], payload["ranks"]):
         assert list(from_json[q]) == [payload["db_ids"][i] for i in r]
         np.testing.assert_allclose(list(from_json[q].values()), s, rtol=1e-6)
+
+
+def test_result_pickles_of_either_revision_read_back(tmp_path):
+    from eval.ilias import write_results_pickle
+
+    path = write_results_pickle(tmp_path / "r.pkl", ["a/q"], [["x/1", "a/2"]], [[0.9, 0.5]])
+    payload = read_results_pickle(path)
+    assert payload["db_ids"].tolist() == ["a/2", "x/1"] and payload["ranks"].tolist() == [[1, 0]]
+    legacy = {"query_ids": ["a/q"], "db_ids": payload["db_ids"], "similarities": payload["sims"], "ranks": payload["ranks"]}
+    (tmp_path / "old.pkl").write_bytes(pickle.dumps(legacy))
+    np.testing.assert_array_equal(read_results_pickle(tmp_path / "old.pkl")["sims"], payload["sims"])
+    (tmp_path / "bad.pkl").write_bytes(pickle.dumps({"query_ids": [], "scores": []}))
+    with pytest.raises(ILIASDataError, match=r"bad\.pkl.*expected the keys"):
+        read_results_pickle(tmp_path / "bad.pkl")
+    (tmp_path / "junk.pkl").write_bytes(b"not a pickle")
+    with pytest.raises(ILIASDataError, match="junk.pkl"):
+        read_results_pickle(tmp_path / "junk.pkl")
 
 
 def test_breakdown_removes_positives_outside_the_bin():
@@ -212,7 +218,7 @@ def test_eval_on_an_ilias_directory_scores_like_the_benchmark(tmp_path, ilias_da
     assert not set(payload["query_ids"]) & set(payload["db_ids"])  # queries are not in the database
     ours = evaluate_results(load_ilias(dataset_dir), **payload, k=k)
     assert ours["map"] == pytest.approx(report[f"map_at_{k}"])
-    assert _ilias_reference(dataset_dir, payload, k) == pytest.approx(report[f"map_at_{k}"])
+    _assert_benchmark_agrees(ILIAS(dataset_dir, check_ids=True).evaluate(**payload, k=k, report=True), report, k)
     assert ours["oracle"] == pytest.approx(report[f"oracle_at_{k}"])
     assert report["breakdowns"]["scale"] == pytest.approx(ours["scale"])
     assert report["breakdowns"]["clutter"] == pytest.approx(ours["clutter"])
