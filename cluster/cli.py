@@ -23,11 +23,16 @@ def _ingest(args: argparse.Namespace) -> int:
 
         query_scales = parse_scales(args.multiscale)
     weights = args.weights
-    if args.pretrained:  # the published weights, fetched through timm/open_clip (embed.models.PRETRAINED)
-        if weights:
-            print("error: give either --weights or --pretrained, not both", file=sys.stderr)
-            return 2
+    # The published weights, fetched through timm/open_clip, or a seeded random initialisation
+    # (embed.models.PRETRAINED, RANDOM).
+    asked = [flag for flag, on in (("--weights", weights), ("--pretrained", args.pretrained), ("--random-init", args.random_init)) if on]
+    if len(asked) > 1:
+        print(f"error: give one of {', '.join(asked)}, not several", file=sys.stderr)
+        return 2
+    if args.pretrained:
         weights = "pretrained"
+    elif args.random_init:
+        weights = "random"
     conf = IngestConfig(
         model=args.model, weights=weights, resolution=args.resolution, batch_size=args.batch_size,
         precision=args.precision, num_workers=args.workers, cpus_per_worker=args.cpus_per_worker,
@@ -104,6 +109,22 @@ def _add_rerank_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ames", help="AMES checkpoint (--rerank ames)")
 
 
+def _add_file_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("files the index was built with, when not at their recorded paths (same SHA-256 required)")
+    g.add_argument("--weights", help="the global model's weights file")
+    g.add_argument("--local-weights", help="the local-token model's weights file")
+    g.add_argument("--itq", help="the local tokens' ITQ projection (.npz)")
+    g.add_argument("--detector-weights", help="the AMES detector of vit_ames local tokens")
+    g.add_argument("--adapter", help="the adapter of an index built with --adapt")
+
+
+def _query_files(args: argparse.Namespace):
+    from query.recorded import QueryFiles
+
+    return QueryFiles(weights=args.weights, local_weights=args.local_weights, itq=args.itq,
+                      detector_weights=args.detector_weights, adapter=args.adapter)
+
+
 def _add_qe_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qe", type=int, default=0, help="query expansion: average each query with its similarity-weighted top-N, search again")
 
@@ -121,7 +142,7 @@ def _query(args: argparse.Namespace) -> int:
         log.warning("--multiscale and --rotations apply to --image queries only: ignored")
     index = _open_index(args)
     vectors = load_vectors(Path(args.vectors), index.d) if args.vectors else None
-    conf = QueryConfig(k=args.k, nprobe=args.nprobe, refine_factor=args.refine_factor, weights=args.weights,
+    conf = QueryConfig(k=args.k, nprobe=args.nprobe, refine_factor=args.refine_factor, files=_query_files(args),
                        rerank=_rerank_config(args), qe_top=args.qe,
                        scales=scales, rotations=args.rotations)
     results = query(index, conf, args.key or [], [Path(p) for p in args.image or []], args.text or [], vectors,
@@ -147,7 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster.webapp import create_app
 
     index = _open_index(args)
-    app = create_app(QueryService(index, args.weights, _rerank_config(args)), _page_config(args))
+    app = create_app(QueryService(index, _query_files(args), _rerank_config(args)), _page_config(args))
     log.info("serving %s on http://%s:%d (%d vectors; API docs at /docs)", args.index, args.host, args.port, index.ntotal)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
@@ -176,7 +197,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
 
         actors = serve_sharded(args.index).actors
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(ray_app(str(Path(args.index).resolve()), args.weights, _rerank_config(args), _page_config(args),
+    serve.run(ray_app(str(Path(args.index).resolve()), _query_files(args), _rerank_config(args), _page_config(args),
                       actors, args.replicas), name="needle", route_prefix="/")
     log.info("serving %s with Ray Serve (%d replicas) on http://%s:%d (API docs at /docs)", args.index, args.replicas,
              args.host, args.port)
@@ -208,7 +229,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise NeedleInputError(f"needle eval needs {', '.join(missing)} (or a subcommand: scaling, plot)")
     conf = EvalConfig(k=args.k, nprobe=args.nprobe, rerank=_rerank_config(args), query_locals=args.query_locals,
                       query_descriptors=args.query_descriptors, text_queries=args.text_queries,
-                      ilias_pickle=args.ilias_pickle, ilias_json=args.ilias_json, qe_top=args.qe)
+                      ilias_pickle=args.ilias_pickle, ilias_json=args.ilias_json, qe_top=args.qe, files=_query_files(args))
     out = main(conf, Path(args.index), Path(args.ground_truth), Path(args.out))
     report = json.loads(out.read_text())
     print(json.dumps({k: v for k, v in report.items() if k != "per_query"}, indent=2))
@@ -327,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", help="local weights file (default: the model's packaged weights)")
     p.add_argument("--pretrained", action="store_true",
                    help="fetch the model's published weights through timm/open_clip (needs the network or their cache)")
+    p.add_argument("--random-init", action="store_true",
+                   help="a seeded random initialisation of every model (tests and timing only; recorded, queries rebuild it)")
     p.add_argument("--resolution", type=int, help="longer side in pixels (default: the model's test resolution)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
@@ -403,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--nprobe", type=int)
     p.add_argument("--refine-factor", type=int, help="shortlist = factor * k, re-scored exactly (default: the index's)")
-    p.add_argument("--weights", help="weights file for embedding query images or texts")
+    _add_file_flags(p)
     p.add_argument("--ray-shards", action="store_true", help="search the shards in Ray actors")
     p.add_argument("--address", help="Ray cluster for --ray-shards (default: $RAY_ADDRESS, else local)")
     _add_rerank_flags(p)
@@ -414,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--weights", help="weights file for embedding query images or texts")
+    _add_file_flags(p)
     p.add_argument("--ray-shards", action="store_true", help="serve the shards from Ray actors")
     p.add_argument("--ray", action="store_true", help="run the app as a Ray Serve deployment (Serve's HTTP proxy on --host:--port)")
     p.add_argument("--replicas", type=int, default=1, help="--ray: replicas of the app")
@@ -437,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="JSON report to write")
     p.add_argument("--ilias-pickle", help="also write the rankings as the ILIAS benchmark's result pickle")
     p.add_argument("--ilias-json", help="also write the rankings as the ILIAS benchmark's result JSON")
+    _add_file_flags(p)
     p.add_argument("--query-descriptors", help="descriptor directory of the query images' own ingest (ILIAS: queries "
                    "are not in the database); default: the queries' vectors in the index")
     p.add_argument("--text-queries", action="store_true", help="ILIAS dataset: also evaluate its text queries (Txxx.txt) "

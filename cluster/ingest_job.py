@@ -38,7 +38,10 @@ MANIFEST_FILE = "manifest.json"
 @dataclass(frozen=True)
 class IngestConfig:
     model: str = "tf_efficientnet_lite0.gem"  # registry name (see `needle models`)
-    weights: str | None = None  # local weights file; None: the preset's packaged weights, if any
+    # Local weights file; None: the preset's packaged weights (an error where it has none); "pretrained":
+    # the published weights via timm/open_clip; "random": a seeded random initialisation of every model
+    # of the run, the local-token model too (tests and timing only).
+    weights: str | None = None
     resolution: int | None = None  # longer side of the resized images; None: the model's test resolution
     batch_size: int = 32  # images per forward pass (same-size images are batched together)
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: fp16 on GPU, the preset's choice on CPU)
@@ -128,7 +131,9 @@ def make_local_extractor(conf: IngestConfig, device: str = "cpu"):
     local = get_local_preset(conf.locals, top_k=conf.local_top_k, keep_desc=conf.keep_local_desc or None)
     if conf.local_itq is not None:  # "none": descriptors only, no codes (e.g. to learn an ITQ projection)
         local = dataclasses.replace(local, itq=None if conf.local_itq == "none" else conf.local_itq)
-    return LocalExtractor(local, device=device)
+    from embed.models import RANDOM
+
+    return LocalExtractor(local, RANDOM if conf.weights == RANDOM else None, device=device)
 
 
 def connect_ray(address: str | None) -> None:

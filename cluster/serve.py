@@ -84,15 +84,17 @@ class QueryService:
     """Turns requests into searches; shared by the app's request threads (its lock guards only the
     lazy loading of the query models: searches run in parallel)."""
 
-    def __init__(self, index: SearchIndex, weights: str | None = None, rerank: Any = None):
+    def __init__(self, index: SearchIndex, files: Any = None, rerank: Any = None):
+        from query.recorded import QueryFiles
         from rerank.rerank import Reranker
 
         self.index = index
-        self.weights = weights
+        self.files = files or QueryFiles()  # files in place of those the index records (verified by SHA-256)
         self.rerank = rerank  # RerankConfig: re-rank key and image queries with local tokens; None: global only
         self.reranker = Reranker(rerank) if rerank is not None else None
         self._lock = threading.Lock()
         self._extractor = None
+        self._adapter: Any = False  # the index's adapter, loaded (and verified) once; False: not yet
         self._local_extractors: dict[Any, Any] = {}  # by (query scales, query tokens)
         self._rerankers: dict[str, Any] = {}  # per-request re-ranking settings other than the service's
 
@@ -104,7 +106,7 @@ class QueryService:
         key = (tuple(conf.query_scales), conf.query_top_k)
         with self._lock:
             if key not in self._local_extractors:
-                self._local_extractors[key] = query_local_extractor(self.index, conf, self.weights)
+                self._local_extractors[key] = query_local_extractor(self.index, conf, self.files)
             return self._local_extractors[key]
 
     def reranker_for(self, conf: Any):
@@ -123,8 +125,17 @@ class QueryService:
 
         with self._lock:
             if self._extractor is None:
-                self._extractor = query_extractor(self.index, self.weights)
+                self._extractor = query_extractor(self.index, self.files)
             return self._extractor
+
+    def adapt(self, xq: np.ndarray) -> np.ndarray:
+        """Embedded queries through the index's adapter (unchanged without one)."""
+        from query.retrieve import index_adapter
+
+        with self._lock:
+            if self._adapter is False:
+                self._adapter = index_adapter(self.index, self.files)
+        return xq if self._adapter is None else self._adapter.apply(xq)
 
     def check_k(self, k: Any) -> int:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -178,7 +189,7 @@ class QueryService:
         texts = [text] if isinstance(text, str) else text
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
             raise NeedleInputError("'text' must be a non-empty string (or list of them)")
-        return self.search(embed_texts(self.index, texts, self.weights), k, nprobe, [{"text": t} for t in texts], factor)
+        return self.search(embed_texts(self.index, texts, self.files), k, nprobe, [{"text": t} for t in texts], factor)
 
     def search_image(self, data: bytes, k: int, nprobe: int | None, rerank: Any = None) -> list[dict[str, Any]]:
         """Search with an image's bytes, re-ranked with ``rerank`` (default: the service's settings)."""
@@ -198,11 +209,10 @@ class QueryService:
         """(the image's global descriptor through the index's adapter, (1, d); its query-side local
         tokens when ``rerank`` is set, else None), from one decode resized for both extractors."""
         from ingest.images import decode_resized_many
-        from query.retrieve import adapt_queries
 
         extractor = self.extractor()
         local = self.local_extractor(rerank) if rerank is not None else None
         sides = (extractor.resolution,) + ((local.resolution,) if local is not None else ())
         images = decode_resized_many(data, sides, name)[0]
-        xq = adapt_queries(self.index, extractor([images[extractor.resolution]])["global"].astype(np.float32))
+        xq = self.adapt(extractor([images[extractor.resolution]])["global"].astype(np.float32))
         return xq, (local.tokens([images[local.resolution]]) if local is not None else None)

@@ -147,7 +147,7 @@ def create_app(service: QueryService, page: "PageConfig | None" = None) -> FastA
 REPLICA_CPUS = 0.0
 
 
-def ray_app(index_path: str, weights: str | None = None, rerank: Any = None, page: "PageConfig | None" = None,
+def ray_app(index_path: str, files: Any = None, rerank: Any = None, page: "PageConfig | None" = None,
             shard_actors: list[Any] | None = None, replicas: int = 1, replica_cpus: float = REPLICA_CPUS):
     """The app as a bound Ray Serve deployment (``serve.run(ray_app(...))``; Ray must be initialised).
 
@@ -159,15 +159,15 @@ def ray_app(index_path: str, weights: str | None = None, rerank: Any = None, pag
     @serve.deployment(name="needle", num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus})
     @serve.ingress()
     class NeedleDeployment:
-        def __init__(self, index_path: str, weights: str | None, rerank: Any, page: Any, shard_actors: Any):
+        def __init__(self, index_path: str, files: Any, rerank: Any, page: Any, shard_actors: Any):
             from cluster.serve import serve_sharded
             from index.search import load_index
 
             index = serve_sharded(index_path, actors=shard_actors) if shard_actors else load_index(index_path)
-            self.service = QueryService(index, weights, rerank)
+            self.service = QueryService(index, files, rerank)
             self.page = page
 
         def __serve_build_asgi_app__(self) -> FastAPI:
             return create_app(self.service, self.page)
 
-    return NeedleDeployment.bind(str(index_path), weights, rerank, page, shard_actors)
+    return NeedleDeployment.bind(str(index_path), files, rerank, page, shard_actors)

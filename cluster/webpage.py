@@ -242,7 +242,7 @@ class PageSearch:
         if not self.has_text:
             raise NeedleInputError("the index's model has no text tower: text queries need an open_clip model")
         self.service.check_k(k)
-        return self.run(embed_texts(self.index, [text], self.service.weights), k, nprobe, {"text": text}, None, None)
+        return self.run(embed_texts(self.index, [text], self.service.files), k, nprobe, {"text": text}, None, None)
 
     def by_image(self, data: bytes, k: Any, nprobe: Any, rerank: Any, shortlist: Any) -> dict[str, Any]:
         from PIL import Image, UnidentifiedImageError

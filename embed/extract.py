@@ -7,7 +7,6 @@ share one decode pass.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -19,7 +18,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from embed.models import DEFAULT_MODEL, PRETRAINED, build_global_model, describe, get_model_config
+from embed.models import DEFAULT_MODEL, PRETRAINED, RANDOM, build_global_model, describe, get_model_config
+from ingest.checksums import file_sha256
 from ingest.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
@@ -39,14 +39,6 @@ class Extractor(Protocol):
     def __call__(self, images: list[np.ndarray]) -> dict[str, np.ndarray]: ...
 
     def info(self) -> dict[str, Any]: ...  # how the columns were made, for the JSON beside the output
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def batches_by_shape(images: list[np.ndarray], batch_size: int) -> list[list[int]]:
@@ -171,7 +163,8 @@ class GlobalExtractor:
         # The plain path stays exactly the pre-existing one (speed and bytes) unless asked otherwise.
         self.multi_variant = self.scales != (1.0,) or self.rotations != 1
         self.net, self.weights_path = build_global_model(model, weights)
-        self.pretrained = weights is not None and str(weights) == PRETRAINED  # published weights via timm/open_clip
+        # The published weights (via timm/open_clip) or a seeded random initialisation: recorded by name.
+        self.weights_name = str(weights) if weights is not None and str(weights) in (PRETRAINED, RANDOM) else None
         self.net.to(self.device)
         # cuDNN runs fp16 convolutions fastest on NHWC tensors; CPU kernels and ViTs gain nothing.
         self.channels_last = self.device.type == "cuda" and self.config.pooling == "gem"
@@ -275,7 +268,7 @@ class GlobalExtractor:
         return {
             "extractor": "global",
             "model": describe(self.model_name),
-            "weights": PRETRAINED if self.pretrained else (str(self.weights_path) if self.weights_path else None),
+            "weights": self.weights_name or (str(self.weights_path) if self.weights_path else None),
             "weights_sha256": file_sha256(self.weights_path) if self.weights_path else None,
             "resolution": self.resolution,
             "precision": self.precision,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embed.checkpoint import load_torch_file
-from embed.models import WeightsError, build_global_model, get_model_config
+from embed.models import RANDOM, RANDOM_SEED, WeightsError, build_global_model, get_model_config
 from ingest.errors import NeedleInputError
 
 if TYPE_CHECKING:  # embed.locals imports this module lazily; no import cycle at run time either way
@@ -174,22 +174,30 @@ def build_vit_ames(conf: LocalConfig, weights: str | Path | None = None,
                    precision: str = "auto") -> tuple[ViTAmesTokens, tuple, tuple, Path | None]:
     """(ViTAmesTokens in eval mode, mean, std, backbone weights path) for a ``vit_ames`` LocalConfig.
 
-    Backbone weights: ``weights`` (a local file) or none (random init, warned by the registry).
-    Detector weights: ``conf.detector_weights`` (a local file) or AMES's random init, warned.
+    Backbone weights: ``weights`` (a local file, ``PRETRAINED`` or ``RANDOM``, see build_global_model).
+    Detector weights: ``conf.detector_weights`` (a local file); a seeded random initialisation only when
+    asked for (``detector_weights="random"``, or ``weights=RANDOM`` for the whole model).
     """
     mc = get_model_config(conf.model)
     if mc.library != "timm":
         raise NeedleInputError(f"vit_ames needs a timm ViT preset, {conf.model!r} is a {mc.library} model")
+    random_detector = conf.detector_weights == RANDOM or (not conf.detector_weights and str(weights) == RANDOM)
+    if not conf.detector_weights and not random_detector:  # before loading the backbone: fail fast
+        raise WeightsError(f"vit_ames local tokens of {conf.model!r} need the AMES detector's weights "
+                           "(LocalConfig.detector_weights, --detector-weights), or a random initialisation asked for")
     net, path = build_global_model(conf.model, weights)
     backbone = net.backbone
     width = int(getattr(backbone, "num_features", 0) or getattr(backbone, "embed_dim", 0))
     if width < 1:
         raise NeedleInputError(f"model {conf.model!r} ({type(backbone).__name__}) has no token width: not a ViT")
     detector = SpatialAttention2d(width)
-    if conf.detector_weights:
+    if not random_detector:
         load_detector_weights(detector, conf.detector_weights)
     else:
-        log.warning("vit_ames without detector_weights: the AMES detector head is randomly initialised "
+        log.warning("vit_ames: the AMES detector head is randomly initialised, as asked "
                     "(token weights and descriptors are meaningless for retrieval)")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_SEED)
+            detector = SpatialAttention2d(width)
     model = ViTAmesTokens(backbone, detector, precision=precision, bf16_on_cpu=mc.bf16_on_cpu)
     return model.eval(), mc.mean, mc.std, path

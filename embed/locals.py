@@ -34,9 +34,10 @@ import torch
 from PIL import Image
 from torch import nn
 
-from embed.extract import batches_by_shape, file_sha256
+from embed.extract import batches_by_shape
 from embed.itq import ITQ, load_itq
-from embed.models import DEFAULT_MODEL, build_global_model, get_model_config, resolve_package_file
+from embed.models import DEFAULT_MODEL, RANDOM, build_global_model, get_model_config, resolve_package_file
+from ingest.checksums import file_sha256
 from ingest.errors import NeedleInputError
 from ingest.images import RESAMPLE, resized_size
 from rerank.tokens import CODE_BYTES, LocalTokens
@@ -177,6 +178,7 @@ class LocalExtractor:
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.net, mean, std, self.weights_path = build_local_model(conf, weights)
+        self.random_init = weights is not None and str(weights) == RANDOM  # asked for: recorded as such
         self.net.to(self.device)
         self.itq, self.itq_path = (itq, None) if itq is not None else resolve_itq(conf.itq)
         if self.itq is None and not conf.keep_desc:
@@ -271,11 +273,12 @@ class LocalExtractor:
             "scales": list(self.conf.scales),
             "dim": self.dim,
             "code_bytes": CODE_BYTES if self.itq is not None else None,
-            "weights": str(self.weights_path) if self.weights_path else None,
+            "weights": RANDOM if self.random_init else (str(self.weights_path) if self.weights_path else None),
             "weights_sha256": file_sha256(self.weights_path) if self.weights_path else None,
             "itq": str(self.itq_path) if self.itq_path else None,
             "itq_sha256": file_sha256(self.itq_path) if self.itq_path else None,
-            "detector_weights_sha256": file_sha256(Path(self.conf.detector_weights)) if self.conf.detector_weights else None,
+            "detector_weights_sha256": (file_sha256(Path(self.conf.detector_weights))
+                                        if self.conf.detector_weights and self.conf.detector_weights != RANDOM else None),
             "resolution": self.conf.resolution,
         }
 

@@ -54,6 +54,8 @@ class WeightsError(NeedleInputError):
 
 
 PRETRAINED = "pretrained"  # the ``weights`` value that asks for the published weights (``--pretrained``)
+RANDOM = "random"  # the ``weights`` value that asks for a random initialisation (``--random-init``; tests, timing)
+RANDOM_SEED = 0  # a random initialisation is seeded, so that queries can rebuild the very model ingestion used
 
 
 def one_level_up(train_resolution: int) -> int:
@@ -458,24 +460,30 @@ def _create_backbone(conf: ModelConfig, pretrained: bool = False, name: str = ""
 def build_global_model(name: str, weights: str | Path | None = None, pretrained: bool = False) -> tuple[GlobalModel, Path | None]:
     """Build the model ``name`` (preset or generic spec) in eval mode with its weights; returns (model, weights path).
 
-    ``pretrained=True`` (or ``weights="pretrained"``) fetches the published weights through timm /
-    open_clip; offline or on a failed fetch it raises WeightsError. Without any weights (no local file,
-    no packaged default, not pretrained) the model is randomly initialised and a warning is logged:
-    useful for tests, meaningless for retrieval.
+    ``weights``: a local file, None for the preset's packaged file, ``PRETRAINED`` (or
+    ``pretrained=True``) to fetch the published weights through timm / open_clip (offline or on a
+    failed fetch: WeightsError), or ``RANDOM`` for a seeded random initialisation (the same network
+    in every process: meaningless for retrieval, useful for tests and timing). A model with none of
+    these is a WeightsError: it is never randomly initialised unless asked.
     """
     conf = get_model_config(name)
     if weights is not None and str(weights) == PRETRAINED:
         weights, pretrained = None, True
     if pretrained and weights is not None:
         raise WeightsError(f"model {name!r}: give either a local weights file or pretrained, not both")
+    if weights is not None and str(weights) == RANDOM:
+        log.warning("model %s: seeded random initialisation, as asked (meaningless for retrieval)", name)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_SEED)
+            return GlobalModel(conf, _create_backbone(conf, False, name)).eval(), None
     backbone = _create_backbone(conf, pretrained, name)
     if pretrained:
         return GlobalModel(conf, backbone).eval(), None
     path = resolve_weights(conf, weights)
     if path is None:
-        log.warning("model %s has no weights: using a random initialisation", name)
-    else:
-        load_weights(backbone, path, conf.weights_mapping if weights is None else "auto")
+        raise WeightsError(f"model {name!r} has no packaged weights: give a weights file (--weights), the published "
+                           f"weights (--pretrained), or ask for a random initialisation (--random-init, tests only)")
+    load_weights(backbone, path, conf.weights_mapping if weights is None else "auto")
     return GlobalModel(conf, backbone).eval(), path
 
 

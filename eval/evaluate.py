@@ -38,6 +38,7 @@ import numpy as np
 from eval.ilias import CLUTTER_GROUPS, SCALE_GROUPS, is_ilias_dataset, load_ilias, text_query_texts, write_results_json, write_results_pickle
 from eval.metrics import average_precision_at_k, binned_ap, ilias_oracle, recall_at_k
 from index.search import SearchIndex, load_index
+from query.recorded import QueryFiles
 from query.retrieve import QueryConfig, adapt_queries, embed_texts, search, stored_tokens
 from rerank.rerank import Reranker, RerankConfig
 from rerank.tokens import LocalTokens
@@ -59,6 +60,7 @@ class EvalConfig:
     qe_top: int = 0  # query expansion with the top-n (0: off)
     ilias_pickle: str | None = None  # also write the rankings as the ILIAS benchmark's result pickle
     ilias_json: str | None = None  # ... and/or its result JSON ({query: {db_id: score}})
+    files: QueryFiles = field(default_factory=QueryFiles)  # files in place of those the index records (same SHA-256)
 
 
 @dataclass
@@ -143,12 +145,13 @@ def read_query_vectors(directory: str | Path, keys: list[str]) -> dict[str, np.n
     return found
 
 
-def _query_vectors(index: SearchIndex, chunk: list[dict[str, Any]], external: Mapping[str, np.ndarray] | None) -> np.ndarray:
+def _query_vectors(index: SearchIndex, chunk: list[dict[str, Any]], external: Mapping[str, np.ndarray] | None,
+                   files: QueryFiles) -> np.ndarray:
     """(n, d) vectors of a chunk of image queries: stored (already adapted) or from the query
     descriptors (adapted here, as the index was built)."""
     if external is None:
         return np.stack([index.vector_of(q["key"]) for q in chunk]).astype(np.float32)
-    return adapt_queries(index, np.stack([external[q["key"]] for q in chunk]))
+    return adapt_queries(index, np.stack([external[q["key"]] for q in chunk]), files)
 
 
 def _mean(values: list[float]) -> float:
@@ -183,10 +186,10 @@ def evaluate(index_dir: Path, queries: list[dict[str, Any]] | GroundTruth, conf:
     search_s = 0.0
     chunks = [(image_queries[s : s + conf.batch], None) for s in range(0, len(image_queries), conf.batch)]
     if text_queries:
-        xt = embed_texts(index, [q["text"] for q in text_queries])
+        xt = embed_texts(index, [q["text"] for q in text_queries], conf.files)
         chunks += [(text_queries[s : s + conf.batch], xt[s : s + conf.batch]) for s in range(0, len(text_queries), conf.batch)]
     for chunk, text_vectors in chunks:
-        xq = text_vectors if text_vectors is not None else _query_vectors(index, chunk, external)
+        xq = text_vectors if text_vectors is not None else _query_vectors(index, chunk, external, conf.files)
         tokens = None
         if conf.rerank:
             if text_vectors is not None:

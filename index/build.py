@@ -38,6 +38,7 @@ from index.factory import IndexPlan, parse_bytes, plan_index
 from index.gpu import assignment_quantizer, faiss_gpus
 from index.locals import SegmentInfo, locals_infos, write_segment
 from index.memory import peak_rss_bytes, process_memory
+from ingest.checksums import file_sha256
 from ingest.descriptors import (
     ROW_SHARD_SHIFT,
     STATUS_OK,
@@ -308,8 +309,6 @@ def _adapt_infos(path: str | None, adapter: Any) -> dict[str, Any] | None:
     """How the indexed descriptors were adapted (None: they were not)."""
     if adapter is None:
         return None
-    from embed.extract import file_sha256
-
     return {"file": str(Path(path).resolve()), "sha256": file_sha256(Path(path)), "in_dim": adapter.in_dim, "out_dim": adapter.out_dim}
 
 

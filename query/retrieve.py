@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from index.search import SearchIndex
 from ingest.errors import NeedleInputError
+from query.recorded import QueryFiles, adapter_file, local_files, model_weights
 from rerank.rerank import Reranker, RerankConfig
 from rerank.tokens import LocalTokens
 
@@ -31,7 +32,7 @@ class QueryConfig:
     k: int = 10  # results per query
     nprobe: int | None = None  # IVF lists visited (IVF indexes only); None: the index's setting
     refine_factor: int | None = None  # IVF-PQ shortlist = this * k, re-scored exactly; None: the index's setting
-    weights: str | None = None  # weights file for embedding query images; None: the one the index was built with
+    files: QueryFiles = field(default_factory=QueryFiles)  # files in place of those the index records (same SHA-256)
     rerank: RerankConfig | None = None  # re-rank the global shortlist with local tokens; None: global only
     qe_top: int = 0  # query expansion: average the query with its similarity-weighted top-n, search again (0: off)
     # Query-side multi-scale for image queries (ILIAS: (0.707, 1, 1.414)): the global descriptor is
@@ -56,55 +57,58 @@ def results_json(index: SearchIndex, D: np.ndarray, I: np.ndarray) -> list[list[
     ]
 
 
-def recorded_extractor(index: SearchIndex, weights: str | None = None) -> tuple[dict[str, Any], str | None]:
-    """(the global extractor's info recorded at ingestion, the weights file to use: ``weights``,
-    else the recorded file when it still exists, or "pretrained" when ingestion fetched the published
-    weights, else None for the preset's default)."""
+def recorded_extractor(index: SearchIndex, files: QueryFiles | None = None) -> tuple[dict[str, Any], str | Path]:
+    """(the global extractor's info recorded at ingestion, the weights to build it with: the recorded
+    file verified by its SHA-256, or ``files.weights`` of the same bytes; "pretrained" or "random"
+    where ingestion used those). A missing or changed file is a RecordedFileError, never a fallback."""
     extractors = [e for e in index.infos.get("extractors", []) if e.get("extractor") == "global"]
     if not extractors:
         raise NeedleInputError(f"index {index.path} does not record its model: query by --key or --vectors instead")
-    recorded = extractors[0].get("weights")
-    if weights is None and recorded == "pretrained":  # the published weights, fetched as at ingestion
-        weights = recorded
-    elif weights is None and recorded and Path(recorded).is_file():
-        weights = recorded
-    return extractors[0], weights
+    info = extractors[0]
+    given = (files or QueryFiles()).weights
+    return info, model_weights(info, info["model"]["name"], given, "--weights", index.path)
 
 
-def query_extractor(index: SearchIndex, weights: str | None = None, *, scales: tuple[float, ...] = (1.0,),
+def query_extractor(index: SearchIndex, files: QueryFiles | None = None, *, scales: tuple[float, ...] = (1.0,),
                     rotations: int = 1):
-    """The global extractor the index's descriptors were made with (same model and resolution),
+    """The global extractor the index's descriptors were made with (same model, weights and resolution),
     averaging over ``scales`` x ``rotations`` variants when asked (query side only: whatever the
     index's own extractor info records about scales is not carried over)."""
     from embed.extract import GlobalExtractor
 
-    info, weights = recorded_extractor(index, weights)
+    info, weights = recorded_extractor(index, files)
     return GlobalExtractor(info["model"]["name"], weights, resolution=info["resolution"], precision=info.get("precision", "auto"),
                            scales=scales, rotations=rotations)
 
 
-def embed_image_files(index: SearchIndex, paths: list[Path], weights: str | None = None, *,
+def embed_image_files(index: SearchIndex, paths: list[Path], files: QueryFiles | None = None, *,
                       scales: tuple[float, ...] = (1.0,), rotations: int = 1) -> np.ndarray:
     """(n, d) float32 descriptors of image files, made as during ingestion (and, with ``scales`` or
     ``rotations``, averaged over the query-side variants)."""
     from ingest.images import decode_resized
 
-    extractor = query_extractor(index, weights, scales=scales, rotations=rotations)
+    extractor = query_extractor(index, files, scales=scales, rotations=rotations)
     images = [decode_resized(_read_image(path), extractor.resolution, str(path))[0] for path in paths]
-    return adapt_queries(index, extractor(images)["global"].astype(np.float32))
+    return adapt_queries(index, extractor(images)["global"].astype(np.float32), files)
 
 
-def adapt_queries(index: SearchIndex, xq: np.ndarray) -> np.ndarray:
-    """Embedded queries through the adapter the index was built with (unchanged without one)."""
+def index_adapter(index: SearchIndex, files: QueryFiles | None = None):
+    """The adapter the index was built with (verified by its SHA-256), or None."""
     info = index.infos.get("adapt")
     if not info:
-        return xq
+        return None
     from embed.adapt import load_adapter
 
-    return load_adapter(info["file"]).apply(xq)
+    return load_adapter(adapter_file(info, (files or QueryFiles()).adapter))
 
 
-def embed_texts(index: SearchIndex, texts: list[str], weights: str | None = None) -> np.ndarray:
+def adapt_queries(index: SearchIndex, xq: np.ndarray, files: QueryFiles | None = None) -> np.ndarray:
+    """Embedded queries through the adapter the index was built with (unchanged without one)."""
+    adapter = index_adapter(index, files)
+    return xq if adapter is None else adapter.apply(xq)
+
+
+def embed_texts(index: SearchIndex, texts: list[str], files: QueryFiles | None = None) -> np.ndarray:
     """(n, d) descriptors of text queries, from the text tower of the index's (CLIP-like) model."""
     import torch
 
@@ -114,7 +118,7 @@ def embed_texts(index: SearchIndex, texts: list[str], weights: str | None = None
 
     if not texts or not all(t.strip() for t in texts):
         raise NeedleInputError("empty text query")
-    info, weights = recorded_extractor(index, weights)
+    info, weights = recorded_extractor(index, files)
     model = info["model"]
     if model.get("library") != "open_clip":
         raise NeedleInputError(f"the index's model {model.get('name')!r} has no text tower: text queries need an open_clip model")
@@ -124,7 +128,7 @@ def embed_texts(index: SearchIndex, texts: list[str], weights: str | None = None
     net, _ = build_global_model(model["name"], weights)
     tokens = open_clip.get_tokenizer(model["architecture"])(texts)
     with torch.inference_mode():
-        return adapt_queries(index, l2_normalize(net.backbone.encode_text(tokens)).numpy().astype(np.float32))
+        return adapt_queries(index, l2_normalize(net.backbone.encode_text(tokens)).numpy().astype(np.float32), files)
 
 
 def read_text_queries(paths_or_dir: str | Path | Sequence[str | Path]) -> list[tuple[str, str]]:
@@ -188,10 +192,10 @@ def query(index: SearchIndex, conf: QueryConfig, keys: list[str] = (), images: l
         blocks.append(np.stack([index.vector_of(k) for k in keys]))
         labels += [{"key": k} for k in keys]
     if images:
-        blocks.append(embed_image_files(index, list(images), conf.weights, scales=conf.scales, rotations=conf.rotations))
+        blocks.append(embed_image_files(index, list(images), conf.files, scales=conf.scales, rotations=conf.rotations))
         labels += [{"image": str(p)} for p in images]
     if texts or text_queries:  # one text-tower load for both
-        blocks.append(embed_texts(index, list(texts) + [t for _, t in text_queries], conf.weights))
+        blocks.append(embed_texts(index, list(texts) + [t for _, t in text_queries], conf.files))
         labels += [{"text": t} for t in texts] + [{"id": i, "text": t} for i, t in text_queries]
     if vectors is not None:
         blocks.append(vectors)
@@ -199,7 +203,7 @@ def query(index: SearchIndex, conf: QueryConfig, keys: list[str] = (), images: l
     tokens: list[LocalTokens | None] | None = None
     if conf.rerank is not None:  # keys use their stored tokens, images their query-side tokens; texts and vectors have none
         tokens = (stored_tokens(index, list(keys)) if keys else []) + \
-            (query_tokens_of_images(index, list(images), conf.rerank, conf.weights) if images else []) + \
+            (query_tokens_of_images(index, list(images), conf.rerank, conf.files) if images else []) + \
             [None] * (len(texts) + len(text_queries) + (0 if vectors is None else len(vectors)))
     D, I, details = search(index, np.concatenate(blocks), conf, tokens)
     results = results_json(index, D, I)
@@ -231,27 +235,27 @@ def recorded_local_extractor(index: SearchIndex) -> dict[str, Any]:
     return info
 
 
-def query_local_extractor(index: SearchIndex, conf: RerankConfig, weights: str | None = None):
-    """The index's local extractor at the query-side scales and token count (the asymmetric setting)."""
+def query_local_extractor(index: SearchIndex, conf: RerankConfig, files: QueryFiles | None = None):
+    """The index's local extractor (its recorded files, verified) at the query-side scales and token
+    count (the asymmetric setting)."""
     import dataclasses
 
     from embed.locals import LocalConfig, LocalExtractor
 
     info = recorded_local_extractor(index)
+    found = local_files(info, files or QueryFiles(), index.path)
     recorded = dict(info["config"], scales=tuple(info["config"]["scales"]))
-    itq = info.get("itq") if info.get("itq") and Path(info["itq"]).is_file() else recorded["itq"]
-    local = dataclasses.replace(LocalConfig(**recorded), scales=conf.query_scales, per_scale=True,
-                                top_k=conf.query_top_k, keep_desc=False, itq=itq)
-    if weights is None and info.get("weights") and Path(info["weights"]).is_file():
-        weights = info["weights"]
-    return LocalExtractor(local, weights)
+    local = dataclasses.replace(LocalConfig(**recorded), scales=conf.query_scales, per_scale=True, top_k=conf.query_top_k,
+                                keep_desc=False, itq=found["itq"], detector_weights=found["detector_weights"])
+    return LocalExtractor(local, found["weights"])
 
 
-def query_tokens_of_images(index: SearchIndex, paths: list[Path], conf: RerankConfig, weights: str | None = None) -> list[LocalTokens]:
+def query_tokens_of_images(index: SearchIndex, paths: list[Path], conf: RerankConfig,
+                           files: QueryFiles | None = None) -> list[LocalTokens]:
     """Query-side local tokens of image files."""
     from ingest.images import decode_resized
 
-    extractor = query_local_extractor(index, conf, weights)
+    extractor = query_local_extractor(index, conf, files)
     images = [decode_resized(_read_image(path), extractor.resolution, str(path))[0] for path in paths]
     return extractor.tokens(images)
 

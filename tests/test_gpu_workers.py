@@ -9,6 +9,7 @@ import pytest
 
 from cluster.ingest_job import IngestConfig, _worker_layout, cpus_per_gpu
 from embed.extract import GlobalExtractor, plan_batches
+from embed.models import RANDOM
 from ingest.errors import ImageDecodeError, NeedleInputError
 from ingest.images import decode_resized_many
 from ingest.pipeline import process_shard
@@ -57,7 +58,7 @@ def test_vit_batches_of_mixed_shapes_equal_per_image_descriptors():
     import torch
 
     torch.manual_seed(0)
-    extractor = GlobalExtractor("timm:vit_small_patch16_224@cls", resolution=96, batch_size=8, precision="fp32")
+    extractor = GlobalExtractor("timm:vit_small_patch16_224@cls", RANDOM, resolution=96, batch_size=8, precision="fp32")
     images = _mixed_images(np.random.default_rng(0))
     plan = plan_batches([im.shape[:2] for im in images], 8, extractor.net.input_shape)
     assert len(plan) < len({im.shape for im in images})  # the point: fewer, fuller batches
@@ -242,8 +243,8 @@ def test_cuda_extractor_matches_cpu(model):
     from ingest.images import decode_resized
 
     torch.manual_seed(0)
-    cpu = GlobalExtractor(model, resolution=224, precision="fp32")
-    cuda = GlobalExtractor(model, resolution=224, device="cuda")  # fp16 autocast, channels-last CNNs
+    cpu = GlobalExtractor(model, RANDOM, resolution=224, precision="fp32")
+    cuda = GlobalExtractor(model, RANDOM, resolution=224, device="cuda")  # fp16 autocast, channels-last CNNs
     cuda.net.load_state_dict(cpu.net.state_dict())  # same weights for the random-init ViT
     images = [decode_resized(d, 224)[0] for d in _realbench_jpegs(24)]
     a = cpu(images)["global"].astype(np.float32)

@@ -15,7 +15,7 @@ from torch import nn
 from embed.itq import train_itq
 from embed.local_vit import SpatialAttention2d, ViTAmesTokens, build_vit_ames, grid_size, load_detector_weights
 from embed.locals import LocalConfig, LocalExtractor
-from embed.models import WeightsError
+from embed.models import RANDOM, WeightsError
 from ingest.errors import NeedleInputError
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "ames_state_dict_shapes.json"
@@ -165,7 +165,7 @@ def test_vit_tokens_reject_non_vit_backbones():
 @pytest.fixture(scope="module")
 def vit_ames() -> ViTAmesTokens:
     conf = LocalConfig(kind="vit_ames", model=AMES_MODEL, resolution=98)
-    model, mean, std, path = build_vit_ames(conf, None)
+    model, mean, std, path = build_vit_ames(conf, RANDOM)
     assert path is None and len(mean) == 3 and len(std) == 3
     return model
 
@@ -200,17 +200,19 @@ def test_build_vit_ames_loads_detector_weights(tmp_path: Path):
     state = _random_detector_state(seed=3)
     torch.save({"state": state}, tmp_path / "det.pt")
     conf = LocalConfig(kind="vit_ames", model=AMES_MODEL, resolution=98, detector_weights=str(tmp_path / "det.pt"))
-    model, *_ = build_vit_ames(conf, None)
+    model, *_ = build_vit_ames(conf, RANDOM)
     assert not model.training and torch.equal(model.detector.conv1.weight, state["conv1.weight"])
     with pytest.raises(WeightsError, match="nope.pt"):
         build_vit_ames(LocalConfig(kind="vit_ames", model=AMES_MODEL, detector_weights=str(tmp_path / "nope.pt")), None)
+    with pytest.raises(WeightsError, match="--detector-weights"):  # a random detector only when asked for
+        build_vit_ames(LocalConfig(kind="vit_ames", model=AMES_MODEL, resolution=98), str(tmp_path / "backbone.pt"))
 
 
 @pytest.fixture(scope="module")
 def vit_extractor() -> LocalExtractor:
     itq = train_itq(np.random.default_rng(0).normal(size=(400, 768)), iterations=5)
     conf = LocalConfig(kind="vit_ames", model=AMES_MODEL, resolution=98, top_k=20, keep_desc=True)
-    return LocalExtractor(conf, itq=itq)
+    return LocalExtractor(conf, RANDOM, itq=itq)
 
 
 def test_local_extractor_vit_ames_two_aspect_ratios(vit_extractor: LocalExtractor, photos):

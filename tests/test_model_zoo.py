@@ -8,6 +8,7 @@ import torch
 from embed.models import (
     MODELS,
     PRETRAINED,
+    RANDOM,
     UnknownModelError,
     WeightsError,
     build_global_model,
@@ -27,7 +28,7 @@ def _offline(monkeypatch):
 
 
 def _check_descriptors(name: str) -> None:
-    model, path = build_global_model(name)
+    model, path = build_global_model(name, None if get_model_config(name).weights else RANDOM)
     assert path is None or name == "tf_efficientnet_lite0.gem"  # the only preset with packaged weights
     conf = get_model_config(name)
     with torch.no_grad():
@@ -104,7 +105,7 @@ def test_generic_timm_spec():
     assert dict(vit.factory_kwargs)["dynamic_img_size"] is True
     assert get_model_config("timm:vit_small_patch14_dinov2").pooling == "cls"
     assert get_model_config("timm:vit_small_patch14_dinov2").resolution == 724
-    model, _ = build_global_model("timm:resnet18")
+    model, _ = build_global_model("timm:resnet18", RANDOM)
     with torch.no_grad():
         out = model(torch.rand(1, 3, 64, 96))
     assert out.shape == (1, 512)
@@ -116,7 +117,7 @@ def test_generic_open_clip_spec():
     conf = get_model_config("open_clip:ViT-B-32/laion2b_s34b_b79k")
     assert conf.pretrained == "laion2b_s34b_b79k" and conf.dim == 512
     assert get_model_config("open_clip:convnext_base_w").resolution == 384
-    model, _ = build_global_model("open_clip:ViT-S-32")
+    model, _ = build_global_model("open_clip:ViT-S-32", RANDOM)
     with torch.no_grad():
         out = model(torch.rand(1, 3, 96, 64))
     assert out.shape == (1, 384)
@@ -133,7 +134,7 @@ def test_text_tower_of_clip_presets():
     import open_clip
 
     for name in ("clip_B16_openai.head", "evaclip_B16.head"):
-        net, _ = build_global_model(name)
+        net, _ = build_global_model(name, RANDOM)
         tokens = open_clip.get_tokenizer(MODELS[name].architecture)(["a red bicycle"])
         with torch.no_grad():
             text = net.backbone.encode_text(tokens)
@@ -183,7 +184,9 @@ def test_ingest_pretrained_and_weights_are_exclusive(capsys):
     from cluster.cli import main
 
     assert main(["ingest", "--shards", "x.tar", "--out", "o", "--pretrained", "--weights", "w.pth"]) == 2
-    assert "not both" in capsys.readouterr().err
+    assert "give one of --weights, --pretrained, not several" in capsys.readouterr().err
+    assert main(["ingest", "--shards", "x.tar", "--out", "o", "--pretrained", "--random-init"]) == 2
+    assert "give one of --pretrained, --random-init, not several" in capsys.readouterr().err
 
 
 def test_pretrained_is_recorded_and_queries_ask_for_it_again(monkeypatch):
@@ -198,7 +201,7 @@ def test_pretrained_is_recorded_and_queries_ask_for_it_again(monkeypatch):
         calls.append(weights)
         from embed.models import build_global_model
 
-        return build_global_model(name, None)
+        return build_global_model(name, RANDOM)
 
     monkeypatch.setattr(extract, "build_global_model", fake_build)
     extractor = extract.GlobalExtractor("resnet50.gem", weights="pretrained", resolution=64)

@@ -7,6 +7,7 @@ import torch
 from embed.extract import batches_by_shape
 from embed.models import (
     MODELS,
+    RANDOM,
     UnknownModelError,
     WeightsError,
     build_global_model,
@@ -65,6 +66,17 @@ def test_wrong_weights_file_is_named(tmp_path):
         build_global_model("resnet50.gem", tmp_path / "missing.pth")
 
 
+def test_random_initialisation_only_when_asked_and_then_seeded():
+    with pytest.raises(WeightsError, match=r"'resnet50.gem' has no packaged weights.*--weights.*--random-init"):
+        build_global_model("resnet50.gem")  # never a silent random initialisation
+    a, _ = build_global_model("timm:resnet18", RANDOM)
+    torch.manual_seed(123)  # the global RNG state does not matter: the initialisation is seeded
+    b, _ = build_global_model("timm:resnet18", RANDOM)
+    x = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+
+
 def test_local_weights_file_round_trips(tmp_path):
     model, _ = build_global_model("tf_efficientnet_lite0.gem")
     saved = tmp_path / "lite0_timm_names.pth"
@@ -78,7 +90,7 @@ def test_local_weights_file_round_trips(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["vit_base_patch16_224.cls", "open_clip.ViT-B-16.head", "resnet50.gem"])
 def test_random_init_presets_give_unit_descriptors(name):
-    model, path = build_global_model(name)
+    model, path = build_global_model(name, RANDOM)
     assert path is None
     conf = MODELS[name]
     size = (224, 224) if conf.library == "open_clip" else (160, 240)
