@@ -50,6 +50,17 @@ def _ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pack(args: argparse.Namespace) -> int:
+    from ingest.pack import PackConfig, main
+
+    extensions = tuple(e.strip() for e in (args.extensions or "").split(",") if e.strip())
+    conf = PackConfig(shard_size=args.shard_size, recursive=not args.no_recursive,
+                      extensions=extensions or PackConfig.extensions, follow_symlinks=args.follow_symlinks,
+                      full_check=args.full_check)
+    main(conf, Path(args.source), Path(args.out))
+    return 0
+
+
 def _index_build(args: argparse.Namespace) -> int:
     from index.build import IndexConfig
 
@@ -375,6 +386,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rotations", type=int, default=1, choices=[1, 2, 4], help="for query images only (never the "
                    "database): average the global descriptor over 1, 2 or 4 quarter turns (ILIAS: 4)")
     p.set_defaults(func=_ingest)
+
+    p = sub.add_parser("pack", help="a folder of images (or a list of image files) as WebDataset tars for needle ingest")
+    p.add_argument("source", help="directory of images (walked recursively), or a text file of image paths, one a line")
+    p.add_argument("--out", required=True, help="output directory: 000000.tar, 000001.tar, ... and pack_info.json")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per tar")
+    p.add_argument("--extensions", help="comma-separated file extensions to pack (default: every image suffix ingest "
+                   "reads: jpg,jpeg,png,webp,bmp,tif,tiff; case-insensitive)")
+    p.add_argument("--no-recursive", action="store_true", help="only the directory's own files, not its sub-directories")
+    p.add_argument("--follow-symlinks", action="store_true", help="walk symlinked directories and read symlinked files "
+                   "(default: skip them and report them)")
+    p.add_argument("--full-check", action="store_true", help="decode every image (JPEGs at 1/8 scale) to skip truncated "
+                   "files too (default: PIL's header check)")
+    p.set_defaults(func=_pack)
 
     p = sub.add_parser("locals", help="local-descriptor commands")
     lsub = p.add_subparsers(dest="locals_command", required=True)

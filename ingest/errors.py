@@ -11,6 +11,10 @@ class ShardSpecError(NeedleInputError):
     """A shard pattern that matches nothing or cannot be parsed."""
 
 
+class PackInputError(NeedleInputError):
+    """``needle pack``: a source, output directory or setting that cannot be used."""
+
+
 class ShardReadError(RuntimeError):
     """A tar shard that cannot be read to the end (missing, truncated, not a tar)."""
 
