@@ -586,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:  # FAISS's loader reports at INFO which CPU builds it tried: a failed AVX2 try reads like an error
+        logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except (NeedleInputError, ShardReadError) as exc:

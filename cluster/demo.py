@@ -56,7 +56,7 @@ def main(conf: DemoRunConfig, workdir: Path) -> Path:
     else:
         head = start_head(conf.num_cpus, log_file=workdir / "ray_head.log")
         try:
-            status = submit_job(head.dashboard_url, entrypoint, head.env)
+            status = submit_job(head.dashboard_url, entrypoint, head.env, head_log=workdir / "ray_head.log")
         finally:
             head.stop()
     if status != 0:

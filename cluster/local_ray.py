@@ -8,6 +8,7 @@ the head and passed to every client through the environment (``RAY_AUTH_MODE=tok
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -133,14 +134,68 @@ def start_head(num_cpus: int | None = None, log_file: Path | None = None, timeou
     raise RayHeadError(f"the Ray dashboard did not answer within {timeout:.0f}s (log: {log_file})")
 
 
-def submit_job(dashboard_url: str, entrypoint: list[str], env: dict[str, str] | None = None) -> int:
-    """``ray job submit`` an entrypoint to the cluster at ``dashboard_url`` and wait for it.
+# What the dashboard answers while the head node's job agent has not registered yet (Ray waits 10 s
+# for it per request); on a busy machine the agent comes up well after the dashboard does.
+AGENT_NOT_READY = "No available agent to submit job"
+TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 
-    ``env``: the client environment (a head started here passes its token); default: ours, with
-    this interpreter's scripts on PATH. Returns the job's exit status.
+
+class JobSubmitError(RuntimeError):
+    """``ray job submit`` was refused for a reason other than a job agent still starting."""
+
+
+def submit_job(dashboard_url: str, entrypoint: list[str], env: dict[str, str] | None = None, *,
+               ready_timeout: float = 180.0, head_log: str | Path | None = None) -> int:
+    """``ray job submit`` an entrypoint to the cluster at ``dashboard_url``, stream its logs, and
+    return its exit status (0: SUCCEEDED).
+
+    The submission is retried while the head answers that its job agent is not up yet, for at most
+    ``ready_timeout`` seconds (RayHeadError naming ``head_log`` after that). ``env``: the client
+    environment (a head started here passes its token); default: ours, with this interpreter's
+    scripts on PATH.
     """
-    cmd = [str(bin_dir() / "ray"), "job", "submit", "--address", dashboard_url, "--", *entrypoint]
-    log.info("submitting: %s", " ".join(cmd))
     if env is None:
         env = {**os.environ, "PATH": f"{bin_dir()}{os.pathsep}{os.environ.get('PATH', '')}"}
-    return subprocess.run(cmd, env=env).returncode
+    submission_id = f"needle-{secrets.token_hex(8)}"
+    submit_when_agent_ready(dashboard_url, entrypoint, env, submission_id, ready_timeout, head_log)
+    ray = str(bin_dir() / "ray")
+    subprocess.run([ray, "job", "logs", "--address", dashboard_url, "--follow", submission_id], env=env)
+    status = job_status(dashboard_url, submission_id, env)
+    log.info("job %s: %s", submission_id, status)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def submit_when_agent_ready(dashboard_url: str, entrypoint: list[str], env: dict[str, str], submission_id: str,
+                            ready_timeout: float, head_log: str | Path | None = None, retry_s: float = 2.0) -> None:
+    """``ray job submit --no-wait`` under ``submission_id``, again while the job agent is starting."""
+    cmd = [str(bin_dir() / "ray"), "job", "submit", "--address", dashboard_url, "--submission-id", submission_id,
+           "--no-wait", "--", *entrypoint]
+    log.info("submitting: %s", " ".join(cmd))
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        output = run.stdout + run.stderr
+        if run.returncode == 0:
+            sys.stdout.write(run.stdout)
+            return
+        if AGENT_NOT_READY not in output:
+            raise JobSubmitError(f"ray job submit to {dashboard_url} failed (exit {run.returncode}): {output[-2000:]}")
+        if time.monotonic() + retry_s > deadline:
+            where = f"the head's log: {head_log}; " if head_log else ""
+            raise RayHeadError(f"the Ray head at {dashboard_url} had no job agent ready after {ready_timeout:.0f}s "
+                               f"({where}the agent's own log: dashboard_agent.log in the Ray session's logs directory)")
+        log.info("the Ray head's job agent is not up yet; submitting again in %.0fs", retry_s)
+        time.sleep(retry_s)
+
+
+def job_status(dashboard_url: str, submission_id: str, env: dict[str, str]) -> str:
+    """The job's final status from the Jobs REST API (``GET /api/jobs/<id>``), polled until final
+    (the logs stream normally ends with the job; a head that goes away raises)."""
+    headers = {"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"} if env.get("RAY_AUTH_TOKEN") else {}
+    request = urllib.request.Request(f"{dashboard_url}/api/jobs/{submission_id}", headers=headers)
+    while True:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            status = json.loads(response.read())["status"]
+        if status in TERMINAL_STATUSES:
+            return status
+        time.sleep(1.0)

@@ -203,7 +203,7 @@ def test_build_vit_ames_loads_detector_weights(tmp_path: Path):
     model, *_ = build_vit_ames(conf, RANDOM)
     assert not model.training and torch.equal(model.detector.conv1.weight, state["conv1.weight"])
     with pytest.raises(WeightsError, match="nope.pt"):
-        build_vit_ames(LocalConfig(kind="vit_ames", model=AMES_MODEL, detector_weights=str(tmp_path / "nope.pt")), None)
+        build_vit_ames(LocalConfig(kind="vit_ames", model=AMES_MODEL, detector_weights=str(tmp_path / "nope.pt")), RANDOM)
     with pytest.raises(WeightsError, match="--detector-weights"):  # a random detector only when asked for
         build_vit_ames(LocalConfig(kind="vit_ames", model=AMES_MODEL, resolution=98), str(tmp_path / "backbone.pt"))
 

@@ -318,15 +318,16 @@ def test_text_file_that_is_empty_is_refused_before_the_index_loads(ilias_text_tr
 
 @pytest.fixture(scope="module")
 def clip_index(tmp_path_factory):
-    """A flat index of random 512-d vectors recorded as made by the (randomly initialised, no
-    weights are downloaded) open_clip ViT-B/16: enough to exercise the text tower end to end."""
+    """A flat index of random 512-d vectors recorded as made by the (seeded random initialisation, as
+    `--random-init` records it: no weights are downloaded) open_clip ViT-B/16: enough to exercise the
+    text tower end to end."""
     from embed.models import describe
     from helpers_index import clustered_unit_vectors, write_descriptor_file
     from index.build import IndexConfig, main
 
     root = tmp_path_factory.mktemp("clip_index")
     write_descriptor_file(root / "desc", "000000", 0, clustered_unit_vectors(40, 512, seed=3))
-    write_ingest_info(root / "desc", {"extractor": "global", "model": describe("open_clip.ViT-B-16.head"), "weights": None,
+    write_ingest_info(root / "desc", {"extractor": "global", "model": describe("open_clip.ViT-B-16.head"), "weights": "random",
                                       "resolution": 224, "precision": "fp32", "dim": 512, "dtype": "float16"})
     main(IndexConfig(kind="flat"), root / "desc", root / "index")
     return root / "index"
