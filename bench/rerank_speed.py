@@ -41,7 +41,7 @@ def noisy_copy(codes: np.ndarray, rng: np.random.Generator, flip: float) -> np.n
 
 
 def make_query(rng: np.random.Generator, per_scale: int, scales: tuple[float, ...]):
-    from rerank.tokens import LocalTokens
+    from core.tokens import LocalTokens
 
     n = per_scale * len(scales)
     return LocalTokens(
@@ -54,7 +54,7 @@ def make_shortlist(rng: np.random.Generator, query, n_candidates: int, n_tokens:
     """Candidates with planted matches: 3% true positives (20-80 tokens under a similarity),
     40% with 2-8 noisy copies placed at random, the rest unrelated; all near-duplicates with
     ``duplicates``."""
-    from rerank.tokens import TokenBatch
+    from core.tokens import TokenBatch
 
     C, T = n_candidates, n_tokens
     codes = rng.integers(0, 256, (C, T, 16), dtype=np.uint8)
@@ -141,7 +141,7 @@ def main() -> None:
     query = make_query(rng, 100, SCALES)
     shortlist = make_shortlist(rng, query, args.candidates, args.tokens, args.duplicates)
     single_scale = query.scale == 1.0
-    from rerank.tokens import LocalTokens
+    from core.tokens import LocalTokens
 
     query_100 = LocalTokens(query.codes[single_scale], query.xy[single_scale], query.scale[single_scale], query.weight[single_scale])
     runs = {}

@@ -40,7 +40,7 @@ def _cached(path: Path, make):
     """``make()`` saved with torch at ``path`` (atomically) the first time, loaded afterwards."""
     import torch
 
-    from ingest.descriptors import write_atomic
+    from core.atomic import write_atomic
 
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -69,7 +69,7 @@ def paired_bootstrap(net, stems, labels, mode, draws: int = 2000, seed: int = 0)
 
 def run(realbench: Path = REALBENCH, work: Path | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from embed.torchvision_compat import ensure_torchvision_importable
+    from ingest.torchvision_compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     import torch

@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ingest.errors import NeedleInputError, ShardReadError
+from core.errors import NeedleInputError, ShardReadError
 
 log = logging.getLogger("needle")
 
@@ -24,7 +24,7 @@ def _ingest(args: argparse.Namespace) -> int:
         query_scales = parse_scales(args.multiscale)
     weights = args.weights
     # The published weights, fetched through timm/open_clip, or a seeded random initialisation
-    # (embed.models.PRETRAINED, RANDOM).
+    # (embed.registry.PRETRAINED, RANDOM).
     asked = [flag for flag, on in (("--weights", weights), ("--pretrained", args.pretrained), ("--random-init", args.random_init)) if on]
     if len(asked) > 1:
         print(f"error: give one of {', '.join(asked)}, not several", file=sys.stderr)
@@ -293,7 +293,7 @@ def _train_itq(args: argparse.Namespace) -> int:
 
 
 def _local_presets(args: argparse.Namespace) -> int:
-    from embed.locals import LOCAL_PRESETS
+    from embed.registry import LOCAL_PRESETS
 
     for name, conf in sorted(LOCAL_PRESETS.items()):
         scales = "/".join(f"{s:g}" for s in conf.scales)
@@ -335,7 +335,7 @@ def _ames_train(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from embed.models import MODELS, describe
+    from embed.registry import MODELS, describe
 
     print(f"{'name':34s} {'library':9s} {'train':>5s} {'test':>5s} {'pooling':7s} {'dim':>5s}  description")
     for name in sorted(MODELS):

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ingest.descriptors import write_json_atomic
+from core.atomic import write_json_atomic
 from ingest.demo_data import DemoConfig, build_demo
 
 log = logging.getLogger(__name__)

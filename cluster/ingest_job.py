@@ -14,7 +14,6 @@ replaced and its shards go back to the queue, up to ``max_retries`` times each.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -24,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 from ingest.shards import expand_shards, shard_ids, shard_name
 from ingest.storage import storage_for
 
@@ -126,14 +125,12 @@ class IngestWorker:
 
 def make_local_extractor(conf: IngestConfig, device: str = "cpu"):
     """The local-token extractor a job's configuration asks for."""
-    from embed.locals import LocalExtractor, get_local_preset
+    from embed.locals import build_local_extractor
+    from embed.registry import RANDOM
 
-    local = get_local_preset(conf.locals, top_k=conf.local_top_k, keep_desc=conf.keep_local_desc or None)
-    if conf.local_itq is not None:  # "none": descriptors only, no codes (e.g. to learn an ITQ projection)
-        local = dataclasses.replace(local, itq=None if conf.local_itq == "none" else conf.local_itq)
-    from embed.models import RANDOM
-
-    return LocalExtractor(local, RANDOM if conf.weights == RANDOM else None, device=device)
+    # local_itq "none": descriptors only, no codes (e.g. to learn an ITQ projection)
+    return build_local_extractor(conf.locals, RANDOM if conf.weights == RANDOM else None, device,
+                                 top_k=conf.local_top_k, keep_desc=conf.keep_local_desc or None, itq=conf.local_itq)
 
 
 def connect_ray(address: str | None) -> None:

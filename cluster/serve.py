@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from index.search import SearchIndex, load_index, open_shard
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.serve import MAX_BODY, QueryService
-from ingest.errors import ImageDecodeError, NeedleInputError
+from core.errors import ImageDecodeError, NeedleInputError
 
 if TYPE_CHECKING:
     from cluster.webpage import PageConfig

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from fastapi import Request  # module level: the routes' annotations are resolved in this module's globals
 
-from ingest.errors import ImageDecodeError, NeedleInputError
+from core.errors import ImageDecodeError, NeedleInputError
 
 log = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parent / "web"

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from embed.checkpoint import load_torch_file
-from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global, write_atomic, write_json_atomic
-from ingest.errors import NeedleInputError
+from core.checkpoint import load_torch_file
+from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global
+from core.atomic import write_atomic, write_json_atomic
+from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ import io
 import json
 import logging
 import math
-import os
 import tarfile
 import time
 from collections.abc import Sequence
@@ -34,9 +33,10 @@ import numpy as np
 from PIL import Image, ImageEnhance, ImageOps, UnidentifiedImageError
 from tqdm import tqdm
 
-from ingest.descriptors import write_atomic, write_json_atomic
-from ingest.errors import NeedleInputError
+from core.atomic import write_atomic, write_json_atomic
+from core.errors import NeedleInputError
 from ingest.images import RESAMPLE
+from ingest.tar_writer import TarShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -216,53 +216,6 @@ def _jpeg(view: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-class _TarShards:
-    """Samples into ``classes-000000.tar``, ... of ``per_tar`` samples each; each tar is written as
-    ``.tmp`` and renamed when full, so a reader never sees a partial tar."""
-
-    def __init__(self, out_dir: Path, per_tar: int):
-        self.out_dir, self.per_tar = out_dir, per_tar
-        self.written: list[Path] = []
-        self._tar: tarfile.TarFile | None = None
-        self._count = 0
-
-    def _open(self) -> None:
-        path = self.out_dir / f"{TAR_PREFIX}{len(self.written):06d}.tar"
-        self._tmp, self._path = path.with_name(path.name + ".tmp"), path
-        self._tar = tarfile.open(self._tmp, "w", format=tarfile.PAX_FORMAT)
-        self._count = 0
-
-    def add(self, key: str, members: dict[str, bytes]) -> str:
-        """Add one sample; returns its key as ingestion names it, ``<tar name>/<key>``."""
-        if self._tar is None:
-            self._open()
-        for suffix, data in members.items():
-            info = tarfile.TarInfo(f"{key}.{suffix}")  # mtime 0, no owner: identical bytes on a re-run
-            info.size, info.mode = len(data), 0o644
-            self._tar.addfile(info, io.BytesIO(data))
-        self._count += 1
-        full_key = f"{self._path.name[: -len('.tar')]}/{key}"
-        if self._count == self.per_tar:
-            self._commit()
-        return full_key
-
-    def _commit(self) -> None:
-        self._tar.close()
-        os.replace(self._tmp, self._path)
-        self.written.append(self._path)
-        self._tar = None
-
-    def close(self) -> None:
-        if self._tar is not None:
-            self._commit()
-
-    def abort(self) -> None:
-        if self._tar is not None:
-            self._tar.close()
-            self._tmp.unlink(missing_ok=True)
-            self._tar = None
-
-
 def _remove_stale(out_dir: Path, written: list[Path]) -> None:
     """Tars of an earlier, larger run in the same directory would add samples labels.csv lacks."""
     for stale in sorted(set(out_dir.glob(f"{TAR_PREFIX}*.tar")) - set(written)):
@@ -293,7 +246,7 @@ def main(conf: AugmentConfig, images: Path | str | Sequence[Path | str], output:
     files = list_images(images)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    shards = _TarShards(output, conf.samples_per_tar)
+    shards = TarShardWriter(output, conf.samples_per_tar, prefix=TAR_PREFIX, tar_format=tarfile.PAX_FORMAT)
     rows: list[tuple[str, str]] = []
     skipped: list[str] = []
     try:
@@ -307,7 +260,7 @@ def main(conf: AugmentConfig, images: Path | str | Sequence[Path | str], output:
             label = f"c{len(rows) // conf.views:06d}"
             for view_index, view in enumerate(augmented_views(image, conf.views, np.random.default_rng([conf.seed, index]), conf)):
                 meta = {"class": int(label[1:]), "view": view_index, "source": path.name, "width": view.width, "height": view.height}
-                key = shards.add(f"{label}_v{view_index:02d}", {"jpg": _jpeg(view), "json": json.dumps(meta, sort_keys=True).encode()})
+                key = shards.add(f"{label}_v{view_index:02d}", [("jpg", _jpeg(view)), ("json", json.dumps(meta, sort_keys=True).encode())])
                 rows.append((key, label))
         shards.close()
     except BaseException:

@@ -12,33 +12,22 @@ from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from embed.models import DEFAULT_MODEL, PRETRAINED, RANDOM, build_global_model, describe, get_model_config
-from ingest.checksums import file_sha256
-from ingest.errors import NeedleInputError
+from embed.models import build_global_model
+from embed.registry import DEFAULT_MODEL, PRETRAINED, RANDOM, describe, get_model_config
+from core.hashing import file_sha256
+from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 ROTATIONS = (1, 2, 4)  # rotation counts: none, 0/180 degrees, 0/90/180/270 degrees
 MIN_SCALED_SIDE = 16  # a down-scaled variant keeps at least this many pixels per side (CNN strides)
-
-
-class Extractor(Protocol):
-    """What an ingestion worker needs from an extractor."""
-
-    resolution: int  # longer side the images must be resized to
-
-    def extra_fields(self) -> list[pa.Field]: ...  # columns beyond the schema's base ones
-
-    def __call__(self, images: list[np.ndarray]) -> dict[str, np.ndarray]: ...
-
-    def info(self) -> dict[str, Any]: ...  # how the columns were made, for the JSON beside the output
 
 
 def batches_by_shape(images: list[np.ndarray], batch_size: int) -> list[list[int]]:

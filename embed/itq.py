@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ingest.descriptors import write_atomic
-from ingest.errors import NeedleInputError
+from core.atomic import write_atomic
+from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 SIFT_DIM = 128
 
@@ -36,7 +36,7 @@ class SiftTokens(nn.Module):
         super().__init__()
         if num_features < 1:
             raise NeedleInputError(f"num_features must be >= 1, got {num_features}")
-        from embed.torchvision_compat import ensure_torchvision_importable
+        from ingest.torchvision_compat import ensure_torchvision_importable
 
         ensure_torchvision_importable()  # kornia imports torchvision-dependent modules
         import kornia.feature as KF

@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from embed.checkpoint import load_torch_file
-from embed.models import RANDOM, RANDOM_SEED, WeightsError, build_global_model, get_model_config
-from ingest.errors import NeedleInputError
+from core.checkpoint import load_torch_file
+from embed.models import build_global_model
+from embed.registry import RANDOM, RANDOM_SEED, WeightsError, get_model_config
+from core.errors import NeedleInputError
 
 if TYPE_CHECKING:  # embed.locals imports this module lazily; no import cycle at run time either way
-    from embed.locals import LocalConfig
+    from embed.registry import LocalConfig
 
 log = logging.getLogger(__name__)
 

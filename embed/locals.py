@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,74 +36,16 @@ from torch import nn
 
 from embed.extract import batches_by_shape
 from embed.itq import ITQ, load_itq
-from embed.models import DEFAULT_MODEL, RANDOM, build_global_model, get_model_config, resolve_package_file
-from ingest.checksums import file_sha256
-from ingest.errors import NeedleInputError
+from embed.models import build_global_model
+from embed.registry import RANDOM, LocalConfig, get_local_preset, get_model_config, resolve_package_file
+from core.hashing import file_sha256
+from core.errors import NeedleInputError
 from ingest.images import RESAMPLE, resized_size
-from rerank.tokens import CODE_BYTES, LocalTokens
+from core.tokens import CODE_BYTES, LocalTokens
 
 log = logging.getLogger(__name__)
 
-LOCAL_KINDS = ("cnn", "vit_ames", "sift")
 LOCAL_COLUMNS = ("local_codes", "local_x", "local_y", "local_scale", "local_weight")
-
-
-class UnknownLocalPresetError(NeedleInputError):
-    """A local-descriptor preset name that is not in the registry."""
-
-
-@dataclass(frozen=True)
-class LocalConfig:
-    kind: str = "cnn"  # token source: cnn | vit_ames | sift
-    model: str = DEFAULT_MODEL  # registry preset of the backbone (cnn: its weights and normalisation)
-    feature_stage: int = 4  # cnn: index of the timm block whose output are the tokens (Lite0: 4 = stride 16, 112 channels)
-    resolution: int = 512  # base longer side; token x, y are pixels of the image resized to it
-    scales: tuple[float, ...] = (1.0,)  # resize factors of the base image that tokens are taken from
-    top_k: int = 100  # tokens kept per image (per scale with per_scale), by weight
-    per_scale: bool = False  # top_k at each scale (queries) instead of over all scales (database)
-    itq: str | None = None  # ITQ projection .npz (key proj, d x 128); "package:<module>/<file>" for a shipped one
-    keep_desc: bool = False  # also store float16 descriptors (quality-first setting, ITQ training)
-    detector_weights: str | None = None  # vit_ames: the AMES detector's state dict (conv1, bn, conv2)
-
-    def __post_init__(self) -> None:
-        if self.kind not in LOCAL_KINDS:
-            raise NeedleInputError(f"unknown local kind {self.kind!r}; choose from {LOCAL_KINDS}")
-        if not self.scales or any(not 0.1 <= s <= 4.0 for s in self.scales):
-            raise NeedleInputError(f"local scales must be factors in [0.1, 4], got {self.scales}")
-        if len(self.scales) > 255:
-            raise NeedleInputError("at most 255 local scales (stored as uint8 indices)")
-        if self.top_k < 1:
-            raise NeedleInputError(f"top_k must be >= 1, got {self.top_k}")
-
-    @property
-    def max_tokens(self) -> int:
-        return self.top_k * (len(self.scales) if self.per_scale else 1)
-
-
-# The ITQ projection shipped for the default CNN tokens: learned by `needle locals train-itq` on
-# the demo collection's photos (scikit-image, public domain), never on evaluation data.
-LITE0_ITQ = "package:embed/data/itq_lite0_s16.npz"
-
-LOCAL_PRESETS: dict[str, LocalConfig] = {
-    # Database side: 100 tokens of one scale (2.3 KB per image in the local store).
-    "lite0-s16": LocalConfig(itq=LITE0_ITQ),
-    # Query side: 100 tokens at each of three scales (384, 512, 768 px longer side).
-    "lite0-s16-query": LocalConfig(itq=LITE0_ITQ, scales=(0.75, 1.0, 1.5), per_scale=True),
-    # AMES's DINOv2 setting: ViT-B/14 with registers, detector head; needs an ITQ file (--local-itq).
-    "dinov2-ames": LocalConfig(kind="vit_ames", model="vit_base_patch14_reg4_dinov2.ames", resolution=518),
-    "dinov2-ames-query": LocalConfig(kind="vit_ames", model="vit_base_patch14_reg4_dinov2.ames", resolution=518,
-                                     scales=(0.707, 1.0, 1.414), per_scale=True),
-    # Classical: RootSIFT keypoints; needs an ITQ file (--local-itq) for its 128-d descriptors.
-    "sift": LocalConfig(kind="sift", resolution=512, top_k=300),
-}
-
-
-def get_local_preset(name: str, **overrides: Any) -> LocalConfig:
-    try:
-        conf = LOCAL_PRESETS[name]
-    except KeyError:
-        raise UnknownLocalPresetError(f"unknown local preset {name!r}; known presets: {sorted(LOCAL_PRESETS)}") from None
-    return dataclasses.replace(conf, **{k: v for k, v in overrides.items() if v is not None})
 
 
 class DenseLocalModel(Protocol):
@@ -281,6 +223,22 @@ class LocalExtractor:
                                         if self.conf.detector_weights and self.conf.detector_weights != RANDOM else None),
             "resolution": self.conf.resolution,
         }
+
+
+NO_ITQ = "none"  # the ``itq`` override that asks for float descriptors only, no codes (e.g. to learn an ITQ)
+
+
+def build_local_extractor(preset: str | LocalConfig, weights: str | Path | None = None, device: str = "cpu",
+                          **overrides: Any) -> LocalExtractor:
+    """The one way every caller builds a local-token extractor: a preset name (embed/registry.py) or
+    a config, with ``overrides`` replacing its fields (a None override keeps the preset's value;
+    ``itq=NO_ITQ`` removes the ITQ projection). ``weights``: the backbone's file, ``RANDOM`` for a
+    seeded random initialisation, None for the preset's packaged weights."""
+    kept = {name: value for name, value in overrides.items() if value is not None}
+    conf = get_local_preset(preset, **kept) if isinstance(preset, str) else dataclasses.replace(preset, **kept)
+    if conf.itq == NO_ITQ:
+        conf = dataclasses.replace(conf, itq=None)
+    return LocalExtractor(conf, weights, device=device)
 
 
 def local_fields(with_codes: bool, desc_dim: int | None) -> list[pa.Field]:

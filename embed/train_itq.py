@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from embed.itq import BITS, quantization_loss, save_itq, train_itq
-from ingest.descriptors import DescriptorFileError, list_descriptor_files, list_values, write_json_atomic
+from ingest.descriptors import DescriptorFileError, list_descriptor_files, list_values
+from core.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
 

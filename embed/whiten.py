@@ -35,7 +35,8 @@ import pyarrow.compute as pc
 import torch
 
 from embed.adapt import AdapterError, LinearAdapter, labelled_descriptors, read_labels, save_adapter
-from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global, write_json_atomic
+from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global
+from core.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 
 def _check(scores: np.ndarray, labels: Sequence[Hashable]) -> np.ndarray:

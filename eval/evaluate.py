@@ -41,9 +41,9 @@ from index.search import SearchIndex, load_index
 from query.recorded import QueryFiles
 from query.retrieve import QueryConfig, adapt_queries, embed_texts, search, stored_tokens
 from rerank.rerank import Reranker, RerankConfig
-from rerank.tokens import LocalTokens
-from ingest.descriptors import write_json_atomic
-from ingest.errors import NeedleInputError
+from core.tokens import LocalTokens
+from core.atomic import write_json_atomic
+from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 
 class GroupEvalError(NeedleInputError):

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ingest.descriptors import write_atomic
-from ingest.errors import NeedleInputError
+from core.atomic import write_atomic
+from core.errors import NeedleInputError
 
 # The benchmark's bins of positive scale (object area fraction) and clutter.
 SCALE_GROUPS = ((0.0, 0.06880213760855043), (0.06880213760855043, 0.13526567164179104),

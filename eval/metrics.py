@@ -11,7 +11,7 @@ from collections.abc import Collection, Hashable, Sequence
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 
 def average_precision_at_k(ranking: Sequence[Hashable], positives: Collection[Hashable], k: int) -> float:

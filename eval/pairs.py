@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 NORM_EPS = 1e-8  # rows of norm below this are treated as zero vectors (cosine 0 with everything)
 

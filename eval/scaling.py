@@ -47,8 +47,9 @@ import pyarrow.parquet as pq
 
 from eval.evaluate import EvalConfig, GroundTruth, evaluate, load_truth
 from eval.ilias import is_ilias_dataset
-from ingest.descriptors import STATUS_OK, list_descriptor_files, write_atomic, write_json_atomic
-from ingest.errors import NeedleInputError
+from ingest.descriptors import STATUS_OK, list_descriptor_files
+from core.atomic import write_atomic, write_json_atomic
+from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 
 class TwoAFCError(NeedleInputError):

@@ -38,19 +38,10 @@ from index.factory import IndexPlan, parse_bytes, plan_index
 from index.gpu import assignment_quantizer, faiss_gpus
 from index.locals import SegmentInfo, locals_infos, write_segment
 from index.memory import peak_rss_bytes, process_memory
-from ingest.checksums import file_sha256
-from ingest.descriptors import (
-    ROW_SHARD_SHIFT,
-    STATUS_OK,
-    DescriptorFileError,
-    global_dim,
-    has_locals,
-    list_descriptor_files,
-    read_global,
-    write_atomic,
-    write_json_atomic,
-)
-from ingest.errors import NeedleInputError
+from core.hashing import file_sha256
+from ingest.descriptors import ROW_SHARD_SHIFT, STATUS_OK, DescriptorFileError, global_dim, has_locals, list_descriptor_files, read_global
+from core.atomic import atomic_path, temporary_path, write_atomic, write_json_atomic
+from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 
@@ -135,29 +126,28 @@ def scan(files: list[Path], ids_path: Path) -> tuple[list[FileInfo], int, int]:
     dim = None
     infos, offset, n_ok = [], 0, 0
     seen_shards: dict[int, Path] = {}
-    tmp = ids_path.with_name(ids_path.name + ".tmp")
     schema = pa.schema([("row", pa.int64()), ("key", pa.string()), ("status", pa.string())])
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-        for path in files:
-            file_dim = global_dim(path)
-            if dim is None:
-                dim = file_dim
-            elif file_dim != dim:
-                raise DescriptorFileError(f"{path}: descriptor dimension {file_dim} differs from {dim} of {files[0]}")
-            table = pq.read_table(path, columns=["row", "key", "status"])
-            rows = table["row"].to_numpy()
-            shard_id = int(rows[0] >> ROW_SHARD_SHIFT) if len(rows) else -1
-            expected = (np.int64(shard_id) << ROW_SHARD_SHIFT) + np.arange(len(rows), dtype=np.int64)
-            if len(rows) and not np.array_equal(rows, expected):
-                raise DescriptorFileError(f"{path}: row ids are not one shard's consecutive ids (schema v1)")
-            if shard_id in seen_shards:
-                raise DescriptorFileError(f"{path} and {seen_shards[shard_id]} hold the same shard id {shard_id}")
-            seen_shards[shard_id] = path
-            writer.write_table(table.cast(schema))
-            n_ok += int(pc.sum(pc.equal(table["status"], STATUS_OK)).as_py() or 0)
-            infos.append(FileInfo(str(path), len(rows), shard_id, offset))
-            offset += len(rows)
-    tmp.replace(ids_path)
+    with atomic_path(ids_path) as tmp:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for path in files:
+                file_dim = global_dim(path)
+                if dim is None:
+                    dim = file_dim
+                elif file_dim != dim:
+                    raise DescriptorFileError(f"{path}: descriptor dimension {file_dim} differs from {dim} of {files[0]}")
+                table = pq.read_table(path, columns=["row", "key", "status"])
+                rows = table["row"].to_numpy()
+                shard_id = int(rows[0] >> ROW_SHARD_SHIFT) if len(rows) else -1
+                expected = (np.int64(shard_id) << ROW_SHARD_SHIFT) + np.arange(len(rows), dtype=np.int64)
+                if len(rows) and not np.array_equal(rows, expected):
+                    raise DescriptorFileError(f"{path}: row ids are not one shard's consecutive ids (schema v1)")
+                if shard_id in seen_shards:
+                    raise DescriptorFileError(f"{path} and {seen_shards[shard_id]} hold the same shard id {shard_id}")
+                seen_shards[shard_id] = path
+                writer.write_table(table.cast(schema))
+                n_ok += int(pc.sum(pc.equal(table["status"], STATUS_OK)).as_py() or 0)
+                infos.append(FileInfo(str(path), len(rows), shard_id, offset))
+                offset += len(rows)
     if offset == 0:
         raise DescriptorFileError(f"no rows in {files[0].parent}")
     return infos, int(dim), n_ok
@@ -399,7 +389,8 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     timings["train_s"] = time.perf_counter() - start - sum(timings.values())
     del xt
     training_peak = peak_rss_bytes()
-    vectors = np.lib.format.open_memmap(output / (VECTORS_FILE + ".tmp"), mode="w+", dtype=np.float16, shape=(n_rows, index_dim))
+    vectors_tmp = temporary_path(output / VECTORS_FILE)  # tasks fill it in place; renamed when all are done
+    vectors = np.lib.format.open_memmap(vectors_tmp, mode="w+", dtype=np.float16, shape=(n_rows, index_dim))
     del vectors
 
     shards = max(1, conf.shards)
@@ -411,7 +402,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     if conf.locals and not with_locals and any(has_locals(Path(f.path)) for f in infos):
         raise DescriptorFileError("some descriptor files carry local tokens and others do not: ingest them alike, "
                                   "or build with locals off")
-    tasks = [(str(trained_path), r, dim, str(output / (VECTORS_FILE + ".tmp")), p, f"locals_{i:03d}" if with_locals else None,
+    tasks = [(str(trained_path), r, dim, str(vectors_tmp), p, f"locals_{i:03d}" if with_locals else None,
               conf.adapt)
              for i, (r, p) in enumerate(zip(ranges, part_paths))]
     stats = run_parts(tasks)
@@ -427,7 +418,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     for path in part_paths + [str(trained_path)]:
         Path(path).unlink(missing_ok=True)
     shutil.rmtree(output / "staging", ignore_errors=True)
-    (output / (VECTORS_FILE + ".tmp")).replace(output / VECTORS_FILE)
+    vectors_tmp.replace(output / VECTORS_FILE)
     timings["merge_s"] = time.perf_counter() - start - sum(timings.values())
 
     index_infos = {

@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 ID_BYTES = 8  # int64 id per vector in the inverted lists
 OVERHEAD = 1.15  # inverted-list growth slack and allocator overhead

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 

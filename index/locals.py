@@ -27,9 +27,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.descriptors import DescriptorFileError, list_values, write_atomic
-from ingest.errors import NeedleInputError
-from rerank.tokens import CODE_BYTES, LocalTokens, TokenBatch
+from ingest.descriptors import DescriptorFileError, list_values
+from core.atomic import write_atomic
+from core.errors import NeedleInputError
+from core.tokens import CODE_BYTES, LocalTokens, TokenBatch
 
 TOKEN_DTYPE = np.dtype([("code", np.uint8, (CODE_BYTES,)), ("x", "<i2"), ("y", "<i2"), ("scale", "u1"), ("weight", "<f2")])
 LOCAL_COLUMNS = ["local_codes", "local_x", "local_y", "local_scale", "local_weight"]

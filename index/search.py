@@ -23,7 +23,7 @@ overrides the choice; "cuda" scans on the GPU at any size.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from index.build import DEFAULT_QUANTIZER_EF, IDS_FILE, INFOS_FILE, VECTORS_FILE
 from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available
 from index.locals import LocalStore, open_local_store
 from ingest.descriptors import ROW_SHARD_SHIFT, STATUS_OK
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 # A flat shard scans on the GPU from this many vectors and queries on ("auto"). Below them the
 # CPU's FAISS scan is cheap (the auto plan is flat only below 100k vectors), and a batch of few

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from ingest.descriptors import write_json_atomic
+from core.atomic import atomic_path, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +118,18 @@ def build_demo(out_dir: Path, conf: DemoConfig = DemoConfig()) -> dict[str, Any]
     for shard in range(conf.num_shards):
         shard_items = items[shard * per_shard : (shard + 1) * per_shard]
         tar_path = out_dir / f"{shard:06d}.tar"
-        tmp = tar_path.with_name(tar_path.name + ".tmp")
-        with tarfile.open(tmp, "w") as tar:
-            for i, (name, is_instance, view) in enumerate(shard_items):
-                key = f"{shard:06d}{i:04d}"
-                meta = {"photo": name, "role": "instance" if is_instance else "distractor",
-                        "width": int(view.shape[1]), "height": int(view.shape[0])}
-                _add_member(tar, f"{key}.jpg", _jpeg(view, conf.jpeg_quality))
-                _add_member(tar, f"{key}.json", json.dumps(meta).encode())
-                full_key = f"{shard:06d}/{key}"
-                database.append(full_key)
-                if is_instance:
-                    keys_of.setdefault(name, []).append(full_key)
-        tmp.replace(tar_path)
+        with atomic_path(tar_path) as tmp:
+            with tarfile.open(tmp, "w") as tar:
+                for i, (name, is_instance, view) in enumerate(shard_items):
+                    key = f"{shard:06d}{i:04d}"
+                    meta = {"photo": name, "role": "instance" if is_instance else "distractor",
+                            "width": int(view.shape[1]), "height": int(view.shape[0])}
+                    _add_member(tar, f"{key}.jpg", _jpeg(view, conf.jpeg_quality))
+                    _add_member(tar, f"{key}.json", json.dumps(meta).encode())
+                    full_key = f"{shard:06d}/{key}"
+                    database.append(full_key)
+                    if is_instance:
+                        keys_of.setdefault(name, []).append(full_key)
 
     queries = [
         {"key": key, "instance": name, "positives": [k for k in keys if k != key]}

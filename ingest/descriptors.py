@@ -16,16 +16,14 @@ Schema v2 adds the local tokens of each row as list columns (``local_codes``, ``
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.errors import NeedleInputError
+from core.atomic import write_atomic
+from core.errors import NeedleInputError
 
 SCHEMA_VERSION = 1  # globals only
 SCHEMA_VERSION_LOCALS = 2  # globals and local tokens
@@ -120,26 +118,8 @@ def has_locals(path: Path) -> bool:
         raise DescriptorFileError(f"cannot read Parquet file {path}: {exc}") from exc
 
 
-def write_atomic(path: Path, write: Any) -> Path:
-    """Call ``write(tmp_path)`` then rename onto ``path``: readers never see a partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
-
-
 def write_parquet_atomic(table: pa.Table, path: Path) -> Path:
     return write_atomic(path, lambda tmp: pq.write_table(table, tmp))
-
-
-def write_json_atomic(obj: Any, path: Path) -> Path:
-    return write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
 
 
 def list_descriptor_files(directory: Path) -> list[Path]:

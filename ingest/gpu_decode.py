@@ -16,7 +16,7 @@ import logging
 from contextlib import nullcontext
 from typing import Any
 
-from ingest.errors import ImageDecodeError
+from core.errors import ImageDecodeError
 from ingest.images import decode_resized_many, resized_size
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class GpuJpegDecoder:
         (``(tensors, mode=, device=)``) only to test this class without a GPU."""
         import torch
 
-        from embed.torchvision_compat import ensure_torchvision_importable
+        from ingest.torchvision_compat import ensure_torchvision_importable
 
         ensure_torchvision_importable()
         from torchvision.io import ImageReadMode

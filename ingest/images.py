@@ -7,7 +7,7 @@ import io
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ingest.errors import ImageDecodeError
+from core.errors import ImageDecodeError
 
 # Resampling used for every resize, so that ingestion and `needle query --image` agree exactly.
 RESAMPLE = Image.Resampling.BICUBIC

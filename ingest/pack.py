@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import re
-import tarfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,9 +55,10 @@ from typing import Any
 from PIL import Image
 from tqdm import tqdm
 
-from ingest.descriptors import write_json_atomic
-from ingest.errors import PackInputError
+from core.atomic import write_json_atomic
+from core.errors import PackInputError
 from ingest.reader import IMAGE_SUFFIXES
+from ingest.tar_writer import TarShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,6 @@ INFO_NAME = "pack_info.json"
 TAR_NAME = re.compile(r"^[0-9]{6}\.tar$")  # the tars needle pack writes (and may remove when stale)
 TMP_NAME = re.compile(r"^[0-9]{6}\.tar\.tmp$")  # a tar being written
 MEMBER_SUFFIX = {"jpeg": "jpg", "tiff": "tif"}  # extension -> member suffix where they differ
-TAR_FORMAT = tarfile.GNU_FORMAT
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _WDS_META = re.compile(r"^__.*__$")  # a first directory webdataset's reader skips (tar_file_iterator's skip_meta)
 
@@ -284,56 +283,6 @@ def read_image(path: Path, full_check: bool = False) -> tuple[bytes, dict[str, A
 # --- output --------------------------------------------------------------------------------------
 
 
-def _tar_member(name: str, size: int) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode, info.type = size, 0, 0o644, tarfile.REGTYPE
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    return info
-
-
-class _ShardWriter:
-    """Samples into ``000000.tar``, ``000001.tar``, ... of ``shard_size`` each; each tar is written
-    as ``NNNNNN.tar.tmp`` and renamed when complete, so a reader never sees a partial tar."""
-
-    def __init__(self, out_dir: Path, shard_size: int):
-        self.out_dir, self.shard_size = out_dir, shard_size
-        self.shards: list[dict[str, Any]] = []  # per written tar: name, samples, bytes, first and last key
-        self._tar: tarfile.TarFile | None = None
-        self._keys: list[str] = []
-
-    def __enter__(self) -> _ShardWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self._finish()
-        elif self._tar is not None:
-            self._tar.close()
-            self._tmp.unlink(missing_ok=True)
-
-    def add(self, key: str, members: list[tuple[str, bytes]]) -> None:
-        """Add one sample, its members in this order."""
-        if self._tar is None:
-            self._path = self.out_dir / f"{len(self.shards):06d}.tar"
-            self._tmp = self._path.with_name(self._path.name + ".tmp")
-            self._tar = tarfile.open(self._tmp, "w", format=TAR_FORMAT)
-        for suffix, data in members:
-            self._tar.addfile(_tar_member(f"{key}.{suffix}", len(data)), io.BytesIO(data))
-        self._keys.append(key)
-        if len(self._keys) == self.shard_size:
-            self._finish()
-
-    def _finish(self) -> None:
-        if self._tar is None:
-            return
-        self._tar.close()
-        os.replace(self._tmp, self._path)
-        self.shards.append({"tar": self._path.name, "samples": len(self._keys), "bytes": self._path.stat().st_size,
-                            "first_key": self._keys[0], "last_key": self._keys[-1]})
-        self._tar, self._keys = None, []
-
-
 def prepare_output(output: Path) -> None:
     """Create the output directory; refuse a file, or a directory holding tars needle pack did not write."""
     if output.exists() and not output.is_dir():
@@ -395,7 +344,7 @@ def _info(conf: PackConfig, inputs: Any, root: Path, output: Path, found: list[s
 
 
 def pack_files(conf: PackConfig, root: Path, found: list[str],
-               writer: _ShardWriter) -> tuple[list[Skipped], list[dict[str, str]]]:
+               writer: TarShardWriter) -> tuple[list[Skipped], list[dict[str, str]]]:
     """Pack ``found`` (relative to ``root``) in order; returns the unreadable files and the keys
     renamed to be unique."""
     skipped: list[Skipped] = []
@@ -426,7 +375,7 @@ def main(conf: PackConfig, inputs: str | Path | Sequence[str | Path], output: Pa
         log.warning("pack: skipping %s: %s", root / entry.source, entry.reason)
     write_json_atomic(_info(conf, inputs, root, output, found, ignored, [], skipped, [], [], "incomplete"),
                       output / INFO_NAME)
-    with _ShardWriter(output, conf.shard_size) as writer:
+    with TarShardWriter(output, conf.shard_size) as writer:
         unreadable, renamed = pack_files(conf, root, found, writer)
     skipped = sorted(skipped + unreadable, key=lambda s: _path_order(s.source))
     if not writer.shards:

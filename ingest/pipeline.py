@@ -15,13 +15,12 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from embed.extract import Extractor
 from ingest.descriptors import (
     STATUS_ERROR,
     STATUS_OK,
@@ -30,7 +29,7 @@ from ingest.descriptors import (
     list_column,
     make_row_id,
 )
-from ingest.errors import ImageDecodeError, ShardReadError
+from core.errors import ImageDecodeError, ShardReadError
 from ingest.images import decode_resized_many
 from ingest.reader import image_bytes, iter_samples
 from ingest.shards import shard_name
@@ -71,6 +70,19 @@ class _Decoded:
     width: int
     height: int
     error: str
+
+
+
+class Extractor(Protocol):
+    """What an ingestion worker needs from an extractor."""
+
+    resolution: int  # longer side the images must be resized to
+
+    def extra_fields(self) -> list[pa.Field]: ...  # columns beyond the schema's base ones
+
+    def __call__(self, images: list[np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def info(self) -> dict[str, Any]: ...  # how the columns were made, for the JSON beside the output
 
 
 def _decode_sample(sample: dict[str, Any], longer_sides: tuple[int, ...]) -> _Decoded:

@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from webdataset import tariterators
 
-from ingest.errors import ShardReadError
+from core.errors import ShardReadError
 
 # Member suffixes holding the image, in order of preference (img2dataset writes ``jpg``).
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")

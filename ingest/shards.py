@@ -14,7 +14,7 @@ from pathlib import Path
 
 import braceexpand
 
-from ingest.errors import ShardSpecError
+from core.errors import ShardSpecError
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class LocalStorage:
         return str(target)
 
     def write_json(self, name: str, obj: Any) -> str:
-        from ingest.descriptors import write_json_atomic
+        from core.atomic import write_json_atomic
 
         return str(write_json_atomic(obj, self.root / name))
 

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ingest.checksums import file_sha256
-from ingest.errors import NeedleInputError
+from core.hashing import file_sha256
+from core.errors import NeedleInputError
+from embed.registry import PRETRAINED, RANDOM
 
 log = logging.getLogger(__name__)
 
-PRETRAINED = "pretrained"  # recorded for the published weights (embed.models.PRETRAINED)
-RANDOM = "random"  # recorded for a seeded random initialisation asked for (embed.models.RANDOM)
 
 
 class RecordedFileError(NeedleInputError):
@@ -115,7 +114,7 @@ def local_files(info: dict[str, Any], files: QueryFiles, index_path: Any) -> dic
 
 
 def _packaged_weights(model: str) -> Path | None:
-    from embed.models import get_model_config
+    from embed.registry import get_model_config
 
     return _packaged_file(get_model_config(model).weights)
 
@@ -124,7 +123,7 @@ def _packaged_file(reference: str | None) -> Path | None:
     """Where a ``package:`` reference resolves on this machine (None for anything else)."""
     if not reference or not str(reference).startswith("package:"):
         return None
-    from embed.models import resolve_package_file
+    from embed.registry import resolve_package_file
 
     try:
         return resolve_package_file(reference)

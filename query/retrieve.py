@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from index.search import SearchIndex
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 from query.recorded import QueryFiles, adapter_file, local_files, model_weights
 from rerank.rerank import Reranker, RerankConfig
-from rerank.tokens import LocalTokens
+from core.tokens import LocalTokens
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def embed_texts(index: SearchIndex, texts: list[str], files: QueryFiles | None =
 
     from embed.models import build_global_model
     from embed.pooling import l2_normalize
-    from embed.torchvision_compat import ensure_torchvision_importable
+    from ingest.torchvision_compat import ensure_torchvision_importable
 
     if not texts or not all(t.strip() for t in texts):
         raise NeedleInputError("empty text query")
@@ -238,16 +238,15 @@ def recorded_local_extractor(index: SearchIndex) -> dict[str, Any]:
 def query_local_extractor(index: SearchIndex, conf: RerankConfig, files: QueryFiles | None = None):
     """The index's local extractor (its recorded files, verified) at the query-side scales and token
     count (the asymmetric setting)."""
-    import dataclasses
-
-    from embed.locals import LocalConfig, LocalExtractor
+    from embed.locals import build_local_extractor
+    from embed.registry import LocalConfig
 
     info = recorded_local_extractor(index)
     found = local_files(info, files or QueryFiles(), index.path)
-    recorded = dict(info["config"], scales=tuple(info["config"]["scales"]))
-    local = dataclasses.replace(LocalConfig(**recorded), scales=conf.query_scales, per_scale=True, top_k=conf.query_top_k,
-                                keep_desc=False, itq=found["itq"], detector_weights=found["detector_weights"])
-    return LocalExtractor(local, found["weights"])
+    recorded = LocalConfig(**dict(info["config"], scales=tuple(info["config"]["scales"])))
+    return build_local_extractor(recorded, found["weights"], scales=conf.query_scales, per_scale=True,
+                                 top_k=conf.query_top_k, keep_desc=False, itq=found["itq"],
+                                 detector_weights=found["detector_weights"])
 
 
 def query_tokens_of_images(index: SearchIndex, paths: list[Path], conf: RerankConfig,

@@ -13,7 +13,7 @@ load unchanged:
   the other image (the ``mtc`` token sees and is seen by everything in both), and a ReLU MLP;
 * the logit is a linear classifier on the final ``mtc`` token.
 
-needle stores local tokens binarised (128-bit ITQ codes, see ``rerank.tokens``), so the binarised
+needle stores local tokens binarised (128-bit ITQ codes, see ``core.tokens``), so the binarised
 model also takes already-binarised ±1 inputs (``forward_codes``), which skip the sign projection.
 """
 
@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from embed.checkpoint import load_torch_file
-from ingest.descriptors import write_atomic
-from ingest.errors import NeedleInputError
-from rerank.tokens import CODE_BITS, LocalTokens, TokenBatch, unpack_signs
+from core.checkpoint import load_torch_file
+from core.atomic import write_atomic
+from core.errors import NeedleInputError
+from core.tokens import CODE_BITS, LocalTokens, TokenBatch, unpack_signs
 
 log = logging.getLogger(__name__)
 

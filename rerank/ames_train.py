@@ -32,10 +32,10 @@ import torch
 from PIL import Image, ImageEnhance, ImageFilter
 from tqdm import tqdm
 
-from ingest.descriptors import write_atomic
-from ingest.errors import NeedleInputError
+from core.atomic import write_atomic
+from core.errors import NeedleInputError
 from rerank.ames import AMES, AMESConfig, load_ames, pad_descriptors, save_ames
-from rerank.tokens import LocalTokens, TokenBatch, unpack_signs
+from core.tokens import LocalTokens, TokenBatch, unpack_signs
 
 log = logging.getLogger(__name__)
 

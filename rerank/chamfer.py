@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from rerank.matching import NearestTokens, nearest_tokens
-from rerank.tokens import CODE_BITS, LocalTokens, TokenBatch
+from core.tokens import CODE_BITS, LocalTokens, TokenBatch
 
 
 def chamfer_similarity(query: LocalTokens, candidates: TokenBatch) -> np.ndarray:

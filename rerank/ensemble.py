@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 METHODS = ("sp", "chamfer", "ames")
 

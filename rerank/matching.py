@@ -3,7 +3,7 @@
 For each query token and each candidate, the candidate token nearest in Hamming distance; kept as a
 match when it is within ``max_distance`` bits and, optionally, mutual (that candidate token's nearest
 query token is this one). Ties go to the lowest index, both ways, so the vectorised path gives
-exactly the matches of the plain loop ``match_pair`` over ``rerank.tokens.hamming``.
+exactly the matches of the plain loop ``match_pair`` over ``core.tokens.hamming``.
 
 ``nearest_tokens`` is the one place that computes Hamming distances against a shortlist; Chamfer
 similarity (``rerank.chamfer``) reads the same reductions. How it is fast on a CPU:
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ingest.errors import NeedleInputError
-from rerank.tokens import CODE_BITS, CODE_BYTES, LocalTokens, TokenBatch, hamming
+from core.errors import NeedleInputError
+from core.tokens import CODE_BITS, CODE_BYTES, LocalTokens, TokenBatch, hamming
 
 # A chunk's similarity block holds about this many bfloat16 values (3 MB): small enough to stay in
 # L2/L3 between the matmul and its reductions, large enough for an efficient matmul. Measured on a

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 from rerank.ensemble import METHODS, EnsembleConfig, combine, rerank_order
 from rerank.matching import MatchConfig, matches_from_nearest, nearest_tokens
 from rerank.spatial import SpatialConfig, verify
-from rerank.tokens import LocalTokens, TokenBatch
+from core.tokens import LocalTokens, TokenBatch
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from rerank.matching import Matches, RerankInputError
-from rerank.tokens import LocalTokens, TokenBatch
+from core.tokens import LocalTokens, TokenBatch
 
 # (matches x matches) hypothesis-table entries per group of candidates: two float64 arrays of this
 # size are live at once, 8 MB at 500k; 250k..1M measured the same (bench/rerank_speed.py --duplicates).

@@ -62,8 +62,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from embed.checkpoint import load_torch_file
-from ingest.errors import NeedleInputError
+from core.checkpoint import load_torch_file
+from core.errors import NeedleInputError
 from similarity.data import IMAGE_SUFFIXES, SimilarityDataError, load_groups, realbench_distractors
 
 if TYPE_CHECKING:  # heavy imports stay inside functions: the CLI imports this module to build its parser
@@ -247,7 +247,8 @@ def build_layer_model(conf: FeatureConfig):
     import torch
     from torch import nn
 
-    from embed.models import build_global_model, get_model_config
+    from embed.models import build_global_model
+    from embed.registry import get_model_config
 
     class LayerFeatures(nn.Module):
         def __init__(self, backbone: nn.Module, layers: tuple[str, ...]):
@@ -343,7 +344,7 @@ def compute_pair_features(pairs: PairSet, conf: FeatureConfig, distractors: list
 
 
 def save_pair_features(feats: PairFeatures, path: Path) -> Path:
-    from ingest.descriptors import write_atomic
+    from core.atomic import write_atomic
 
     arrays = {"left": feats.left.astype(np.float32), "right": feats.right.astype(np.float32),
               "names": np.asarray(feats.names, dtype=str), "feature_config": np.asarray(json.dumps(feats.feature_config))}
@@ -519,7 +520,7 @@ def fit_afn(feats: PairFeatures, conf: AfnConfig, index: np.ndarray | None = Non
 def save_model(model: AfnModel, path: Path) -> Path:
     import torch
 
-    from ingest.descriptors import write_atomic
+    from core.atomic import write_atomic
 
     state = {"format": MODEL_FORMAT, "pca_mean": torch.from_numpy(model.pca.mean), "pca_components": torch.from_numpy(model.pca.components),
              "weight": torch.from_numpy(model.weight), "sigma": float(model.sigma), "features": model.feature_config}
@@ -644,7 +645,7 @@ def evaluate_model(model: AfnModel, feats: PairFeatures, ks: tuple[int, ...] = K
 
 def features_main(conf: FeatureConfig, pairs: Path, output: Path, distractors: Path | None = None, device: str = "cpu") -> Path:
     """Extract the frozen features of a pairs source (and distractors) to ``output`` (.npz) + .json."""
-    from ingest.descriptors import write_json_atomic
+    from core.atomic import write_json_atomic
 
     start = time.perf_counter()
     if Path(pairs).suffix == ".npz":
@@ -661,7 +662,7 @@ def features_main(conf: FeatureConfig, pairs: Path, output: Path, distractors: P
 
 def train_main(conf: AfnConfig, pairs: Path, output: Path, feature_conf: FeatureConfig | None = None, device: str = "cpu") -> Path:
     """Fit PCA + adaptation on every pair of ``pairs``; write the model ``output`` (.pt) + .json."""
-    from ingest.descriptors import write_json_atomic
+    from core.atomic import write_json_atomic
 
     start = time.perf_counter()
     feats = pair_features_for(pairs, feature_conf, None, device)
@@ -680,7 +681,7 @@ def eval_main(pairs: Path, output: Path | None = None, model_path: Path | None =
               feature_conf: FeatureConfig | None = None, distractors: Path | None = None, device: str = "cpu") -> dict[str, Any]:
     """With ``model_path``: aR@k of that model on every pair. Without: the split protocol. The
     result is returned and, with ``output``, written as JSON."""
-    from ingest.descriptors import write_json_atomic
+    from core.atomic import write_json_atomic
 
     model = load_model(model_path) if model_path is not None else None
     if model is not None and feature_conf is None and model.feature_config:

@@ -65,8 +65,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from embed.checkpoint import load_torch_file
-from ingest.errors import NeedleInputError
+from core.checkpoint import load_torch_file
+from core.errors import NeedleInputError
+from embed.registry import DEFAULT_MODEL
 from similarity.data import IMAGE_SUFFIXES, SimilarityDataError, load_groups, load_rgb, realbench_distractors
 
 if TYPE_CHECKING:  # heavy imports stay inside functions: the CLI imports this module to build its parser
@@ -78,7 +79,7 @@ log = logging.getLogger(__name__)
 FROZEN = "frozen"  # mode: the backbone alone
 FUSED = "fused"  # mode: all adaptors, combined by the fusion layers
 FORMAT = "needle-adaptors-v1"
-DEFAULT_BACKBONE = "tf_efficientnet_lite0.gem"
+DEFAULT_BACKBONE = DEFAULT_MODEL
 DEFAULT_CNN_STAGES = 2  # CNN default: adaptors after the last this-many stages
 
 
@@ -660,7 +661,7 @@ def save_adaptors(net: nn.Module, conf: AdaptorsConfig, backbone: dict[str, Any]
     """Adaptors, fusion layers and classifiers (never the backbone) with what rebuilds them."""
     import torch
 
-    from ingest.descriptors import write_atomic
+    from core.atomic import write_atomic
 
     state = {
         "format": FORMAT,
@@ -676,7 +677,6 @@ def save_adaptors(net: nn.Module, conf: AdaptorsConfig, backbone: dict[str, Any]
 def load_adaptors(path: Path | str, backbone: nn.Module | None = None) -> tuple[nn.Module, AdaptorsConfig, dict[str, Any]]:
     """(net, config, backbone record) from an adaptors file. The backbone is rebuilt from the
     registry (its weights file must be the one trained with) unless a module is given."""
-    import torch
 
     from embed.extract import file_sha256
     from embed.models import build_global_model
@@ -724,7 +724,7 @@ def check_config(conf: AdaptorsConfig) -> None:
 def main(conf: AdaptorsConfig, images: Path | str, output: Path | str) -> Path:
     """Train adaptors and fusion on the unlabelled images of ``images`` (a directory, or a
     realbench directory: its distractors); write ``output`` and ``output`` + ``.json``."""
-    from ingest.descriptors import write_json_atomic
+    from core.atomic import write_json_atomic
 
     start = time.perf_counter()
     check_config(conf)
@@ -779,7 +779,6 @@ def class_images(paths: Sequence[Path], net: nn.Module, resolution: int, mean: S
 def evaluate_net(net: nn.Module, stems: Sequence[torch.Tensor], labels: Sequence[str],
                  modes: dict[str, str | int]) -> dict[str, dict[str, float]]:
     """MAP@R and R-Precision (x 100) of each mode on the evaluation images' cached stem outputs."""
-    import torch
 
     from eval.class_retrieval import class_retrieval_from_embeddings
 
@@ -850,7 +849,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from ingest.descriptors import write_json_atomic
+    from core.atomic import write_json_atomic
 
     result = evaluate(Path(args.classes), Path(args.model) if args.model else None, args.backbone, args.weights,
                       args.resolution, args.min_size)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
@@ -74,7 +74,7 @@ def realbench_distractors(root: Path | str) -> list[Path]:
 def load_rgb(path: Path | str, longer_side: int) -> np.ndarray:
     """(H, W, 3) uint8 of an image file, resized isotropically so the longer side is
     ``longer_side`` (the ingestion convention); a typed error naming the file otherwise."""
-    from ingest.errors import ImageDecodeError
+    from core.errors import ImageDecodeError
     from ingest.images import decode_resized
 
     try:

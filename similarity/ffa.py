@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
+from embed.registry import DEFAULT_MODEL
 
 if TYPE_CHECKING:  # heavy imports stay out of CLI start-up
     from eval.groups import GroupEvalConfig
@@ -251,15 +252,16 @@ def crop_resized(image: np.ndarray, box: tuple[int, int, int, int], longer_side:
 class TokenMaps:
     """A frozen CNN's feature map cells as tokens: images (H, W, 3) uint8 -> (h, w, d) float32."""
 
-    def __init__(self, model: str = "tf_efficientnet_lite0.gem", feature_stage: int | None = None,
+    def __init__(self, model: str = DEFAULT_MODEL, feature_stage: int | None = None,
                  weights: str | Path | None = None, batch_size: int = 16):
-        from embed.torchvision_compat import ensure_torchvision_importable
+        from ingest.torchvision_compat import ensure_torchvision_importable
 
         ensure_torchvision_importable()
         import torch
 
         from embed.locals import CNNStageTokens
-        from embed.models import build_global_model, get_model_config
+        from embed.models import build_global_model
+        from embed.registry import get_model_config
 
         self.model_name, self.feature_stage, self.batch_size = model, feature_stage, batch_size
         conf = get_model_config(model)
@@ -297,7 +299,7 @@ class TokenMaps:
 
     def info(self) -> dict[str, Any]:
         from embed.extract import file_sha256
-        from embed.models import describe
+        from embed.registry import describe
 
         return {
             "model": describe(self.model_name),
@@ -398,7 +400,7 @@ def evaluate(conf: FFAConfig, eval_conf: GroupEvalConfig, source: Path | str, di
 def main(conf: FFAConfig, eval_conf: GroupEvalConfig, source: Path | str, output: Path | str, distractors: int = 0,
          weights: str | Path | None = None) -> Path:
     """Evaluate FFA descriptors of ``source`` by groups; write the JSON report to ``output``."""
-    from ingest.descriptors import write_json_atomic
+    from core.atomic import write_json_atomic
 
     report = evaluate(conf, eval_conf, source, distractors, weights)
     write_json_atomic(report, Path(output))
@@ -411,7 +413,7 @@ def embed_main(conf: FFAConfig, source: Path | str, output: Path | str, distract
                weights: str | Path | None = None) -> Path:
     """Write FFA descriptors of ``source`` to ``output`` (.npz: descriptors, paths, labels) and
     ``output``.json (how they were made)."""
-    from ingest.descriptors import write_atomic, write_json_atomic
+    from core.atomic import write_atomic, write_json_atomic
 
     start = time.perf_counter()
     paths, labels = load_items(source, distractors, seed)

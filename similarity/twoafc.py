@@ -63,7 +63,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from embed.checkpoint import load_torch_file
+from core.checkpoint import load_torch_file
 from similarity.data import IMAGE_SUFFIXES, SimilarityDataError, load_groups, load_rgb, realbench_distractors
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def resolve_split(path: Path | str, split: str, default: str) -> str | None:
 
 def write_triplets(triplets: Triplets, path: Path | str) -> Path:
     """Our CSV format; image paths relative to the CSV's directory."""
-    from ingest.descriptors import write_atomic
+    from core.atomic import write_atomic
 
     path = Path(path)
     base = path.parent.resolve()
@@ -329,7 +329,7 @@ def make_triplets(conf: TripletConfig, source: Path | str, output: Path | str, d
     ``distractors``: "auto" (``source``'s distractors.csv when it has one, else none), None (none), or a
     realbench-style directory or folder of images. Without distractors every B comes from other groups.
     """
-    from ingest.descriptors import write_json_atomic
+    from core.atomic import write_json_atomic
 
     start = time.perf_counter()
     source = Path(source)
@@ -404,14 +404,14 @@ def _load_images(paths: Sequence[Path], longer_side: int) -> list[np.ndarray]:
 
 def _torch_ready() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from embed.torchvision_compat import ensure_torchvision_importable
+    from ingest.torchvision_compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
 
 
 def _weights_record(model: str) -> dict[str, Any]:
     from embed.extract import file_sha256
-    from embed.models import get_model_config, resolve_weights
+    from embed.registry import get_model_config, resolve_weights
 
     path = resolve_weights(get_model_config(model), None)
     return {"model": model, "weights_sha256": file_sha256(path) if path else None}
@@ -474,7 +474,8 @@ class MultiStageCosine(GlobalCosine):
             _torch_ready()
             import torch
 
-            from embed.models import build_global_model, get_model_config
+            from embed.models import build_global_model
+            from embed.registry import get_model_config
 
             net, _ = build_global_model(self.model)
             conf = get_model_config(self.model)
@@ -520,13 +521,13 @@ class ChamferTokens:
     def _build(self):
         if self._extractor is None:
             _torch_ready()
-            from embed.locals import LocalExtractor, get_local_preset
+            from embed.locals import build_local_extractor
 
-            self._extractor = LocalExtractor(get_local_preset(self.preset, resolution=self.resolution))
+            self._extractor = build_local_extractor(self.preset, resolution=self.resolution)
         return self._extractor
 
     def extract(self, paths: Sequence[Path]) -> dict[str, np.ndarray]:
-        from rerank.tokens import CODE_BYTES
+        from core.tokens import CODE_BYTES
 
         ex = self._build()
         tokens = ex.tokens_of_any_size(_load_images(paths, ex.resolution))
@@ -540,7 +541,7 @@ class ChamferTokens:
 
     def score(self, features: Mapping[str, np.ndarray], ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
         from rerank.chamfer import chamfer_similarity
-        from rerank.tokens import TokenBatch
+        from core.tokens import TokenBatch
 
         out = np.zeros(len(ref))
         for r in np.unique(ref):
@@ -555,7 +556,7 @@ class ChamferTokens:
 
 
 def _tokens(features: Mapping[str, np.ndarray], i: int):
-    from rerank.tokens import LocalTokens
+    from core.tokens import LocalTokens
 
     n = int(features["count"][i])
     # Chamfer reads the codes only; positions, scales and weights are placeholders.
@@ -712,7 +713,7 @@ class FeatureStore:
     def _save(self, model: SimilarityModel, cached: _Cached) -> None:
         if self.directory is None:
             return
-        from ingest.descriptors import write_atomic, write_json_atomic
+        from core.atomic import write_atomic, write_json_atomic
 
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as f:
@@ -921,7 +922,7 @@ def fit_ensemble(conf: EnsembleConfig, margins: np.ndarray, credits: np.ndarray,
 def save_ensemble(ensemble: Any, path: Path | str) -> Path:
     import torch
 
-    from ingest.descriptors import write_atomic
+    from core.atomic import write_atomic
 
     state = {"format": ENSEMBLE_FORMAT, "models": list(ensemble.names), "context_model": ensemble.context_model,
              "hidden": int(ensemble.hidden), "state": {k: v.detach().clone() for k, v in ensemble.state_dict().items()}}
@@ -929,7 +930,6 @@ def save_ensemble(ensemble: Any, path: Path | str) -> Path:
 
 
 def load_ensemble(path: Path | str) -> Any:
-    import torch
 
     path = Path(path)
     state = load_torch_file(path, SimilarityDataError, "ensemble")
@@ -963,7 +963,7 @@ def _context(name: str, triplets: Triplets, store: FeatureStore) -> tuple[np.nda
 def train_ensemble(conf: EnsembleConfig, triplets: Path | str, output: Path | str, cache: Path | str | None = None,
                    store: FeatureStore | None = None) -> Path:
     """Train the ensemble on the triplets of ``conf.split``; write ``output`` (.pt) and ``output``.json."""
-    from ingest.descriptors import write_json_atomic
+    from core.atomic import write_json_atomic
 
     start = time.perf_counter()
     split = resolve_split(triplets, conf.split, SPLITS[0])
@@ -1065,7 +1065,7 @@ def report(evaluation: Evaluation) -> dict[str, Any]:
 def evaluate(conf: EvalConfig, triplets: Path | str, ensemble: Path | str | None = None, output: Path | str | None = None,
              cache: Path | str | None = None) -> dict[str, Any]:
     """The 2AFC report of ``triplets`` (the split of ``conf.split``); written to ``output`` when given."""
-    from ingest.descriptors import write_json_atomic
+    from core.atomic import write_json_atomic
 
     start = time.perf_counter()
     model = load_ensemble(ensemble) if ensemble is not None else None

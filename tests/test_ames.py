@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 from rerank.ames import AMES, AMESCheckpointError, AMESConfig, AMESInputError, ensemble, load_ames, score_shortlist
 from rerank.ames_train import (
     AMESTrainError,
@@ -21,7 +21,7 @@ from rerank.ames_train import (
     random_view,
     warp_image,
 )
-from rerank.tokens import LocalTokens, TokenBatch, unpack_signs
+from core.tokens import LocalTokens, TokenBatch, unpack_signs
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "ames_state_dict_shapes.json"
 VARIANTS = [(True, "ames_binarized"), (False, "ames_full_precision")]

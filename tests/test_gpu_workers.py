@@ -9,8 +9,8 @@ import pytest
 
 from cluster.ingest_job import IngestConfig, _worker_layout, cpus_per_gpu
 from embed.extract import GlobalExtractor, plan_batches
-from embed.models import RANDOM
-from ingest.errors import ImageDecodeError, NeedleInputError
+from embed.registry import RANDOM
+from core.errors import ImageDecodeError, NeedleInputError
 from ingest.images import decode_resized_many
 from ingest.pipeline import process_shard
 from tests.conftest import SHARED, jpeg_bytes, write_tar

@@ -10,7 +10,7 @@ import pytest
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 from index.build import IDS_FILE, INFOS_FILE, IndexConfig, main
 from index.search import IndexFileError, UnknownKeyError, load_index, read_ids, search_params
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 from ingest.descriptors import DescriptorFileError, make_row_id
 
 
@@ -157,7 +157,7 @@ def test_corrupted_index_file_is_refused(tmp_path, collection):
 
 
 def test_wrong_query_dimension_is_refused(tmp_path, collection):
-    from ingest.errors import NeedleInputError
+    from core.errors import NeedleInputError
 
     desc, _ = collection
     index = load_index(main(IndexConfig(), desc, tmp_path / "index"))

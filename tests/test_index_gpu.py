@@ -29,7 +29,7 @@ from index.gpu import (
     torch_cuda_available,
 )
 from index.search import load_index
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 CPU_BACKENDS = ("faiss-cpu", "torch")  # torch on the CPU: the CUDA backend's code, run in CI
 

@@ -52,7 +52,7 @@ def test_committed_shards_are_skipped_unless_overwrite(tmp_path, tiny_shards, ra
 
 
 def test_resume_with_other_model_settings_is_refused(tmp_path, tiny_shards, ray_local):
-    from ingest.errors import NeedleInputError
+    from core.errors import NeedleInputError
 
     out = main(CONF, str(tmp_path / "*.tar"), tmp_path / "desc")
     other = IngestConfig(resolution=192, batch_size=8, cpus_per_worker=1)

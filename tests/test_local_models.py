@@ -14,9 +14,10 @@ from torch import nn
 
 from embed.itq import train_itq
 from embed.local_vit import SpatialAttention2d, ViTAmesTokens, build_vit_ames, grid_size, load_detector_weights
-from embed.locals import LocalConfig, LocalExtractor
-from embed.models import RANDOM, WeightsError
-from ingest.errors import NeedleInputError
+from embed.locals import LocalExtractor
+from embed.registry import LocalConfig
+from embed.registry import RANDOM, WeightsError
+from core.errors import NeedleInputError
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "ames_state_dict_shapes.json"
 AMES_MODEL = "vit_base_patch14_reg4_dinov2.ames"

@@ -4,7 +4,6 @@ and the query path with re-ranking."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -13,7 +12,6 @@ import pytest
 
 from embed.itq import ITQ, ITQFileError, load_itq, quantization_loss, save_itq, train_itq
 from ingest.descriptors import list_column, list_values
-from rerank.tokens import LocalTokens, TokenBatch, hamming
 
 # --- ITQ ----------------------------------------------------------------------------------------
 
@@ -100,7 +98,8 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 
 @pytest.fixture(scope="session")
 def local_extractor():
-    from embed.locals import LITE0_ITQ, LocalConfig, LocalExtractor
+    from embed.locals import LocalExtractor
+    from embed.registry import LITE0_ITQ, LocalConfig
 
     return LocalExtractor(LocalConfig(resolution=192, top_k=30, itq=LITE0_ITQ, keep_desc=True))
 
@@ -126,7 +125,8 @@ def test_cnn_tokens_follow_the_image_content(local_extractor, photos):
 
 
 def test_multi_scale_tokens_per_scale_and_codes(photos):
-    from embed.locals import LITE0_ITQ, LocalConfig, LocalExtractor
+    from embed.locals import LocalExtractor
+    from embed.registry import LITE0_ITQ, LocalConfig
 
     ex = LocalExtractor(LocalConfig(resolution=128, scales=(0.75, 1.0, 1.5), per_scale=True, top_k=12, itq=LITE0_ITQ))
     assert ex.resolution == 192
@@ -143,8 +143,9 @@ def test_multi_scale_tokens_per_scale_and_codes(photos):
 
 
 def test_local_extractor_refuses_missing_or_mismatched_itq(tmp_path):
-    from embed.locals import LocalConfig, LocalExtractor
-    from ingest.errors import NeedleInputError
+    from embed.locals import LocalExtractor
+    from embed.registry import LocalConfig
+    from core.errors import NeedleInputError
 
     with pytest.raises(NeedleInputError, match="ITQ"):
         LocalExtractor(LocalConfig(resolution=64, itq=None))

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from eval.metrics import average_precision_at_k, map_at_k, mean_average_precision
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 
 def brute_force_map(scores: np.ndarray, positives, k: int) -> float:

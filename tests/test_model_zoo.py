@@ -5,17 +5,9 @@ import time
 import pytest
 import torch
 
-from embed.models import (
-    MODELS,
-    PRETRAINED,
-    RANDOM,
-    UnknownModelError,
-    WeightsError,
-    build_global_model,
-    get_model_config,
-    one_level_up,
-)
-from embed.torchvision_compat import ensure_torchvision_importable
+from embed.models import build_global_model
+from embed.registry import MODELS, PRETRAINED, RANDOM, UnknownModelError, WeightsError, get_model_config, one_level_up
+from ingest.torchvision_compat import ensure_torchvision_importable
 
 ZOO = sorted(n for n, c in MODELS.items() if c.dim is not None)
 LARGE = {n for n in ZOO if any(k in n for k in ("_L", "large", "L14", "L16", "L320"))}
@@ -219,7 +211,7 @@ def test_readme_lists_every_preset_with_its_resolutions():
     import re
     from pathlib import Path
 
-    from embed.models import MODELS, get_model_config
+    from embed.registry import MODELS, get_model_config
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     rows = {m.group(1): m.group(2, 3, 4, 5) for m in re.finditer(r"^\| `([^`]+)` \| (\w+) \| (\d+) \| (\d+) \| (\w+) \|", readme, re.M)}

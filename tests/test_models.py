@@ -5,18 +5,10 @@ import pytest
 import torch
 
 from embed.extract import batches_by_shape
-from embed.models import (
-    MODELS,
-    RANDOM,
-    UnknownModelError,
-    WeightsError,
-    build_global_model,
-    get_model_config,
-    load_weights,
-    one_level_up,
-)
+from embed.models import build_global_model, load_weights
+from embed.registry import MODELS, RANDOM, UnknownModelError, WeightsError, get_model_config, one_level_up
 from embed.pooling import gem
-from embed.torchvision_compat import ensure_torchvision_importable
+from ingest.torchvision_compat import ensure_torchvision_importable
 
 
 def test_one_level_up_rule():

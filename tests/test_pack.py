@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ingest.errors import NeedleInputError, PackInputError
+from core.errors import NeedleInputError, PackInputError
 from ingest.pack import INFO_NAME, PackConfig, main as pack, member_suffix, sample_key, unique_keys
 from tests.conftest import jpeg_bytes
 

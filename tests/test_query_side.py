@@ -14,7 +14,7 @@ from PIL import Image
 
 from conftest import jpeg_bytes
 from embed.extract import GlobalExtractor, check_scales_rotations, parse_scales
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 ILIAS_SCALES = (0.707, 1.0, 1.414)
 RES = 96  # small: every test image and variant stays cheap on 2 CPU cores
@@ -321,7 +321,7 @@ def clip_index(tmp_path_factory):
     """A flat index of random 512-d vectors recorded as made by the (seeded random initialisation, as
     `--random-init` records it: no weights are downloaded) open_clip ViT-B/16: enough to exercise the
     text tower end to end."""
-    from embed.models import describe
+    from embed.registry import describe
     from helpers_index import clustered_unit_vectors, write_descriptor_file
     from index.build import IndexConfig, main
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ingest.checksums import file_sha256
+from core.hashing import file_sha256
 from query.recorded import QueryFiles, RecordedFileError, local_files, model_weights, verified_file
 from conftest import jpeg_bytes, write_tar
 
@@ -59,7 +59,7 @@ def test_model_weights_by_what_ingestion_recorded(tmp_path):
 
 
 def test_default_weights_recorded_on_another_machine_are_found_in_the_package():
-    from embed.models import DEFAULT_MODEL, get_model_config, resolve_package_file
+    from embed.registry import DEFAULT_MODEL, get_model_config, resolve_package_file
 
     packaged = resolve_package_file(get_model_config(DEFAULT_MODEL).weights)
     info = {"weights": "/elsewhere/site-packages/lite0.pth", "weights_sha256": file_sha256(packaged)}
@@ -69,8 +69,8 @@ def test_default_weights_recorded_on_another_machine_are_found_in_the_package():
 
 
 def test_local_files_check_itq_and_detector(tmp_path):
-    from embed.locals import LITE0_ITQ
-    from embed.models import resolve_package_file
+    from embed.registry import LITE0_ITQ
+    from embed.registry import resolve_package_file
 
     itq = resolve_package_file(LITE0_ITQ)
     det = _file(tmp_path / "det.pt", b"detector")
@@ -140,7 +140,7 @@ def test_queries_refuse_missing_or_changed_files_and_take_a_verified_copy(tmp_pa
     assert json.loads(capsys.readouterr().out)["results"][0]["key"] == f"000000/{names[1]}"
     # An adapter with other bytes is refused rather than silently applied.
     from embed.adapt import LinearAdapter, save_adapter
-    from embed.models import resolve_package_file
+    from embed.registry import resolve_package_file
 
     dim = json.loads((index / "index_infos.json").read_text())["dim"]
     other = save_adapter(LinearAdapter(dim, dim), tmp_path / "other.pt")
@@ -170,7 +170,7 @@ def test_queries_refuse_missing_or_changed_files_and_take_a_verified_copy(tmp_pa
 
 def test_random_initialisation_is_recorded_and_rebuilt_identically(tmp_path, photos):
     from embed.extract import GlobalExtractor
-    from embed.models import RANDOM
+    from embed.registry import RANDOM
     from query.retrieve import query_extractor
 
     ingest = GlobalExtractor("timm:resnet18", RANDOM, resolution=64, precision="fp32")

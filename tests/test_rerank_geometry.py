@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 from rerank.chamfer import chamfer_from_nearest, chamfer_similarity
 from rerank.matching import (
     MatchConfig, Matches, RerankInputError, match_pair, match_tokens, matches_from_nearest, nearest_tokens,
 )
 from rerank.spatial import SpatialConfig, fit_affine, normalized_inliers, verify, verify_pair
-from rerank.tokens import CODE_BITS, LocalTokens, TokenBatch, hamming
+from core.tokens import CODE_BITS, LocalTokens, TokenBatch, hamming
 
 SCALES = np.array([0.707, 1.0, 1.414], np.float32)
 

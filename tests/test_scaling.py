@@ -4,7 +4,6 @@ against a brute-force mAP over exactly the same database at every size."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -126,7 +125,7 @@ def test_distractor_list_in_the_ground_truth_sets_the_order(tmp_path, scaling_da
 
 def test_bad_scaling_inputs_are_named(tmp_path, scaling_data):
     from eval.scaling import ScalingConfig, main
-    from ingest.errors import NeedleInputError
+    from core.errors import NeedleInputError
 
     desc, truth, _, _ = scaling_data
     with pytest.raises(NeedleInputError, match="unknown scaling mode 'hnsw'"):

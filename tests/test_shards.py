@@ -1,6 +1,6 @@
 import pytest
 
-from ingest.errors import ShardSpecError
+from core.errors import ShardSpecError
 from ingest.shards import expand_shards, shard_ids, shard_name
 
 

@@ -326,7 +326,7 @@ def test_lite0_models_match_brute_force(photos, tmp_path):
     import torch.nn.functional as F
 
     from embed.extract import GlobalExtractor
-    from rerank.tokens import hamming
+    from core.tokens import hamming
 
     paths = []
     for name, image in list(photos.items())[:4]:

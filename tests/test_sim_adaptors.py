@@ -12,14 +12,14 @@ import pytest
 from PIL import Image
 
 from eval.class_retrieval import class_retrieval_from_embeddings, class_retrieval_per_query, class_retrieval_scores
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _torch_setup():
-    from embed.torchvision_compat import ensure_torchvision_importable
+    from ingest.torchvision_compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     import torch
@@ -183,7 +183,8 @@ def test_vit_frozen_path_is_the_backbone_and_zero_adaptors_are_identity():
 def test_cnn_frozen_path_is_the_global_model():
     import torch
 
-    from embed.models import GlobalModel, get_model_config
+    from embed.models import GlobalModel
+    from embed.registry import get_model_config
     from similarity.adaptors import make_adapted_net
 
     torch.manual_seed(0)

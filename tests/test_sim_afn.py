@@ -15,7 +15,7 @@ from PIL import Image
 
 from eval.metrics import rank_by_score
 from eval.pairs import asymmetric_recall, asymmetric_recall_from_scores, cosine_matrix, own_column_ranks
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 from similarity import adaptation_function as afn
 from similarity.data import SimilarityDataError
 

@@ -27,7 +27,8 @@ def web_index(tmp_path_factory, photos, extractor):
     """Two tars of three photos (the second mirrored), ingested with global and local features,
     a flat index with its local store, the ingestion's manifest naming the tars, a ground truth
     and an eval report, and a scaling plot."""
-    from embed.locals import LITE0_ITQ, LocalConfig, LocalExtractor
+    from embed.locals import LocalExtractor
+    from embed.registry import LITE0_ITQ, LocalConfig
     from index.build import IndexConfig, main as build
     from ingest.pipeline import process_shard
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ingest.errors import NeedleInputError
+from core.errors import NeedleInputError
 
 CODE_BYTES = 16  # 128 bits
 CODE_BITS = 8 * CODE_BYTES

@@ -1,0 +1,118 @@
+"""The architecture as a test: packages stand on floors, each imports only its own floor and those
+below, and no two modules import each other (directly or round a longer loop).
+
+Every import counts, also one inside a function: a lazy import still makes the importer depend on
+the imported module."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The floors, lowest first: a package may import its own floor and the ones below it, never above.
+FLOORS = ["core", "ingest", "embed", "index", "rerank", "query", "eval", "similarity", "cluster"]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, package_modules: set[str]) -> set[str]:
+    """The needle modules ``path`` imports (``from a.b import c`` counts as ``a.b.c`` where that is a
+    module, else ``a.b``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in package_modules else node.module
+                     for alias in node.names]
+        else:
+            continue
+        found.update(name for name in names if name.split(".")[0] in FLOORS)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for floor in FLOORS for p in (ROOT / floor).rglob("*.py")}
+    return {name: _imports(path, set(files)) - {name} for name, path in files.items()}
+
+
+def test_every_package_has_a_floor():
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench"}
+    assert packages <= set(FLOORS), f"packages without a floor in FLOORS: {sorted(packages - set(FLOORS))}"
+
+
+def test_no_package_imports_one_above_it():
+    upward = sorted(f"{module} imports {target}" for module, targets in _graph().items() for target in targets
+                    if FLOORS.index(target.split(".")[0]) > FLOORS.index(module.split(".")[0]))
+    assert not upward, "upward imports (floors, lowest first: " + " < ".join(FLOORS) + "):\n" + "\n".join(upward)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next((c for c in children if c in graph), None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return components
+
+
+def test_no_module_cycles():
+    cycles = _cycles(_graph())
+    assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("module", ["core.errors", "core.atomic", "core.hashing", "core.checkpoint", "core.tokens",
+                                    "embed.registry", "index.build"])
+def test_light_modules_do_not_import_torch(module):
+    code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, f"importing {module} imports torch" + (result.stderr[-2000:] if result.returncode != 1 else "")
