@@ -35,7 +35,9 @@ class LocalTokens:
     def __post_init__(self) -> None:
         n = len(self.codes)
         if self.codes.shape != (n, CODE_BYTES) or self.codes.dtype != np.uint8:
-            raise NeedleInputError(f"token codes must be (n, {CODE_BYTES}) uint8, got {self.codes.shape} {self.codes.dtype}")
+            raise NeedleInputError(
+                f"token codes must be (n, {CODE_BYTES}) uint8, got {self.codes.shape} {self.codes.dtype}"
+            )
         if self.xy.shape != (n, 2) or self.scale.shape != (n,) or self.weight.shape != (n,):
             raise NeedleInputError(
                 f"token arrays disagree: codes {self.codes.shape}, xy {self.xy.shape}, "
@@ -50,15 +52,23 @@ class LocalTokens:
     @staticmethod
     def empty(dim: int | None = None) -> LocalTokens:
         return LocalTokens(
-            np.zeros((0, CODE_BYTES), np.uint8), np.zeros((0, 2), np.float32), np.zeros(0, np.float32),
-            np.zeros(0, np.float32), None if dim is None else np.zeros((0, dim), np.float32),
+            np.zeros((0, CODE_BYTES), np.uint8),
+            np.zeros((0, 2), np.float32),
+            np.zeros(0, np.float32),
+            np.zeros(0, np.float32),
+            None if dim is None else np.zeros((0, dim), np.float32),
         )
 
     def top(self, k: int) -> LocalTokens:
         """The ``k`` tokens of highest weight, in descending weight."""
         order = np.argsort(-self.weight, kind="stable")[:k]
-        return LocalTokens(self.codes[order], self.xy[order], self.scale[order], self.weight[order],
-                           None if self.desc is None else self.desc[order])
+        return LocalTokens(
+            self.codes[order],
+            self.xy[order],
+            self.scale[order],
+            self.weight[order],
+            None if self.desc is None else self.desc[order],
+        )
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,13 @@ class TokenBatch:
         mask = np.zeros((B, T), bool)
         for b, t in enumerate(images):
             n = min(len(t), T)
-            codes[b, :n], xy[b, :n], scale[b, :n], weight[b, :n], mask[b, :n] = t.codes[:n], t.xy[:n], t.scale[:n], t.weight[:n], True
+            codes[b, :n], xy[b, :n], scale[b, :n], weight[b, :n], mask[b, :n] = (
+                t.codes[:n],
+                t.xy[:n],
+                t.scale[:n],
+                t.weight[:n],
+                True,
+            )
         return TokenBatch(codes, xy, scale, weight, mask)
 
     def image(self, b: int) -> LocalTokens:

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from core.checkpoint import load_torch_file
-from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global
 from core.atomic import write_atomic, write_json_atomic
+from core.checkpoint import load_torch_file
 from core.errors import NeedleInputError
+from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,9 @@ class LinearAdapter(nn.Module):
         return self(torch.from_numpy(x)).numpy()
 
 
-def train_adapter(x: np.ndarray, labels: np.ndarray, conf: AdaptConfig = AdaptConfig()) -> tuple[LinearAdapter, list[float]]:
+def train_adapter(
+    x: np.ndarray, labels: np.ndarray, conf: AdaptConfig = AdaptConfig()
+) -> tuple[LinearAdapter, list[float]]:
     """Train on (n, d) descriptors and their integer class labels; returns (adapter, mean loss per epoch)."""
     x = np.asarray(x, dtype=np.float32)
     labels = np.asarray(labels, dtype=np.int64)
@@ -89,7 +91,9 @@ def train_adapter(x: np.ndarray, labels: np.ndarray, conf: AdaptConfig = AdaptCo
     torch.manual_seed(conf.seed)
     adapter = LinearAdapter(x.shape[1], conf.out_dim)
     classifier = nn.Linear(conf.out_dim, classes, bias=False)
-    optimizer = torch.optim.Adam([*adapter.parameters(), *classifier.parameters()], lr=conf.lr, weight_decay=conf.weight_decay)
+    optimizer = torch.optim.Adam(
+        [*adapter.parameters(), *classifier.parameters()], lr=conf.lr, weight_decay=conf.weight_decay
+    )
     X, y = torch.from_numpy(x), torch.from_numpy(labels)
     generator = torch.Generator().manual_seed(conf.seed)
     batch = min(conf.batch_size, len(x))
@@ -123,9 +127,15 @@ def load_adapter(path: Path | str) -> LinearAdapter:
     if not isinstance(state, dict):
         raise AdapterError(f"adapter {path} holds a {type(state).__name__}, not a state dict")
     state = {k.removeprefix("layer."): v for k, v in state.items()}
-    if set(state) != {"weight", "bias"} or state["weight"].ndim != 2 or state["bias"].shape != state["weight"].shape[:1]:
-        raise AdapterError(f"adapter {path} must hold weight (out, d) and bias (out,), got "
-                           f"{ {k: tuple(v.shape) for k, v in state.items()} }")
+    if (
+        set(state) != {"weight", "bias"}
+        or state["weight"].ndim != 2
+        or state["bias"].shape != state["weight"].shape[:1]
+    ):
+        raise AdapterError(
+            f"adapter {path} must hold weight (out, d) and bias (out,), got "
+            f"{ {k: tuple(v.shape) for k, v in state.items()} }"
+        )
     out_dim, in_dim = state["weight"].shape
     adapter = LinearAdapter(in_dim, out_dim)
     adapter.layer.load_state_dict(state)
@@ -162,7 +172,9 @@ def labelled_descriptors(descriptors: Path, labels: dict[str, str]) -> tuple[np.
         found.update(keys[i] for i in np.flatnonzero(keep))
     missing = [k for k in labels if k not in found]
     if missing:
-        raise AdapterError(f"{len(missing)} labelled keys have no valid descriptor in {descriptors}, e.g. {missing[:3]}")
+        raise AdapterError(
+            f"{len(missing)} labelled keys have no valid descriptor in {descriptors}, e.g. {missing[:3]}"
+        )
     classes = sorted(set(names))
     index = {c: i for i, c in enumerate(classes)}
     return np.concatenate(blocks), np.array([index[n] for n in names]), classes
@@ -174,9 +186,26 @@ def main(conf: AdaptConfig, descriptors: Path, labels: Path, output: Path) -> Pa
     x, y, classes = labelled_descriptors(Path(descriptors), read_labels(Path(labels)))
     adapter, history = train_adapter(x, y, conf)
     path = save_adapter(adapter, Path(output))
-    write_json_atomic({"config": asdict(conf), "descriptors": str(descriptors), "labels": str(labels),
-                       "samples": int(len(x)), "classes": len(classes), "in_dim": adapter.in_dim, "out_dim": adapter.out_dim,
-                       "loss_history": history, "seconds": round(time.perf_counter() - start, 3)},
-                      path.with_name(path.name + ".json"))
-    log.info("adapter %s: %d -> %d from %d descriptors of %d classes", path, adapter.in_dim, adapter.out_dim, len(x), len(classes))
+    write_json_atomic(
+        {
+            "config": asdict(conf),
+            "descriptors": str(descriptors),
+            "labels": str(labels),
+            "samples": len(x),
+            "classes": len(classes),
+            "in_dim": adapter.in_dim,
+            "out_dim": adapter.out_dim,
+            "loss_history": history,
+            "seconds": round(time.perf_counter() - start, 3),
+        },
+        path.with_name(path.name + ".json"),
+    )
+    log.info(
+        "adapter %s: %d -> %d from %d descriptors of %d classes",
+        path,
+        adapter.in_dim,
+        adapter.out_dim,
+        len(x),
+        len(classes),
+    )
     return path

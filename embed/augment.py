@@ -73,16 +73,30 @@ def check_config(conf: AugmentConfig) -> None:
     problems = [
         (conf.views >= 1, f"views must be >= 1, got {conf.views}"),
         (conf.max_side >= 16, f"max_side must be >= 16, got {conf.max_side}"),
-        (0 < conf.crop_scale[0] <= conf.crop_scale[1] <= 1, f"crop_scale must satisfy 0 < lo <= hi <= 1, got {conf.crop_scale}"),
+        (
+            0 < conf.crop_scale[0] <= conf.crop_scale[1] <= 1,
+            f"crop_scale must satisfy 0 < lo <= hi <= 1, got {conf.crop_scale}",
+        ),
         (0 < conf.crop_ratio[0] <= conf.crop_ratio[1], f"crop_ratio must satisfy 0 < lo <= hi, got {conf.crop_ratio}"),
         (0 <= conf.max_rotation < 45, f"max_rotation must be in [0, 45) degrees, got {conf.max_rotation}"),
-        (1 <= conf.jpeg_quality[0] <= conf.jpeg_quality[1] <= 100, f"jpeg_quality must satisfy 1 <= lo <= hi <= 100, got {conf.jpeg_quality}"),
+        (
+            1 <= conf.jpeg_quality[0] <= conf.jpeg_quality[1] <= 100,
+            f"jpeg_quality must satisfy 1 <= lo <= hi <= 100, got {conf.jpeg_quality}",
+        ),
         (conf.samples_per_tar >= 1, f"samples_per_tar must be >= 1, got {conf.samples_per_tar}"),
     ]
-    problems += [(0 <= p <= 1, f"{name} must be a probability, got {p}")
-                 for name, p in (("flip_prob", conf.flip_prob), ("rotation_prob", conf.rotation_prob), ("grayscale_prob", conf.grayscale_prob))]
-    problems += [(0 <= f < 1, f"{name} must be in [0, 1), got {f}")
-                 for name, f in (("brightness", conf.brightness), ("contrast", conf.contrast), ("saturation", conf.saturation))]
+    problems += [
+        (0 <= p <= 1, f"{name} must be a probability, got {p}")
+        for name, p in (
+            ("flip_prob", conf.flip_prob),
+            ("rotation_prob", conf.rotation_prob),
+            ("grayscale_prob", conf.grayscale_prob),
+        )
+    ]
+    problems += [
+        (0 <= f < 1, f"{name} must be in [0, 1), got {f}")
+        for name, f in (("brightness", conf.brightness), ("contrast", conf.contrast), ("saturation", conf.saturation))
+    ]
     for ok, message in problems:
         if not ok:
             raise AugmentError(message)
@@ -123,8 +137,9 @@ def rotate_no_border(image: Image.Image, degrees: float) -> Image.Image:
     return rotated.crop((left, top, left + w, top + h))
 
 
-def random_resized_crop_box(width: int, height: int, rng: np.random.Generator, scale: tuple[float, float],
-                            ratio: tuple[float, float]) -> tuple[int, int, int, int]:
+def random_resized_crop_box(
+    width: int, height: int, rng: np.random.Generator, scale: tuple[float, float], ratio: tuple[float, float]
+) -> tuple[int, int, int, int]:
     """(left, top, right, bottom) of a crop covering a share of the area drawn from ``scale`` with an
     aspect ratio drawn log-uniformly from ``ratio`` (torchvision's RandomResizedCrop: ten tries,
     then the central crop of the nearest allowed aspect)."""
@@ -138,14 +153,21 @@ def random_resized_crop_box(width: int, height: int, rng: np.random.Generator, s
             left, top = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
             return left, top, left + w, top + h
     aspect = min(max(width / height, ratio[0]), ratio[1])
-    w, h = (width, min(height, round(width / aspect))) if width / height < aspect else (min(width, round(height * aspect)), height)
+    w, h = (
+        (width, min(height, round(width / aspect)))
+        if width / height < aspect
+        else (min(width, round(height * aspect)), height)
+    )
     left, top = (width - w) // 2, (height - h) // 2
     return left, top, left + w, top + h
 
 
 def _colour_jitter(image: Image.Image, rng: np.random.Generator, conf: AugmentConfig) -> Image.Image:
-    for enhancer, strength in ((ImageEnhance.Brightness, conf.brightness), (ImageEnhance.Contrast, conf.contrast),
-                               (ImageEnhance.Color, conf.saturation)):
+    for enhancer, strength in (
+        (ImageEnhance.Brightness, conf.brightness),
+        (ImageEnhance.Contrast, conf.contrast),
+        (ImageEnhance.Color, conf.saturation),
+    ):
         if strength > 0:
             image = enhancer(image).enhance(float(rng.uniform(1 - strength, 1 + strength)))
     return image
@@ -165,7 +187,9 @@ def augment_once(image: Image.Image, rng: np.random.Generator, conf: AugmentConf
     return image
 
 
-def augmented_views(image: Image.Image, n: int, rng: np.random.Generator, conf: AugmentConfig = AugmentConfig()) -> list[Image.Image]:
+def augmented_views(
+    image: Image.Image, n: int, rng: np.random.Generator, conf: AugmentConfig = AugmentConfig()
+) -> list[Image.Image]:
     """``n`` views of one image (RGB, longer side at most ``conf.max_side``). With
     ``conf.keep_original`` the first is the whole image, only resized; the others are
     :func:`augment_once` draws from ``rng``. Each view's ``info["jpeg_quality"]`` is the quality to
@@ -258,9 +282,20 @@ def main(conf: AugmentConfig, images: Path | str | Sequence[Path | str], output:
                 skipped.append(path.name)
                 continue
             label = f"c{len(rows) // conf.views:06d}"
-            for view_index, view in enumerate(augmented_views(image, conf.views, np.random.default_rng([conf.seed, index]), conf)):
-                meta = {"class": int(label[1:]), "view": view_index, "source": path.name, "width": view.width, "height": view.height}
-                key = shards.add(f"{label}_v{view_index:02d}", [("jpg", _jpeg(view)), ("json", json.dumps(meta, sort_keys=True).encode())])
+            for view_index, view in enumerate(
+                augmented_views(image, conf.views, np.random.default_rng([conf.seed, index]), conf)
+            ):
+                meta = {
+                    "class": int(label[1:]),
+                    "view": view_index,
+                    "source": path.name,
+                    "width": view.width,
+                    "height": view.height,
+                }
+                key = shards.add(
+                    f"{label}_v{view_index:02d}",
+                    [("jpg", _jpeg(view)), ("json", json.dumps(meta, sort_keys=True).encode())],
+                )
                 rows.append((key, label))
         shards.close()
     except BaseException:
@@ -272,12 +307,37 @@ def main(conf: AugmentConfig, images: Path | str | Sequence[Path | str], output:
     return labels
 
 
-def _write_info(conf: AugmentConfig, images: Any, files: list[Path], rows: list, skipped: list[str], tars: list[Path],
-                output: Path, seconds: float) -> None:
+def _write_info(
+    conf: AugmentConfig,
+    images: Any,
+    files: list[Path],
+    rows: list,
+    skipped: list[str],
+    tars: list[Path],
+    output: Path,
+    seconds: float,
+) -> None:
     classes = len(rows) // conf.views
     source = str(images) if isinstance(images, (str, Path)) else f"{len(files)} files"
-    write_json_atomic({"config": asdict(conf), "source": source, "images": len(files), "classes": classes,
-                       "samples": len(rows), "skipped": len(skipped), "skipped_files": skipped[:100],
-                       "tars": [t.name for t in tars], "seconds": round(seconds, 3)}, output / "augment_info.json")
-    log.info("make-classes: %d classes of %d views (%d images skipped) in %d tars at %s",
-             classes, conf.views, len(skipped), len(tars), output)
+    write_json_atomic(
+        {
+            "config": asdict(conf),
+            "source": source,
+            "images": len(files),
+            "classes": classes,
+            "samples": len(rows),
+            "skipped": len(skipped),
+            "skipped_files": skipped[:100],
+            "tars": [t.name for t in tars],
+            "seconds": round(seconds, 3),
+        },
+        output / "augment_info.json",
+    )
+    log.info(
+        "make-classes: %d classes of %d views (%d images skipped) in %d tars at %s",
+        classes,
+        conf.views,
+        len(skipped),
+        len(tars),
+        output,
+    )

@@ -18,10 +18,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from core.errors import NeedleInputError
+from core.hashing import file_sha256
 from embed.models import build_global_model
 from embed.registry import DEFAULT_MODEL, PRETRAINED, RANDOM, describe, get_model_config
-from core.hashing import file_sha256
-from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ def batches_by_shape(images: list[np.ndarray], batch_size: int) -> list[list[int
     return [idx[s : s + batch_size] for idx in groups.values() for s in range(0, len(idx), batch_size)]
 
 
-def plan_batches(shapes: list[tuple[int, int]], batch_size: int,
-                 input_shape: Callable[[int, int], tuple[int, int]]) -> list[tuple[list[int], tuple[int, int]]]:
+def plan_batches(
+    shapes: list[tuple[int, int]], batch_size: int, input_shape: Callable[[int, int], tuple[int, int]]
+) -> list[tuple[list[int], tuple[int, int]]]:
     """Batches of image indices, with the (H, W) each batch is built at, from the images' (h, w).
 
     Images share a batch only when their model input shape (``input_shape``: a ViT's padding to a
@@ -164,8 +165,12 @@ class GlobalExtractor:
         self._std = torch.tensor(self.config.std, device=self.device).view(1, 3, 1, 1)
         self.dim = self._probe_dim()
         if self.multi_variant:
-            log.info("global descriptors averaged over %d variants per image: scales %s x %d rotations",
-                     len(self.scales) * self.rotations, self.scales, self.rotations)
+            log.info(
+                "global descriptors averaged over %d variants per image: scales %s x %d rotations",
+                len(self.scales) * self.rotations,
+                self.scales,
+                self.rotations,
+            )
 
     def _choose_precision(self, precision: str) -> str:
         if precision != "auto":
@@ -218,8 +223,9 @@ class GlobalExtractor:
     def _valid_mask(self, sizes: list[tuple[int, int]], height: int, width: int) -> torch.Tensor:
         rows = torch.tensor([s[0] for s in sizes], device=self.device)
         cols = torch.tensor([s[1] for s in sizes], device=self.device)
-        mask = ((torch.arange(height, device=self.device)[None, :, None] < rows[:, None, None])
-                & (torch.arange(width, device=self.device)[None, None, :] < cols[:, None, None]))
+        mask = (torch.arange(height, device=self.device)[None, :, None] < rows[:, None, None]) & (
+            torch.arange(width, device=self.device)[None, None, :] < cols[:, None, None]
+        )
         return mask[:, None].float()
 
     def extra_fields(self) -> list[pa.Field]:

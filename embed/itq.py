@@ -85,6 +85,7 @@ def quantization_loss(itq: ITQ, x: np.ndarray) -> float:
 
 def save_itq(itq: ITQ, path: Path | str) -> Path:
     """Write ``proj`` and ``mean`` to an .npz atomically."""
+
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             np.savez(f, proj=itq.proj, mean=itq.mean)
@@ -104,5 +105,7 @@ def load_itq(path: Path | str) -> ITQ:
     except (OSError, ValueError, KeyError) as exc:
         raise ITQFileError(f"cannot read ITQ projection {path}: {type(exc).__name__}: {exc}") from exc
     if proj.ndim != 2 or proj.shape[1] != BITS or mean.shape != (proj.shape[0],):
-        raise ITQFileError(f"ITQ projection {path}: proj {proj.shape}, mean {mean.shape}; expected (d, {BITS}) and (d,)")
+        raise ITQFileError(
+            f"ITQ projection {path}: proj {proj.shape}, mean {mean.shape}; expected (d, {BITS}) and (d,)"
+        )
     return ITQ(proj, mean)

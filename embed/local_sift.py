@@ -42,8 +42,9 @@ class SiftTokens(nn.Module):
         import kornia.feature as KF
 
         self.num_features = num_features
-        self.feature = KF.SIFTFeatureScaleSpace(num_features=num_features, upright=upright, rootsift=True,
-                                                descriptor_backend="pyramid")
+        self.feature = KF.SIFTFeatureScaleSpace(
+            num_features=num_features, upright=upright, rootsift=True, descriptor_backend="pyramid"
+        )
         self._laf_is_filled = KF.laf_is_filled
         self._get_laf_center = KF.get_laf_center
         # A parameter-free module: track the device that .to() asked for with an empty buffer.

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.checkpoint import load_torch_file
+from core.errors import NeedleInputError
 from embed.models import build_global_model
 from embed.registry import RANDOM, RANDOM_SEED, WeightsError, get_model_config
-from core.errors import NeedleInputError
 
 if TYPE_CHECKING:  # embed.locals imports this module lazily; no import cycle at run time either way
     from embed.registry import LocalConfig
@@ -89,12 +89,16 @@ def load_detector_weights(detector: SpatialAttention2d, path: Path | str) -> Non
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise WeightsError(f"detector weights file {path} does not fit SpatialAttention2d({detector.conv1.in_channels}): "
-                           f"missing keys {missing}, unexpected keys {unexpected}")
+        raise WeightsError(
+            f"detector weights file {path} does not fit SpatialAttention2d({detector.conv1.in_channels}): "
+            f"missing keys {missing}, unexpected keys {unexpected}"
+        )
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
-            raise WeightsError(f"detector weights file {path}: key {key!r} has shape {tuple(tensor.shape)}, "
-                               f"the model expects {tuple(expected[key].shape)}")
+            raise WeightsError(
+                f"detector weights file {path}: key {key!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(expected[key].shape)}"
+            )
     detector.load_state_dict(state, strict=True)
 
 
@@ -116,8 +120,9 @@ class ViTAmesTokens(nn.Module):
     runs in float32 (it is cheap, and BN statistics in bf16 would cost accuracy).
     """
 
-    def __init__(self, backbone: nn.Module, detector: SpatialAttention2d, precision: str = "fp32",
-                 bf16_on_cpu: bool = False):
+    def __init__(
+        self, backbone: nn.Module, detector: SpatialAttention2d, precision: str = "fp32", bf16_on_cpu: bool = False
+    ):
         super().__init__()
         prefix = getattr(backbone, "num_prefix_tokens", None)
         patch_embed = getattr(backbone, "patch_embed", None)
@@ -162,8 +167,10 @@ class ViTAmesTokens(nn.Module):
             tokens = self.backbone.forward_features(x)
         patches = tokens[:, self.num_prefix_tokens :].float()
         if patches.shape[1] != h * w:
-            raise NeedleInputError(f"backbone gave {patches.shape[1]} patch tokens for a {h}x{w} grid "
-                                   "(was it built with dynamic_img_size=True?)")
+            raise NeedleInputError(
+                f"backbone gave {patches.shape[1]} patch tokens for a {h}x{w} grid "
+                "(was it built with dynamic_img_size=True?)"
+            )
         return patches.transpose(1, 2).reshape(b, self.dim, h, w)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,8 +178,9 @@ class ViTAmesTokens(nn.Module):
         return desc, weight[:, 0]
 
 
-def build_vit_ames(conf: LocalConfig, weights: str | Path | None = None,
-                   precision: str = "auto") -> tuple[ViTAmesTokens, tuple, tuple, Path | None]:
+def build_vit_ames(
+    conf: LocalConfig, weights: str | Path | None = None, precision: str = "auto"
+) -> tuple[ViTAmesTokens, tuple, tuple, Path | None]:
     """(ViTAmesTokens in eval mode, mean, std, backbone weights path) for a ``vit_ames`` LocalConfig.
 
     Backbone weights: ``weights`` (a local file, ``PRETRAINED`` or ``RANDOM``, see build_global_model).
@@ -184,8 +192,10 @@ def build_vit_ames(conf: LocalConfig, weights: str | Path | None = None,
         raise NeedleInputError(f"vit_ames needs a timm ViT preset, {conf.model!r} is a {mc.library} model")
     random_detector = conf.detector_weights == RANDOM or (not conf.detector_weights and str(weights) == RANDOM)
     if not conf.detector_weights and not random_detector:  # before loading the backbone: fail fast
-        raise WeightsError(f"vit_ames local tokens of {conf.model!r} need the AMES detector's weights "
-                           "(LocalConfig.detector_weights, --detector-weights), or a random initialisation asked for")
+        raise WeightsError(
+            f"vit_ames local tokens of {conf.model!r} need the AMES detector's weights "
+            "(LocalConfig.detector_weights, --detector-weights), or a random initialisation asked for"
+        )
     net, path = build_global_model(conf.model, weights)
     backbone = net.backbone
     width = int(getattr(backbone, "num_features", 0) or getattr(backbone, "embed_dim", 0))
@@ -195,8 +205,10 @@ def build_vit_ames(conf: LocalConfig, weights: str | Path | None = None,
     if not random_detector:
         load_detector_weights(detector, conf.detector_weights)
     else:
-        log.warning("vit_ames: the AMES detector head is randomly initialised, as asked "
-                    "(token weights and descriptors are meaningless for retrieval)")
+        log.warning(
+            "vit_ames: the AMES detector head is randomly initialised, as asked "
+            "(token weights and descriptors are meaningless for retrieval)"
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(RANDOM_SEED)
             detector = SpatialAttention2d(width)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from core.errors import NeedleInputError
 from embed.pooling import gem, l2_normalize
 from embed.registry import (
     LIBRARIES,
@@ -31,9 +32,9 @@ from embed.registry import (
     resolve_weights,
 )
 from ingest.torchvision_compat import ensure_torchvision_importable
-from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
+
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     try:
@@ -48,9 +49,13 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _map_in_order(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+def _map_in_order(
+    source: dict[str, torch.Tensor], target: dict[str, torch.Tensor], path: Path
+) -> dict[str, torch.Tensor]:
     if len(source) != len(target):
-        raise WeightsError(f"weights file {path} has {len(source)} tensors, the model {len(target)}: cannot map in order")
+        raise WeightsError(
+            f"weights file {path} has {len(source)} tensors, the model {len(target)}: cannot map in order"
+        )
     mapped = {}
     for (src_name, tensor), (dst_name, expected) in zip(source.items(), target.items()):
         if tensor.shape != expected.shape:
@@ -110,7 +115,9 @@ class GlobalModel(nn.Module):
                 x = torch.nn.functional.pad(x, (0, side - w, 0, side - h))
             size = self.conf.train_resolution
             if side != size:
-                x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+                x = torch.nn.functional.interpolate(
+                    x, size=(size, size), mode="bilinear", align_corners=False, antialias=True
+                )
             return x
         patch = self._patch_size()
         if patch is not None:
@@ -145,10 +152,14 @@ class GlobalModel(nn.Module):
         features = self.backbone.forward_features(x)
         if self.conf.pooling == "gem":
             if features.ndim != 4:
-                raise NeedleInputError(f"GeM needs a CNN feature map; {self.conf.architecture} gives shape {tuple(features.shape)}")
+                raise NeedleInputError(
+                    f"GeM needs a CNN feature map; {self.conf.architecture} gives shape {tuple(features.shape)}"
+                )
             return l2_normalize(gem(features, self.conf.gem_p))
         if features.ndim != 3:
-            raise NeedleInputError(f"'cls' pooling needs tokens; {self.conf.architecture} gives shape {tuple(features.shape)}")
+            raise NeedleInputError(
+                f"'cls' pooling needs tokens; {self.conf.architecture} gives shape {tuple(features.shape)}"
+            )
         return l2_normalize(features[:, 0])
 
 
@@ -176,12 +187,17 @@ def _create_backbone(conf: ModelConfig, pretrained: bool = False, name: str = ""
         if conf.library == "timm":
             import timm
 
-            return timm.create_model(conf.pretrained or conf.architecture if pretrained else conf.architecture,
-                                     pretrained=pretrained, **kwargs)
+            return timm.create_model(
+                conf.pretrained or conf.architecture if pretrained else conf.architecture,
+                pretrained=pretrained,
+                **kwargs,
+            )
         if conf.library == "open_clip":
             import open_clip
 
-            return open_clip.create_model(conf.architecture, pretrained=conf.pretrained if pretrained else None, **kwargs)
+            return open_clip.create_model(
+                conf.architecture, pretrained=conf.pretrained if pretrained else None, **kwargs
+            )
     except Exception as exc:
         if not pretrained:
             raise
@@ -192,7 +208,9 @@ def _create_backbone(conf: ModelConfig, pretrained: bool = False, name: str = ""
     raise NeedleInputError(f"unknown model library {conf.library!r}; choose from {LIBRARIES}")
 
 
-def build_global_model(name: str, weights: str | Path | None = None, pretrained: bool = False) -> tuple[GlobalModel, Path | None]:
+def build_global_model(
+    name: str, weights: str | Path | None = None, pretrained: bool = False
+) -> tuple[GlobalModel, Path | None]:
     """Build the model ``name`` (preset or generic spec) in eval mode with its weights; returns (model, weights path).
 
     ``weights``: a local file, None for the preset's packaged file, ``PRETRAINED`` (or
@@ -216,9 +234,9 @@ def build_global_model(name: str, weights: str | Path | None = None, pretrained:
         return GlobalModel(conf, backbone).eval(), None
     path = resolve_weights(conf, weights)
     if path is None:
-        raise WeightsError(f"model {name!r} has no packaged weights: give a weights file (--weights), the published "
-                           f"weights (--pretrained), or ask for a random initialisation (--random-init, tests only)")
+        raise WeightsError(
+            f"model {name!r} has no packaged weights: give a weights file (--weights), the published "
+            f"weights (--pretrained), or ask for a random initialisation (--random-init, tests only)"
+        )
     load_weights(backbone, path, conf.weights_mapping if weights is None else "auto")
     return GlobalModel(conf, backbone).eval(), path
-
-

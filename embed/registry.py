@@ -77,7 +77,9 @@ class ModelConfig:
         return self.test_resolution or one_level_up(self.train_resolution)
 
 
-DEFAULT_MODEL = "tf_efficientnet_lite0.gem"  # the preset whose weights install from the registry (the default everywhere)
+DEFAULT_MODEL = (
+    "tf_efficientnet_lite0.gem"  # the preset whose weights install from the registry (the default everywhere)
+)
 
 MODELS: dict[str, ModelConfig] = {
     DEFAULT_MODEL: ModelConfig(
@@ -131,7 +133,8 @@ MODELS: dict[str, ModelConfig] = {
         bf16_on_cpu=True,
         factory_kwargs=(("dynamic_img_size", True),),
         dim=768,
-        description="DINOv2 ViT-B/14 with 4 registers, class token; the backbone of AMES's local tokens (weights: a local file)",
+        description="DINOv2 ViT-B/14 with 4 registers, class token; the backbone of AMES's local tokens "
+        "(weights: a local file)",
     ),
     "open_clip.ViT-B-16.head": ModelConfig(
         library="open_clip",
@@ -146,24 +149,63 @@ MODELS: dict[str, ModelConfig] = {
         description="CLIP ViT-B/16 image tower and projection (weights: a local open_clip checkpoint)",
     ),
 }
-def _timm_vit(arch: str, train: int, pooling: str, mean=IMAGENET_MEAN, std=IMAGENET_STD, dim=None, pretrained=None,
-              test=None, description: str = "") -> ModelConfig:
-    return ModelConfig(library="timm", architecture=arch, train_resolution=train, pooling=pooling, mean=mean, std=std,
-                       test_resolution=test, bf16_on_cpu=True, factory_kwargs=(("dynamic_img_size", True),), dim=dim,
-                       pretrained=pretrained, description=description)
+
+
+def _timm_vit(
+    arch: str,
+    train: int,
+    pooling: str,
+    mean=IMAGENET_MEAN,
+    std=IMAGENET_STD,
+    dim=None,
+    pretrained=None,
+    test=None,
+    description: str = "",
+) -> ModelConfig:
+    return ModelConfig(
+        library="timm",
+        architecture=arch,
+        train_resolution=train,
+        pooling=pooling,
+        mean=mean,
+        std=std,
+        test_resolution=test,
+        bf16_on_cpu=True,
+        factory_kwargs=(("dynamic_img_size", True),),
+        dim=dim,
+        pretrained=pretrained,
+        description=description,
+    )
 
 
 def _timm_cnn(arch: str, dim: int, pretrained: str, description: str) -> ModelConfig:
-    return ModelConfig(library="timm", architecture=arch, train_resolution=224, pooling="gem", dim=dim,
-                       pretrained=pretrained, description=description)
+    return ModelConfig(
+        library="timm",
+        architecture=arch,
+        train_resolution=224,
+        pooling="gem",
+        dim=dim,
+        pretrained=pretrained,
+        description=description,
+    )
 
 
 def _clip(arch: str, tag: str, train: int, dim: int, description: str, square: bool = True) -> ModelConfig:
     # open_clip ViTs / ModifiedResNets have fixed position embeddings: the input is padded to a square and
     # resized to the train resolution, so the test resolution is the train one. ConvNeXt towers take any size.
-    return ModelConfig(library="open_clip", architecture=arch, train_resolution=train, pooling="head", mean=CLIP_MEAN,
-                       std=CLIP_STD, test_resolution=train if square else None, dim=dim, pretrained=tag,
-                       square_input=square, description=description)
+    return ModelConfig(
+        library="open_clip",
+        architecture=arch,
+        train_resolution=train,
+        pooling="head",
+        mean=CLIP_MEAN,
+        std=CLIP_STD,
+        test_resolution=train if square else None,
+        dim=dim,
+        pretrained=tag,
+        square_input=square,
+        description=description,
+    )
 
 
 _ZOO: dict[str, ModelConfig] = {}
@@ -174,33 +216,97 @@ for _size, _res_list, _dim in (("base", (224, 256, 384, 512), 768), ("large", (2
         _v2 = _size == "large" and _res == 512
         _tag = "v2_webli" if _v2 else "webli"
         _ZOO[f"siglip{'2' if _v2 else ''}_{_size[0].upper()}16_{_res}.head"] = _timm_vit(
-            _arch, _res, "head", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), _dim, f"{_arch}.{_tag}",
-            description=f"SigLIP{' 2' if _v2 else ''} ViT-{_size[0].upper()}/16 @{_res}, attention-pool head (timm {_arch}.{_tag})")
+            _arch,
+            _res,
+            "head",
+            (0.5, 0.5, 0.5),
+            (0.5, 0.5, 0.5),
+            _dim,
+            f"{_arch}.{_tag}",
+            description=f"SigLIP{' 2' if _v2 else ''} ViT-{_size[0].upper()}/16 @{_res}, "
+            f"attention-pool head (timm {_arch}.{_tag})",
+        )
 for _size, _dim in (("base", 768), ("large", 1024)):
     for _reg in ("", "reg4_"):
         _arch = f"vit_{_size}_patch14_{_reg}dinov2"
         _ZOO[f"dinov2_{_size[0].upper()}14{'_reg' if _reg else ''}.cls"] = _timm_vit(
-            _arch, 518, "cls", dim=_dim, pretrained=f"{_arch}.lvd142m",
-            description=f"DINOv2 ViT-{_size[0].upper()}/14{' with 4 registers' if _reg else ''}, class token")
-_ZOO.update({
-    "openclip_B16_laion2b.head": _clip("ViT-B-16", "laion2b_s34b_b88k", 224, 512, "OpenCLIP ViT-B/16 LAION-2B, image projection"),
-    "openclip_B16_datacomp.head": _clip("ViT-B-16", "datacomp_xl_s13b_b90k", 224, 512, "OpenCLIP ViT-B/16 DataComp-XL, image projection"),
-    "openclip_L14_laion2b.head": _clip("ViT-L-14", "laion2b_s32b_b82k", 224, 768, "OpenCLIP ViT-L/14 LAION-2B, image projection"),
-    "openclip_L14_datacomp.head": _clip("ViT-L-14", "datacomp_xl_s13b_b90k", 224, 768, "OpenCLIP ViT-L/14 DataComp-XL, image projection"),
-    "openclip_convnext_B.head": _clip("convnext_base", "laion400m_s13b_b51k", 224, 512, "OpenCLIP ConvNeXt-B LAION-400M, image projection", square=False),
-    "openclip_convnext_BW.head": _clip("convnext_base_w", "laion2b_s13b_b82k", 256, 640, "OpenCLIP ConvNeXt-B-wide LAION-2B, image projection", square=False),
-    "openclip_convnext_L320.head": _clip("convnext_large_d_320", "laion2b_s29b_b131k_ft_soup", 320, 768, "OpenCLIP ConvNeXt-L-d @320 LAION-2B, image projection", square=False),
-    "evaclip_B16.head": _clip("EVA02-B-16", "merged2b_s8b_b131k", 224, 512, "EVA02-CLIP ViT-B/16, image projection"),
-    "evaclip_L14.head": _clip("EVA02-L-14", "merged2b_s4b_b131k", 224, 768, "EVA02-CLIP ViT-L/14, image projection"),
-    "metaclip_B16.head": _clip("ViT-B-16-quickgelu", "metaclip_fullcc", 224, 512, "MetaCLIP ViT-B/16 (2.5B), image projection"),
-    "metaclip_L14.head": _clip("ViT-L-14-quickgelu", "metaclip_fullcc", 224, 768, "MetaCLIP ViT-L/14 (2.5B), image projection"),
-    "clip_B16_openai.head": _clip("ViT-B-16-quickgelu", "openai", 224, 512, "OpenAI CLIP ViT-B/16, image projection"),
-    "clip_L14_openai.head": _clip("ViT-L-14-quickgelu", "openai", 224, 768, "OpenAI CLIP ViT-L/14, image projection"),
-    "clip_L14_336_openai.head": _clip("ViT-L-14-336-quickgelu", "openai", 336, 768, "OpenAI CLIP ViT-L/14 @336, image projection"),
-    "clip_RN50_openai.head": _clip("RN50-quickgelu", "openai", 224, 1024, "OpenAI CLIP ResNet-50, attention-pool projection"),
-    "resnet101.gem": _timm_cnn("resnet101", 2048, "resnet101.a1h_in1k", "ResNet-101, GeM p=3 on the last feature map"),
-    "convnext_base.gem": _timm_cnn("convnext_base", 1024, "convnext_base.fb_in22k_ft_in1k", "ConvNeXt-B, GeM p=3 on the last feature map"),
-})
+            _arch,
+            518,
+            "cls",
+            dim=_dim,
+            pretrained=f"{_arch}.lvd142m",
+            description=f"DINOv2 ViT-{_size[0].upper()}/14{' with 4 registers' if _reg else ''}, class token",
+        )
+_ZOO.update(
+    {
+        "openclip_B16_laion2b.head": _clip(
+            "ViT-B-16", "laion2b_s34b_b88k", 224, 512, "OpenCLIP ViT-B/16 LAION-2B, image projection"
+        ),
+        "openclip_B16_datacomp.head": _clip(
+            "ViT-B-16", "datacomp_xl_s13b_b90k", 224, 512, "OpenCLIP ViT-B/16 DataComp-XL, image projection"
+        ),
+        "openclip_L14_laion2b.head": _clip(
+            "ViT-L-14", "laion2b_s32b_b82k", 224, 768, "OpenCLIP ViT-L/14 LAION-2B, image projection"
+        ),
+        "openclip_L14_datacomp.head": _clip(
+            "ViT-L-14", "datacomp_xl_s13b_b90k", 224, 768, "OpenCLIP ViT-L/14 DataComp-XL, image projection"
+        ),
+        "openclip_convnext_B.head": _clip(
+            "convnext_base",
+            "laion400m_s13b_b51k",
+            224,
+            512,
+            "OpenCLIP ConvNeXt-B LAION-400M, image projection",
+            square=False,
+        ),
+        "openclip_convnext_BW.head": _clip(
+            "convnext_base_w",
+            "laion2b_s13b_b82k",
+            256,
+            640,
+            "OpenCLIP ConvNeXt-B-wide LAION-2B, image projection",
+            square=False,
+        ),
+        "openclip_convnext_L320.head": _clip(
+            "convnext_large_d_320",
+            "laion2b_s29b_b131k_ft_soup",
+            320,
+            768,
+            "OpenCLIP ConvNeXt-L-d @320 LAION-2B, image projection",
+            square=False,
+        ),
+        "evaclip_B16.head": _clip(
+            "EVA02-B-16", "merged2b_s8b_b131k", 224, 512, "EVA02-CLIP ViT-B/16, image projection"
+        ),
+        "evaclip_L14.head": _clip(
+            "EVA02-L-14", "merged2b_s4b_b131k", 224, 768, "EVA02-CLIP ViT-L/14, image projection"
+        ),
+        "metaclip_B16.head": _clip(
+            "ViT-B-16-quickgelu", "metaclip_fullcc", 224, 512, "MetaCLIP ViT-B/16 (2.5B), image projection"
+        ),
+        "metaclip_L14.head": _clip(
+            "ViT-L-14-quickgelu", "metaclip_fullcc", 224, 768, "MetaCLIP ViT-L/14 (2.5B), image projection"
+        ),
+        "clip_B16_openai.head": _clip(
+            "ViT-B-16-quickgelu", "openai", 224, 512, "OpenAI CLIP ViT-B/16, image projection"
+        ),
+        "clip_L14_openai.head": _clip(
+            "ViT-L-14-quickgelu", "openai", 224, 768, "OpenAI CLIP ViT-L/14, image projection"
+        ),
+        "clip_L14_336_openai.head": _clip(
+            "ViT-L-14-336-quickgelu", "openai", 336, 768, "OpenAI CLIP ViT-L/14 @336, image projection"
+        ),
+        "clip_RN50_openai.head": _clip(
+            "RN50-quickgelu", "openai", 224, 1024, "OpenAI CLIP ResNet-50, attention-pool projection"
+        ),
+        "resnet101.gem": _timm_cnn(
+            "resnet101", 2048, "resnet101.a1h_in1k", "ResNet-101, GeM p=3 on the last feature map"
+        ),
+        "convnext_base.gem": _timm_cnn(
+            "convnext_base", 1024, "convnext_base.fb_in22k_ft_in1k", "ConvNeXt-B, GeM p=3 on the last feature map"
+        ),
+    }
+)
 MODELS.update({k: v for k, v in _ZOO.items() if k not in MODELS})
 
 
@@ -225,10 +331,18 @@ def _timm_spec(spec: str) -> ModelConfig:
         pooling = "head" if ("siglip" in arch and "gap" not in arch) else ("cls" if vit else "gem")
     if pooling not in POOLINGS:
         raise NeedleInputError(f"unknown pooling {pooling!r} in {'timm:' + spec!r}; choose from {POOLINGS}")
-    return ModelConfig(library="timm", architecture=arch, train_resolution=int(cfg.input_size[-1]), pooling=pooling,
-                       mean=tuple(cfg.mean), std=tuple(cfg.std), bf16_on_cpu=vit,
-                       factory_kwargs=(("dynamic_img_size", True),) if vit else (),
-                       pretrained=name if "." in name else None, description=f"timm {name}, pooling {pooling}")
+    return ModelConfig(
+        library="timm",
+        architecture=arch,
+        train_resolution=int(cfg.input_size[-1]),
+        pooling=pooling,
+        mean=tuple(cfg.mean),
+        std=tuple(cfg.std),
+        bf16_on_cpu=vit,
+        factory_kwargs=(("dynamic_img_size", True),) if vit else (),
+        pretrained=name if "." in name else None,
+        description=f"timm {name}, pooling {pooling}",
+    )
 
 
 def _open_clip_spec(spec: str) -> ModelConfig:
@@ -240,17 +354,31 @@ def _open_clip_spec(spec: str) -> ModelConfig:
 
     model_cfg = open_clip.get_model_config(arch) if arch else None
     if model_cfg is None:
-        raise UnknownModelError(f"unknown open_clip architecture {arch!r} in {'open_clip:' + spec!r}; list them with open_clip.list_models()")
+        raise UnknownModelError(
+            f"unknown open_clip architecture {arch!r} in {'open_clip:' + spec!r}; "
+            "list them with open_clip.list_models()"
+        )
     pre_cfg = open_clip.get_pretrained_cfg(arch, tag) if tag else {}
     if tag and not pre_cfg:
-        raise UnknownModelError(f"open_clip has no pretrained tag {tag!r} for {arch!r}; see open_clip.list_pretrained()")
+        raise UnknownModelError(
+            f"open_clip has no pretrained tag {tag!r} for {arch!r}; see open_clip.list_pretrained()"
+        )
     size = model_cfg["vision_cfg"].get("image_size", 224)
     size = int(size if isinstance(size, int) else max(size))
     square = "convnext" not in arch.lower()
-    return ModelConfig(library="open_clip", architecture=arch, train_resolution=size, pooling="head",
-                       mean=tuple(pre_cfg.get("mean", CLIP_MEAN)), std=tuple(pre_cfg.get("std", CLIP_STD)),
-                       test_resolution=size if square else None, dim=model_cfg.get("embed_dim"), pretrained=tag or None,
-                       square_input=square, description=f"open_clip {arch}{'/' + tag if tag else ''}, image projection")
+    return ModelConfig(
+        library="open_clip",
+        architecture=arch,
+        train_resolution=size,
+        pooling="head",
+        mean=tuple(pre_cfg.get("mean", CLIP_MEAN)),
+        std=tuple(pre_cfg.get("std", CLIP_STD)),
+        test_resolution=size if square else None,
+        dim=model_cfg.get("embed_dim"),
+        pretrained=tag or None,
+        square_input=square,
+        description=f"open_clip {arch}{'/' + tag if tag else ''}, image projection",
+    )
 
 
 def get_model_config(name: str) -> ModelConfig:
@@ -293,7 +421,6 @@ def resolve_weights(conf: ModelConfig, weights: str | Path | None) -> Path | Non
     return resolve_package_file(conf.weights)
 
 
-
 def describe(name: str) -> dict[str, Any]:
     """A JSON-friendly record of a preset, stored beside every output made with it."""
     conf = get_model_config(name)
@@ -314,7 +441,9 @@ class UnknownLocalPresetError(NeedleInputError):
 class LocalConfig:
     kind: str = "cnn"  # token source: cnn | vit_ames | sift
     model: str = DEFAULT_MODEL  # registry preset of the backbone (cnn: its weights and normalisation)
-    feature_stage: int = 4  # cnn: index of the timm block whose output are the tokens (Lite0: 4 = stride 16, 112 channels)
+    feature_stage: int = (
+        4  # cnn: index of the timm block whose output are the tokens (Lite0: 4 = stride 16, 112 channels)
+    )
     resolution: int = 512  # base longer side; token x, y are pixels of the image resized to it
     scales: tuple[float, ...] = (1.0,)  # resize factors of the base image that tokens are taken from
     top_k: int = 100  # tokens kept per image (per scale with per_scale), by weight
@@ -349,8 +478,13 @@ LOCAL_PRESETS: dict[str, LocalConfig] = {
     "lite0-s16-query": LocalConfig(itq=LITE0_ITQ, scales=(0.75, 1.0, 1.5), per_scale=True),
     # AMES's DINOv2 setting: ViT-B/14 with registers, detector head; needs an ITQ file (--local-itq).
     "dinov2-ames": LocalConfig(kind="vit_ames", model="vit_base_patch14_reg4_dinov2.ames", resolution=518),
-    "dinov2-ames-query": LocalConfig(kind="vit_ames", model="vit_base_patch14_reg4_dinov2.ames", resolution=518,
-                                     scales=(0.707, 1.0, 1.414), per_scale=True),
+    "dinov2-ames-query": LocalConfig(
+        kind="vit_ames",
+        model="vit_base_patch14_reg4_dinov2.ames",
+        resolution=518,
+        scales=(0.707, 1.0, 1.414),
+        per_scale=True,
+    ),
     # Classical: RootSIFT keypoints; needs an ITQ file (--local-itq) for its 128-d descriptors.
     "sift": LocalConfig(kind="sift", resolution=512, top_k=300),
 }
@@ -360,5 +494,7 @@ def get_local_preset(name: str, **overrides: Any) -> LocalConfig:
     try:
         conf = LOCAL_PRESETS[name]
     except KeyError:
-        raise UnknownLocalPresetError(f"unknown local preset {name!r}; known presets: {sorted(LOCAL_PRESETS)}") from None
+        raise UnknownLocalPresetError(
+            f"unknown local preset {name!r}; known presets: {sorted(LOCAL_PRESETS)}"
+        ) from None
     return dataclasses.replace(conf, **{k: v for k, v in overrides.items() if v is not None})

@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from core.atomic import write_json_atomic
 from embed.itq import BITS, quantization_loss, save_itq, train_itq
 from ingest.descriptors import DescriptorFileError, list_descriptor_files, list_values
-from core.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +66,18 @@ def main(conf: TrainITQConfig, descriptors: Path | str, output: Path | str) -> P
         raise DescriptorFileError(f"{source}: only {len(x)} local descriptors to learn ITQ from (need >= {BITS})")
     itq = train_itq(x, iterations=conf.iterations, seed=conf.seed)
     output = save_itq(itq, Path(output))
-    write_json_atomic({
-        "config": asdict(conf),
-        "descriptors": str(source),
-        "files": len(files),
-        "trained_on": int(len(x)),
-        "dim": itq.dim,
-        "bits": int(itq.proj.shape[1]),
-        "quantization_loss": quantization_loss(itq, x),
-        "seconds": round(time.perf_counter() - start, 3),
-    }, output.with_name(output.name + ".json"))
+    write_json_atomic(
+        {
+            "config": asdict(conf),
+            "descriptors": str(source),
+            "files": len(files),
+            "trained_on": len(x),
+            "dim": itq.dim,
+            "bits": int(itq.proj.shape[1]),
+            "quantization_loss": quantization_loss(itq, x),
+            "seconds": round(time.perf_counter() - start, 3),
+        },
+        output.with_name(output.name + ".json"),
+    )
     log.info("ITQ projection %s learned from %d descriptors of %d files", output, len(x), len(files))
     return output

@@ -34,14 +34,22 @@ import pyarrow.compute as pc
 import pyarrow.ipc
 import pyarrow.parquet as pq
 
+from core.atomic import atomic_path, temporary_path, write_atomic, write_json_atomic
+from core.errors import NeedleInputError
+from core.hashing import file_sha256
 from index.factory import IndexPlan, parse_bytes, plan_index
 from index.gpu import assignment_quantizer, faiss_gpus
 from index.locals import SegmentInfo, locals_infos, write_segment
 from index.memory import peak_rss_bytes, process_memory
-from core.hashing import file_sha256
-from ingest.descriptors import ROW_SHARD_SHIFT, STATUS_OK, DescriptorFileError, global_dim, has_locals, list_descriptor_files, read_global
-from core.atomic import atomic_path, temporary_path, write_atomic, write_json_atomic
-from core.errors import NeedleInputError
+from ingest.descriptors import (
+    ROW_SHARD_SHIFT,
+    STATUS_OK,
+    DescriptorFileError,
+    global_dim,
+    has_locals,
+    list_descriptor_files,
+    read_global,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +74,9 @@ class IndexConfig:
     shards: int = 1  # keep this many index shards (served by one Ray actor each) instead of one index
     parts: int | None = None  # parallel add tasks; None: shards (at least 1)
     nprobe: int = 64  # default IVF lists visited per query (recorded; queries may override)
-    adapt: str | None = None  # adapter file (needle adapt train, or ILIAS's): index adapted descriptors; None: as ingested
+    adapt: str | None = (
+        None  # adapter file (needle adapt train, or ILIAS's): index adapted descriptors; None: as ingested
+    )
     refine_factor: int = 2  # IVF-PQ shortlist = refine_factor * k, re-scored exactly from float16
     quantizer_ef: int = DEFAULT_QUANTIZER_EF  # HNSW coarse quantizer: graph candidates explored per assignment (FAISS's
     # default 16 puts some vectors in a list far from them, where no query probes: recall@1000 capped at 0.986 on 1M)
@@ -82,8 +92,9 @@ class FileInfo:
     offset: int  # position of the file's first row in ids.arrow / vectors.f16.npy
 
 
-def descriptor_files(descriptors: Path | str | Sequence[Path | str], staging: Path | None = None,
-                     s3_endpoint_url: str | None = None) -> list[Path]:
+def descriptor_files(
+    descriptors: Path | str | Sequence[Path | str], staging: Path | None = None, s3_endpoint_url: str | None = None
+) -> list[Path]:
     """Parquet files of one or several sources: descriptor directories, single files, or
     ``s3://`` prefixes, whose committed parts (those with their marker) are staged one by one
     into ``staging`` on local disk, with their ``ingest_info.json``."""
@@ -115,7 +126,9 @@ def stage_s3_parts(url: str, directory: Path, endpoint_url: str | None) -> list[
     files = []
     for name in sorted(committed):
         target = directory / name
-        write_atomic(target, lambda tmp, name=name: storage.client.download_file(storage.bucket, storage._key(name), str(tmp)))
+        write_atomic(
+            target, lambda tmp, name=name: storage.client.download_file(storage.bucket, storage._key(name), str(tmp))
+        )
         files.append(target)
     log.info("staged %d parts of %s in %s", len(files), url, directory)
     return files
@@ -127,27 +140,26 @@ def scan(files: list[Path], ids_path: Path) -> tuple[list[FileInfo], int, int]:
     infos, offset, n_ok = [], 0, 0
     seen_shards: dict[int, Path] = {}
     schema = pa.schema([("row", pa.int64()), ("key", pa.string()), ("status", pa.string())])
-    with atomic_path(ids_path) as tmp:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-            for path in files:
-                file_dim = global_dim(path)
-                if dim is None:
-                    dim = file_dim
-                elif file_dim != dim:
-                    raise DescriptorFileError(f"{path}: descriptor dimension {file_dim} differs from {dim} of {files[0]}")
-                table = pq.read_table(path, columns=["row", "key", "status"])
-                rows = table["row"].to_numpy()
-                shard_id = int(rows[0] >> ROW_SHARD_SHIFT) if len(rows) else -1
-                expected = (np.int64(shard_id) << ROW_SHARD_SHIFT) + np.arange(len(rows), dtype=np.int64)
-                if len(rows) and not np.array_equal(rows, expected):
-                    raise DescriptorFileError(f"{path}: row ids are not one shard's consecutive ids (schema v1)")
-                if shard_id in seen_shards:
-                    raise DescriptorFileError(f"{path} and {seen_shards[shard_id]} hold the same shard id {shard_id}")
-                seen_shards[shard_id] = path
-                writer.write_table(table.cast(schema))
-                n_ok += int(pc.sum(pc.equal(table["status"], STATUS_OK)).as_py() or 0)
-                infos.append(FileInfo(str(path), len(rows), shard_id, offset))
-                offset += len(rows)
+    with atomic_path(ids_path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for path in files:
+            file_dim = global_dim(path)
+            if dim is None:
+                dim = file_dim
+            elif file_dim != dim:
+                raise DescriptorFileError(f"{path}: descriptor dimension {file_dim} differs from {dim} of {files[0]}")
+            table = pq.read_table(path, columns=["row", "key", "status"])
+            rows = table["row"].to_numpy()
+            shard_id = int(rows[0] >> ROW_SHARD_SHIFT) if len(rows) else -1
+            expected = (np.int64(shard_id) << ROW_SHARD_SHIFT) + np.arange(len(rows), dtype=np.int64)
+            if len(rows) and not np.array_equal(rows, expected):
+                raise DescriptorFileError(f"{path}: row ids are not one shard's consecutive ids (schema v1)")
+            if shard_id in seen_shards:
+                raise DescriptorFileError(f"{path} and {seen_shards[shard_id]} hold the same shard id {shard_id}")
+            seen_shards[shard_id] = path
+            writer.write_table(table.cast(schema))
+            n_ok += int(pc.sum(pc.equal(table["status"], STATUS_OK)).as_py() or 0)
+            infos.append(FileInfo(str(path), len(rows), shard_id, offset))
+            offset += len(rows)
     if offset == 0:
         raise DescriptorFileError(f"no rows in {files[0].parent}")
     return infos, int(dim), n_ok
@@ -158,7 +170,9 @@ def read_valid(path: str, dim: int, adapter: Any = None) -> tuple[np.ndarray, np
     rejected; with ``adapter`` (embed.adapt.LinearAdapter) the adapted descriptors."""
     table, xb = read_global(Path(path), ("row", "status"))
     if xb.shape[1] != dim:
-        raise DescriptorFileError(f"{path}: descriptor dimension {xb.shape[1]} differs from {dim} (file changed during the build?)")
+        raise DescriptorFileError(
+            f"{path}: descriptor dimension {xb.shape[1]} differs from {dim} (file changed during the build?)"
+        )
     ok = pc.equal(table["status"], STATUS_OK).to_numpy(zero_copy_only=False)
     finite = np.isfinite(xb).all(axis=1)
     rejected = int((ok & ~finite).sum())
@@ -176,7 +190,7 @@ def training_sample(files: list[FileInfo], dim: int, n_train: int, seed: int, ad
     take = min(1.0, 1.1 * n_train / total)
     blocks = []
     for f in files:
-        rows, xb, _ = read_valid(f.path, dim, adapter)
+        _rows, xb, _ = read_valid(f.path, dim, adapter)
         if len(xb):
             blocks.append(xb[rng.random(len(xb)) < take])
     xt = np.concatenate(blocks)  # float16: half the memory while the sample is drawn
@@ -240,8 +254,10 @@ def assigning_with(index: Any, quantizer: Any | None) -> Iterator[Any]:
         return
     ivf = faiss.extract_index_ivf(index)
     if quantizer.ntotal != ivf.quantizer.ntotal or quantizer.d != ivf.quantizer.d:
-        raise NeedleInputError(f"replacement quantizer holds {quantizer.ntotal} x {quantizer.d} centroids, "
-                               f"the index {ivf.quantizer.ntotal} x {ivf.quantizer.d}")
+        raise NeedleInputError(
+            f"replacement quantizer holds {quantizer.ntotal} x {quantizer.d} centroids, "
+            f"the index {ivf.quantizer.ntotal} x {ivf.quantizer.d}"
+        )
     own = ivf.quantizer
     ivf.quantizer = quantizer
     try:
@@ -250,8 +266,15 @@ def assigning_with(index: Any, quantizer: Any | None) -> Iterator[Any]:
         ivf.quantizer = own
 
 
-def build_part(trained_path: str, files: list[FileInfo], dim: int, vectors_path: str, part_path: str,
-               locals_name: str | None = None, adapt: str | None = None) -> dict[str, Any]:
+def build_part(
+    trained_path: str,
+    files: list[FileInfo],
+    dim: int,
+    vectors_path: str,
+    part_path: str,
+    locals_name: str | None = None,
+    adapt: str | None = None,
+) -> dict[str, Any]:
     """Add ``files`` to a copy of the trained index (saved at ``part_path``) and write their
     vectors into their rows of the shared memory-mapped ``vectors_path``; with ``locals_name``,
     also write their local tokens as that segment of the local store; with ``adapt``, add the
@@ -299,7 +322,12 @@ def _adapt_infos(path: str | None, adapter: Any) -> dict[str, Any] | None:
     """How the indexed descriptors were adapted (None: they were not)."""
     if adapter is None:
         return None
-    return {"file": str(Path(path).resolve()), "sha256": file_sha256(Path(path)), "in_dim": adapter.in_dim, "out_dim": adapter.out_dim}
+    return {
+        "file": str(Path(path).resolve()),
+        "sha256": file_sha256(Path(path)),
+        "in_dim": adapter.in_dim,
+        "out_dim": adapter.out_dim,
+    }
 
 
 def _local_extractor(ingest: dict[str, Any]) -> dict[str, Any] | None:
@@ -353,8 +381,12 @@ def run_parts_sequentially(tasks: list[PartTask]) -> list[dict[str, Any]]:
     return [build_part(*task) for task in tasks]
 
 
-def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], output: Path,
-         run_parts: PartRunner = run_parts_sequentially) -> Path:
+def main(
+    conf: IndexConfig,
+    descriptors: Path | str | Sequence[Path | str],
+    output: Path,
+    run_parts: PartRunner = run_parts_sequentially,
+) -> Path:
     """Build the index of ``descriptors`` into ``output``; returns ``output``.
 
     ``run_parts`` executes the add tasks (sequentially by default; cluster/index_job.py passes a
@@ -376,11 +408,24 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     timings = {"scan_s": time.perf_counter() - start}
     n_rows = sum(f.rows for f in infos)
     budget = parse_bytes(conf.memory_budget)
-    plan = plan_index(max(1, n_ok), index_dim, budget, conf.kind, conf.factory, conf.flat_threshold,
-                      conf.points_per_list, conf.nlist, conf.pq_bytes)
+    plan = plan_index(
+        max(1, n_ok),
+        index_dim,
+        budget,
+        conf.kind,
+        conf.factory,
+        conf.flat_threshold,
+        conf.points_per_list,
+        conf.nlist,
+        conf.pq_bytes,
+    )
     log.info("index plan: %s (%s)", plan.factory, "; ".join(plan.reasons))
 
-    xt = training_sample(infos, dim, plan.n_train, conf.seed, adapter) if plan.kind == "ivfpq" else np.zeros((1, index_dim), np.float32)
+    xt = (
+        training_sample(infos, dim, plan.n_train, conf.seed, adapter)
+        if plan.kind == "ivfpq"
+        else np.zeros((1, index_dim), np.float32)
+    )
     timings["sample_s"] = time.perf_counter() - start - sum(timings.values())
     trained = train(plan, xt, conf.quantizer_ef)
     trained_path = output / TRAINED_FILE
@@ -400,11 +445,13 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
     part_paths = [str(output / f"part_{i:03d}.faiss") for i in range(len(ranges))]
     with_locals = conf.locals and all(has_locals(Path(f.path)) for f in infos)
     if conf.locals and not with_locals and any(has_locals(Path(f.path)) for f in infos):
-        raise DescriptorFileError("some descriptor files carry local tokens and others do not: ingest them alike, "
-                                  "or build with locals off")
-    tasks = [(str(trained_path), r, dim, str(vectors_tmp), p, f"locals_{i:03d}" if with_locals else None,
-              conf.adapt)
-             for i, (r, p) in enumerate(zip(ranges, part_paths))]
+        raise DescriptorFileError(
+            "some descriptor files carry local tokens and others do not: ingest them alike, or build with locals off"
+        )
+    tasks = [
+        (str(trained_path), r, dim, str(vectors_tmp), p, f"locals_{i:03d}" if with_locals else None, conf.adapt)
+        for i, (r, p) in enumerate(zip(ranges, part_paths))
+    ]
     stats = run_parts(tasks)
     timings["add_s"] = time.perf_counter() - start - sum(timings.values())
 
@@ -415,7 +462,7 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
         index_files = [f"shard_{s:03d}.faiss" for s in range(shards)]
         groups = np.array_split(np.arange(len(part_paths)), shards)
         ntotal = sum(merge_parts([part_paths[i] for i in g], output / name) for g, name in zip(groups, index_files))
-    for path in part_paths + [str(trained_path)]:
+    for path in [*part_paths, str(trained_path)]:
         Path(path).unlink(missing_ok=True)
     shutil.rmtree(output / "staging", ignore_errors=True)
     vectors_tmp.replace(output / VECTORS_FILE)
@@ -445,7 +492,9 @@ def main(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], outp
         "descriptors": [str(d) for d in ([descriptors] if isinstance(descriptors, (str, Path)) else descriptors)],
         "parquet_files": len(infos),
         "extractors": ingest.get("extractors", []),
-        "locals": locals_infos([SegmentInfo(**s["locals"]) for s in stats], _local_extractor(ingest), n_rows) if with_locals else None,
+        "locals": locals_infos([SegmentInfo(**s["locals"]) for s in stats], _local_extractor(ingest), n_rows)
+        if with_locals
+        else None,
         "build_s": round(time.perf_counter() - start, 3),
         "timings": {name: round(seconds, 3) for name, seconds in timings.items()},  # scan, sample, train, add, merge
         "memory": {  # this process's high-water RSS after training and at the end; the parts' RSS when full

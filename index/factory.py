@@ -5,8 +5,9 @@ and recording why.
 - Otherwise IVF-PQ: IVF lists ~ 4 * sqrt(N) (a power of two, >= 39 training points per list),
   PQ code bytes as large as the budget allows up to d/8 (more bytes, less quantisation loss),
   stored as 4-bit fast-scan codes (``PQ{2m}x4fsr``: the same bytes, SIMD distance tables, faster
-  scans), an HNSW coarse quantizer from 8192 lists on, with an OPQ rotation from 1M vectors on when sub-quantizers span >= 8 dimensions (it
-  spreads variance across sub-spaces; worth its training time only at scale). Whatever PQ loses is restored by the exact re-scoring of a
+  scans), an HNSW coarse quantizer from 8192 lists on, with an OPQ rotation from 1M vectors on
+  when sub-quantizers span >= 8 dimensions (it spreads variance across sub-spaces; worth its
+  training time only at scale). Whatever PQ loses is restored by the exact re-scoring of a
   shortlist against the stored float16 vectors (``refine``), which are memory-mapped, not counted
   in RAM.
 """
@@ -52,9 +53,17 @@ def default_nlist(n: int) -> int:
     return int(max(1, min(nlist, 2**18, 2 ** int(math.log2(max(1, n // 39))))))
 
 
-def plan_index(n: int, d: int, budget: int, kind: str = "auto", factory: str | None = None,
-               flat_threshold: int = 100_000, points_per_list: int = 64, nlist: int | None = None,
-               code_bytes: int | None = None) -> IndexPlan:
+def plan_index(
+    n: int,
+    d: int,
+    budget: int,
+    kind: str = "auto",
+    factory: str | None = None,
+    flat_threshold: int = 100_000,
+    points_per_list: int = 64,
+    nlist: int | None = None,
+    code_bytes: int | None = None,
+) -> IndexPlan:
     """The index to build for ``n`` vectors of dimension ``d`` within ``budget`` bytes of RAM."""
     if n < 1:
         raise NeedleInputError("no vectors to index")
@@ -64,7 +73,11 @@ def plan_index(n: int, d: int, budget: int, kind: str = "auto", factory: str | N
         n_list = int(re.search(r"IVF(\d+)", factory).group(1)) if "IVF" in factory else 0
         return IndexPlan(factory, kind, n_list, 0, min(n, n_list * points_per_list), 0, [f"factory {factory!r} given"])
     if kind == "flat" or (kind == "auto" and n < flat_threshold and flat_bytes <= budget):
-        why = "asked for an exact index" if kind == "flat" else f"{n} < {flat_threshold} vectors and {flat_bytes} B fit the budget"
+        why = (
+            "asked for an exact index"
+            if kind == "flat"
+            else f"{n} < {flat_threshold} vectors and {flat_bytes} B fit the budget"
+        )
         return IndexPlan("IDMap2,Flat", "flat", estimated_bytes=flat_bytes, reasons=[f"flat: {why}"])
     if kind not in ("auto", "ivfpq"):
         raise NeedleInputError(f"unknown index kind {kind!r}; choose from auto, flat, ivfpq")
@@ -76,12 +89,17 @@ def plan_index(n: int, d: int, budget: int, kind: str = "auto", factory: str | N
     # add time: an HNSW graph over the centroids makes that step logarithmic (autofaiss does the same).
     hnsw = n_list >= HNSW_QUANTIZER_FROM
     if hnsw:
-        reasons.append(f"HNSW32 coarse quantizer: {n_list} lists >= {HNSW_QUANTIZER_FROM}, brute-force assignment would dominate")
+        reasons.append(
+            f"HNSW32 coarse quantizer: {n_list} lists >= {HNSW_QUANTIZER_FROM}, brute-force assignment would dominate"
+        )
     centroid_bytes = n_list * d * 4
     # At most d/8 bytes (d/4 four-bit sub-quantizers): larger codes slow every scan, and the
     # exact re-scoring already restores what coarser codes lose.
-    fitting = [m for m in PQ_BYTES_CANDIDATES if d % (2 * m) == 0 and 8 * m <= d
-               and n * (m + ID_BYTES) * OVERHEAD + centroid_bytes <= budget]
+    fitting = [
+        m
+        for m in PQ_BYTES_CANDIDATES
+        if d % (2 * m) == 0 and 8 * m <= d and n * (m + ID_BYTES) * OVERHEAD + centroid_bytes <= budget
+    ]
     if code_bytes:
         m = code_bytes
     elif fitting:
@@ -95,12 +113,17 @@ def plan_index(n: int, d: int, budget: int, kind: str = "auto", factory: str | N
     sub = 2 * m  # 4-bit fast-scan: two sub-quantizers per byte
     fast = d % sub == 0
     pq = f"PQ{sub}x4fsr" if fast else f"PQ{m}"
-    reasons.append("4-bit fast-scan codes: same bytes, SIMD scans" if fast else f"8-bit PQ: d={d} not divisible by {sub}")
+    reasons.append(
+        "4-bit fast-scan codes: same bytes, SIMD scans" if fast else f"8-bit PQ: d={d} not divisible by {sub}"
+    )
     subspaces = sub if fast else m
     opq = n >= 1_000_000 and d // subspaces >= 8
     prefix = f"OPQ{subspaces}_{d}," if opq else ""
-    reasons.append("OPQ rotation: N >= 1M and >= 8 dims per sub-quantizer, where balancing variance pays"
-                   if opq else "no OPQ: below 1M vectors or fine sub-quantizers already")
+    reasons.append(
+        "OPQ rotation: N >= 1M and >= 8 dims per sub-quantizer, where balancing variance pays"
+        if opq
+        else "no OPQ: below 1M vectors or fine sub-quantizers already"
+    )
     train_cap = max(n_list * 39, budget // 4 // (d * 4))
     n_train = int(min(n, n_list * points_per_list, train_cap))
     estimated = int(n * (m + ID_BYTES) * OVERHEAD + centroid_bytes)

@@ -126,14 +126,18 @@ def chunks_of(array: np.ndarray, rows: int | None = None, prefetch: bool = True)
         yield array[start : start + rows]
 
 
-def chunks_at(array: np.ndarray, positions: np.ndarray, rows: int | None = None, prefetch: bool = True) -> Iterator[np.ndarray]:
+def chunks_at(
+    array: np.ndarray, positions: np.ndarray, rows: int | None = None, prefetch: bool = True
+) -> Iterator[np.ndarray]:
     """The rows of ``array`` at ascending ``positions``, ``rows`` at a time (None: ~256 MB): a
     view where a chunk's positions are consecutive, a gathered copy where they skip rows (e.g.
     rows whose image failed, which an index leaves out)."""
     rows = check_chunking(array, rows, "chunks_at")
     positions = np.asarray(positions, dtype=np.int64)
     if len(positions) and (positions[0] < 0 or positions[-1] >= len(array) or (np.diff(positions) <= 0).any()):
-        raise NeedleInputError(f"positions must ascend strictly within [0, {len(array)}), got {positions[0]}..{positions[-1]}")
+        raise NeedleInputError(
+            f"positions must ascend strictly within [0, {len(array)}), got {positions[0]}..{positions[-1]}"
+        )
     starts = range(0, len(positions), rows)
     spans = [(int(positions[s]), int(positions[min(s + rows, len(positions)) - 1]) + 1) for s in starts]
     if prefetch and spans:
@@ -277,7 +281,9 @@ def choose_backend(device: str = "auto", k: int = 1, backend: str | None = None,
     backend = backend or auto_backend(device, k)
     if backend == "faiss-gpu":
         if device == "cpu" or faiss_gpus() == 0:
-            raise NeedleInputError(f"backend 'faiss-gpu' on device {device!r}: faiss sees {faiss_gpus()} GPUs (install the gpu extra)")
+            raise NeedleInputError(
+                f"backend 'faiss-gpu' on device {device!r}: faiss sees {faiss_gpus()} GPUs (install the gpu extra)"
+            )
         return FaissGpu(metric)
     if backend == "torch":
         cuda = torch_cuda_available()
@@ -320,7 +326,9 @@ def order_ties(D: np.ndarray, I: np.ndarray, metric: str) -> tuple[np.ndarray, n
     return D, I
 
 
-def merge_sorted(D: np.ndarray, I: np.ndarray, D_new: np.ndarray, I_new: np.ndarray, metric: str, k: int) -> tuple[np.ndarray, np.ndarray]:
+def merge_sorted(
+    D: np.ndarray, I: np.ndarray, D_new: np.ndarray, I_new: np.ndarray, metric: str, k: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The k best of two candidate lists, each best first with ties in id order, and every id of
     the second larger than the first's: a stable sort by score alone keeps ties in id order (and
     merges the two sorted runs in linear time, ~10x faster than ``sort_candidates``)."""
@@ -330,7 +338,9 @@ def merge_sorted(D: np.ndarray, I: np.ndarray, D_new: np.ndarray, I_new: np.ndar
     return np.take_along_axis(D, order, 1), np.take_along_axis(I, order, 1)
 
 
-def chunk_topk(backend: Any, xq: np.ndarray, prepared: Any, n: int, k: int, metric: str) -> tuple[np.ndarray, np.ndarray]:
+def chunk_topk(
+    backend: Any, xq: np.ndarray, prepared: Any, n: int, k: int, metric: str
+) -> tuple[np.ndarray, np.ndarray]:
     """One chunk's (nq, min(k, n)) best (local ids), ties to the smaller id whatever the backend
     keeps among equal scores: queries whose k-th score equals the last one returned are searched
     again with 4x the depth until their tie group fits or the whole chunk is returned."""
@@ -364,16 +374,28 @@ def check_queries(xq: np.ndarray, k: int, metric: str) -> np.ndarray:
 
 
 def check_chunk(chunk: Any, i: int, d: int) -> np.ndarray:
-    if not isinstance(chunk, np.ndarray) or chunk.ndim != 2 or chunk.shape[1] != d or chunk.dtype not in (np.float16, np.float32):
+    if (
+        not isinstance(chunk, np.ndarray)
+        or chunk.ndim != 2
+        or chunk.shape[1] != d
+        or chunk.dtype not in (np.float16, np.float32)
+    ):
         raise NeedleInputError(
-            f"database chunk {i} has shape {getattr(chunk, 'shape', None)} and dtype {getattr(chunk, 'dtype', type(chunk).__name__)}; "
+            f"database chunk {i} has shape {getattr(chunk, 'shape', None)} "
+            f"and dtype {getattr(chunk, 'dtype', type(chunk).__name__)}; "
             f"expected an (n, {d}) float16 or float32 numpy array"
         )
     return chunk
 
 
-def exact_search(xq: np.ndarray, xb_chunks: Iterable[np.ndarray] | np.ndarray, k: int, metric: str = "ip",
-                 device: str = "auto", backend: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def exact_search(
+    xq: np.ndarray,
+    xb_chunks: Iterable[np.ndarray] | np.ndarray,
+    k: int,
+    metric: str = "ip",
+    device: str = "auto",
+    backend: str | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Exact k-NN of (nq, d) queries over a database given as consecutive chunks of rows (e.g.
     ``chunks_of(np.load(path, mmap_mode="r"))``; one 2-D array is chunked with ``chunks_of``).
 
@@ -399,6 +421,13 @@ def exact_search(xq: np.ndarray, xb_chunks: Iterable[np.ndarray] | np.ndarray, k
             D, I = merge_sorted(D, I, D_c, I_c + offset, metric, k)
         offset += n
         chunks += 1
-    log.debug("exact search on %s: %d queries, %d vectors in %d chunks, k=%d: %.3f s",
-              chosen.name, nq, offset, chunks, k, time.perf_counter() - start)
+    log.debug(
+        "exact search on %s: %d queries, %d vectors in %d chunks, k=%d: %.3f s",
+        chosen.name,
+        nq,
+        offset,
+        chunks,
+        k,
+        time.perf_counter() - start,
+    )
     return D, I

@@ -27,17 +27,25 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.descriptors import DescriptorFileError, list_values
 from core.atomic import write_atomic
 from core.errors import NeedleInputError
 from core.tokens import CODE_BYTES, LocalTokens, TokenBatch
+from ingest.descriptors import DescriptorFileError, list_values
 
-TOKEN_DTYPE = np.dtype([("code", np.uint8, (CODE_BYTES,)), ("x", "<i2"), ("y", "<i2"), ("scale", "u1"), ("weight", "<f2")])
+TOKEN_DTYPE = np.dtype(
+    [("code", np.uint8, (CODE_BYTES,)), ("x", "<i2"), ("y", "<i2"), ("scale", "u1"), ("weight", "<f2")]
+)
 LOCAL_COLUMNS = ["local_codes", "local_x", "local_y", "local_scale", "local_weight"]
 
 
 class LocalStoreError(NeedleInputError):
     """A local store whose files are missing or disagree with the index."""
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    """``np.save`` to exactly ``path`` (given a name, np.save would append ``.npy`` to a ``.tmp`` path)."""
+    with open(path, "wb") as f:
+        np.save(f, array)
 
 
 def read_token_records(path: Path | str) -> tuple[np.ndarray, np.ndarray]:
@@ -59,8 +67,12 @@ def read_token_records(path: Path | str) -> tuple[np.ndarray, np.ndarray]:
 
 def tokens_from_records(records: np.ndarray, scales: np.ndarray) -> LocalTokens:
     """One image's TOKEN_DTYPE records -> LocalTokens (scale indices looked up in ``scales``)."""
-    return LocalTokens(np.ascontiguousarray(records["code"]), np.stack([records["x"], records["y"]], 1).astype(np.float32),
-                       np.asarray(scales, np.float32)[records["scale"]], records["weight"].astype(np.float32))
+    return LocalTokens(
+        np.ascontiguousarray(records["code"]),
+        np.stack([records["x"], records["y"]], 1).astype(np.float32),
+        np.asarray(scales, np.float32)[records["scale"]],
+        records["weight"].astype(np.float32),
+    )
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,13 @@ class SegmentInfo:
     count: int  # tokens
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "offsets": self.offsets, "start": self.start, "rows": self.rows, "count": self.count}
+        return {
+            "tokens": self.tokens,
+            "offsets": self.offsets,
+            "start": self.start,
+            "rows": self.rows,
+            "count": self.count,
+        }
 
 
 def write_segment(directory: Path, name: str, files: list[tuple[str, int, int]]) -> SegmentInfo:
@@ -87,7 +105,9 @@ def write_segment(directory: Path, name: str, files: list[tuple[str, int, int]])
         with open(tmp, "wb") as out:
             for path, rows, first in files:
                 if first != expected:
-                    raise DescriptorFileError(f"{path}: segment {name} is not contiguous (position {first}, expected {expected})")
+                    raise DescriptorFileError(
+                        f"{path}: segment {name} is not contiguous (position {first}, expected {expected})"
+                    )
                 offsets, records = read_token_records(path)
                 if len(offsets) != rows + 1:
                     raise DescriptorFileError(f"{path}: {len(offsets) - 1} token lists for {rows} rows")
@@ -98,7 +118,7 @@ def write_segment(directory: Path, name: str, files: list[tuple[str, int, int]])
 
     tokens_path = write_atomic(directory / f"{name}.tokens.bin", write_tokens)
     offsets = np.concatenate(offsets_parts)
-    offsets_path = write_atomic(directory / f"{name}.offsets.npy", lambda tmp: np.save(open(tmp, "wb"), offsets))
+    offsets_path = write_atomic(directory / f"{name}.offsets.npy", lambda tmp: _save_npy(tmp, offsets))
     return SegmentInfo(tokens_path.name, offsets_path.name, start, expected - start, total)
 
 
@@ -125,12 +145,16 @@ class LocalStore:
             else:  # raw records: their count is in the infos
                 size = path.stat().st_size
                 if size != length * dtype.itemsize:
-                    raise LocalStoreError(f"local store file {path} has {size} bytes, the infos say {length} records of {dtype.itemsize}")
+                    raise LocalStoreError(
+                        f"local store file {path} has {size} bytes, the infos say {length} records of {dtype.itemsize}"
+                    )
                 array = np.memmap(path, dtype=dtype, mode="r", shape=(length,)) if length else np.zeros(0, dtype)
         except (OSError, ValueError) as exc:
             raise LocalStoreError(f"cannot read local store file {path}: {exc}") from exc
         if array.dtype != dtype or array.shape != (length,):
-            raise LocalStoreError(f"local store file {path} holds {array.shape} {array.dtype}, the infos say ({length},) {dtype}")
+            raise LocalStoreError(
+                f"local store file {path} holds {array.shape} {array.dtype}, the infos say ({length},) {dtype}"
+            )
         if hasattr(mmap, "MADV_RANDOM") and getattr(array, "_mmap", None) is not None:
             array._mmap.madvise(mmap.MADV_RANDOM)  # rows are read at random: no readahead
         return array

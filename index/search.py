@@ -33,11 +33,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc
 
+from core.errors import NeedleInputError
 from index.build import DEFAULT_QUANTIZER_EF, IDS_FILE, INFOS_FILE, VECTORS_FILE, hnsw_quantizer
 from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available
 from index.locals import LocalStore, open_local_store
 from ingest.descriptors import ROW_SHARD_SHIFT, STATUS_OK
-from core.errors import NeedleInputError
 
 # A flat shard scans on the GPU from this many vectors and queries on ("auto"). Below them the
 # CPU's FAISS scan is cheap (the auto plan is flat only below 100k vectors), and a batch of few
@@ -150,7 +150,7 @@ class Shard:
     exact: bool  # a flat index: its scores need no re-scoring
     nprobe: int  # default lists visited
     quantizer_ef: int | None  # HNSW coarse quantizer depth recorded by the build
-    device: str = "auto"  # flat shards: "auto" scans on a GPU when one is present and the search is large, "cpu" never, "cuda" always
+    device: str = "auto"  # flat shards on a GPU: large searches when one is present (auto), never (cpu), always (cuda)
 
     @property
     def ntotal(self) -> int:
@@ -183,14 +183,18 @@ class Shard:
         order = np.argsort(positions, kind="stable")
         return positions[order], rows[order]
 
-    def scan(self, xq: np.ndarray, kk: int, device: str = "cuda", backend: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def scan(
+        self, xq: np.ndarray, kk: int, device: str = "cuda", backend: str | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Exact (D, I) of this flat shard from its float16 vectors with ``exact_search`` (on a
         GPU by default, or NeedleInputError), ties to the lower row id."""
         positions, rows = self.scan_layout
         D, I = exact_search(xq, chunks_at(self.vectors, positions), kk, "ip", device, backend)
         return D, np.where(I >= 0, rows[I.clip(0)], -1)
 
-    def search(self, xq: np.ndarray, kk: int, nprobe: int | None = None, refine: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def search(
+        self, xq: np.ndarray, kk: int, nprobe: int | None = None, refine: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This shard's shortlist for (nq, d) float32 queries: ``(D_index, I, D_exact)``, its best
         ``kk`` candidates by index score (ties to the lower row id) with their exact inner
         products from the float16 vectors (IVF-PQ with ``refine``; otherwise the index scores)."""
@@ -249,17 +253,24 @@ class SearchIndex:
 
     def shortlist_size(self, k: int, refine: bool = True, refine_factor: int | None = None) -> int:
         """Candidates each shard takes from its index: ``refine_factor`` (default: the build's) times k."""
-        if refine_factor is not None and (not isinstance(refine_factor, int) or isinstance(refine_factor, bool) or refine_factor < 1):
+        if refine_factor is not None and (
+            not isinstance(refine_factor, int) or isinstance(refine_factor, bool) or refine_factor < 1
+        ):
             raise NeedleInputError(f"refine_factor must be an integer >= 1, got {refine_factor!r}")
-        factor = 1 if self.is_exact or not refine else (refine_factor or max(1, int(self.infos.get("refine_factor", 2))))
+        factor = (
+            1 if self.is_exact or not refine else (refine_factor or max(1, int(self.infos.get("refine_factor", 2))))
+        )
         return min(k * factor, self.ntotal)
 
-    def search_shards(self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def search_shards(
+        self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Every shard's shortlist (cluster/serve.py asks its Ray actors instead)."""
         return [shard.search(xq, kk, nprobe, refine) for shard in self.shards]
 
-    def search(self, xq: np.ndarray, k: int, nprobe: int | None = None, refine: bool = True,
-               refine_factor: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, xq: np.ndarray, k: int, nprobe: int | None = None, refine: bool = True, refine_factor: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(nq, d) queries -> (D, I): (nq, k) scores and row ids, best first.
 
         ``nprobe`` and ``refine_factor`` override the build's defaults for this search.
@@ -306,7 +317,9 @@ class SearchIndex:
         vector = np.asarray(self.vectors[position], dtype=np.float32)
         ok = self.ids["status"][position].as_py() == STATUS_OK
         if not ok or not np.isfinite(vector).all() or not vector.any():
-            raise UnknownKeyError(f"key {key!r} has no valid descriptor in {self.path} (its image failed or was rejected)")
+            raise UnknownKeyError(
+                f"key {key!r} has no valid descriptor in {self.path} (its image failed or was rejected)"
+            )
         return vector
 
     def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
@@ -379,8 +392,15 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True, de
 
 
 def make_shard(index: Any, vectors: np.ndarray, infos: dict[str, Any], device: str = "auto") -> Shard:
-    return Shard(index, vectors, offset_table(infos), infos.get("kind") == "flat", int(infos.get("nprobe", 64)),
-                 infos.get("quantizer_ef"), device)
+    return Shard(
+        index,
+        vectors,
+        offset_table(infos),
+        infos.get("kind") == "flat",
+        int(infos.get("nprobe", 64)),
+        infos.get("quantizer_ef"),
+        device,
+    )
 
 
 def open_shard(path: str | Path, name: str, device: str = "auto") -> Shard:

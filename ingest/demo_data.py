@@ -28,11 +28,27 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DemoConfig:
     instances: tuple[str, ...] = (  # scikit-image photos that become instances (several views each)
-        "astronaut", "chelsea", "coffee", "rocket", "stereo_motorcycle", "hubble_deep_field",
-        "immunohistochemistry", "retina", "camera", "coins", "moon", "clock",
+        "astronaut",
+        "chelsea",
+        "coffee",
+        "rocket",
+        "stereo_motorcycle",
+        "hubble_deep_field",
+        "immunohistochemistry",
+        "retina",
+        "camera",
+        "coins",
+        "moon",
+        "clock",
     )
     distractors: tuple[str, ...] = (  # photos whose views only ever appear as distractors
-        "brick", "grass", "gravel", "page", "text", "colorwheel", "logo",
+        "brick",
+        "grass",
+        "gravel",
+        "page",
+        "text",
+        "colorwheel",
+        "logo",
     )
     views_per_instance: int = 5  # views of each instance photo (each is a query in the demo eval)
     views_per_distractor: int = 4  # views of each distractor photo
@@ -118,18 +134,21 @@ def build_demo(out_dir: Path, conf: DemoConfig = DemoConfig()) -> dict[str, Any]
     for shard in range(conf.num_shards):
         shard_items = items[shard * per_shard : (shard + 1) * per_shard]
         tar_path = out_dir / f"{shard:06d}.tar"
-        with atomic_path(tar_path) as tmp:
-            with tarfile.open(tmp, "w") as tar:
-                for i, (name, is_instance, view) in enumerate(shard_items):
-                    key = f"{shard:06d}{i:04d}"
-                    meta = {"photo": name, "role": "instance" if is_instance else "distractor",
-                            "width": int(view.shape[1]), "height": int(view.shape[0])}
-                    _add_member(tar, f"{key}.jpg", _jpeg(view, conf.jpeg_quality))
-                    _add_member(tar, f"{key}.json", json.dumps(meta).encode())
-                    full_key = f"{shard:06d}/{key}"
-                    database.append(full_key)
-                    if is_instance:
-                        keys_of.setdefault(name, []).append(full_key)
+        with atomic_path(tar_path) as tmp, tarfile.open(tmp, "w") as tar:
+            for i, (name, is_instance, view) in enumerate(shard_items):
+                key = f"{shard:06d}{i:04d}"
+                meta = {
+                    "photo": name,
+                    "role": "instance" if is_instance else "distractor",
+                    "width": int(view.shape[1]),
+                    "height": int(view.shape[0]),
+                }
+                _add_member(tar, f"{key}.jpg", _jpeg(view, conf.jpeg_quality))
+                _add_member(tar, f"{key}.json", json.dumps(meta).encode())
+                full_key = f"{shard:06d}/{key}"
+                database.append(full_key)
+                if is_instance:
+                    keys_of.setdefault(name, []).append(full_key)
 
     queries = [
         {"key": key, "instance": name, "positives": [k for k in keys if k != key]}

@@ -60,7 +60,7 @@ def descriptor_schema(dim: int, extra: list[pa.Field] | None = None) -> pa.Schem
 
 def fixed_size_list(array: np.ndarray, value_type: pa.DataType) -> pa.FixedSizeListArray:
     """(n, d) numpy array -> Arrow fixed-size-list column without a Python loop."""
-    n, d = array.shape
+    _n, d = array.shape
     flat = pa.array(np.ascontiguousarray(array).reshape(-1), type=value_type)
     return pa.FixedSizeListArray.from_arrays(flat, d)
 
@@ -78,7 +78,9 @@ def list_column(per_row: list[np.ndarray | None], list_type: pa.ListType) -> pa.
         flat = np.concatenate(present).astype(np.uint8) if present else np.zeros((0, width), np.uint8)
         if flat.ndim != 2 or flat.shape[1] != width:
             raise TypeError(f"fixed-size binary column needs (n, {width}) uint8 rows, got {flat.shape}")
-        values = pa.FixedSizeBinaryArray.from_buffers(value_type, len(flat), [None, pa.py_buffer(np.ascontiguousarray(flat).tobytes())])
+        values = pa.FixedSizeBinaryArray.from_buffers(
+            value_type, len(flat), [None, pa.py_buffer(np.ascontiguousarray(flat).tobytes())]
+        )
     elif pa.types.is_fixed_size_list(value_type):
         d = value_type.list_size
         dtype = value_type.value_type.to_pandas_dtype()

@@ -32,7 +32,9 @@ def decode_resized(data: bytes, longer_side: int, key: str = "?") -> tuple[np.nd
     return images[longer_side], width, height
 
 
-def decode_resized_many(data: bytes, longer_sides: tuple[int, ...], key: str = "?") -> tuple[dict[int, np.ndarray], int, int]:
+def decode_resized_many(
+    data: bytes, longer_sides: tuple[int, ...], key: str = "?"
+) -> tuple[dict[int, np.ndarray], int, int]:
     """Decode once, resize to each of ``longer_sides`` (each from the decoded image, so every size
     is exactly what :func:`decode_resized` gives alone, as long as the draft-mode scale is the same:
     the draft is taken for the largest size). Returns ({longer side: array}, width, height)."""

@@ -293,14 +293,17 @@ def prepare_output(output: Path) -> None:
         raise PackInputError(f"cannot create output directory {output}: {_os_reason(exc)}") from exc
     foreign = sorted(p.name for p in output.iterdir() if TAR_NAME.match(p.name))
     if foreign and not (output / INFO_NAME).is_file():
-        raise PackInputError(f"output directory {output} holds tars needle pack did not write ({foreign[0]}, ... "
-                             f"{len(foreign)} in all; no {INFO_NAME}): choose an empty directory or remove them")
+        raise PackInputError(
+            f"output directory {output} holds tars needle pack did not write ({foreign[0]}, ... "
+            f"{len(foreign)} in all; no {INFO_NAME}): choose an empty directory or remove them"
+        )
 
 
 def remove_stale(output: Path, written: set[str]) -> list[str]:
     """Remove the ``NNNNNN.tar`` (and ``.tar.tmp``) files of an earlier run that this run did not write."""
-    stale = sorted(p.name for p in output.iterdir()
-                   if (TAR_NAME.match(p.name) and p.name not in written) or TMP_NAME.match(p.name))
+    stale = sorted(
+        p.name for p in output.iterdir() if (TAR_NAME.match(p.name) and p.name not in written) or TMP_NAME.match(p.name)
+    )
     for name in stale:
         log.warning("pack: removing %s, left by an earlier run (this run wrote %d tars)", output / name, len(written))
         (output / name).unlink()
@@ -316,9 +319,19 @@ def _needle_version() -> str | None:
         return None
 
 
-def _info(conf: PackConfig, inputs: Any, root: Path, output: Path, found: list[str], ignored: int,
-          shards: list[dict[str, Any]], skipped: list[Skipped], renamed: list[dict[str, str]], removed: list[str],
-          status: str) -> dict[str, Any]:
+def _info(
+    conf: PackConfig,
+    inputs: Any,
+    root: Path,
+    output: Path,
+    found: list[str],
+    ignored: int,
+    shards: list[dict[str, Any]],
+    skipped: list[Skipped],
+    renamed: list[dict[str, str]],
+    removed: list[str],
+    status: str,
+) -> dict[str, Any]:
     n = len(shards)
     output = Path(os.path.abspath(output))
     return {
@@ -343,8 +356,9 @@ def _info(conf: PackConfig, inputs: Any, root: Path, output: Path, found: list[s
 # --- the stage -----------------------------------------------------------------------------------
 
 
-def pack_files(conf: PackConfig, root: Path, found: list[str],
-               writer: TarShardWriter) -> tuple[list[Skipped], list[dict[str, str]]]:
+def pack_files(
+    conf: PackConfig, root: Path, found: list[str], writer: TarShardWriter
+) -> tuple[list[Skipped], list[dict[str, str]]]:
     """Pack ``found`` (relative to ``root``) in order; returns the unreadable files and the keys
     renamed to be unique."""
     skipped: list[Skipped] = []
@@ -373,17 +387,27 @@ def main(conf: PackConfig, inputs: str | Path | Sequence[str | Path], output: Pa
     prepare_output(output)
     for entry in skipped:
         log.warning("pack: skipping %s: %s", root / entry.source, entry.reason)
-    write_json_atomic(_info(conf, inputs, root, output, found, ignored, [], skipped, [], [], "incomplete"),
-                      output / INFO_NAME)
+    write_json_atomic(
+        _info(conf, inputs, root, output, found, ignored, [], skipped, [], [], "incomplete"), output / INFO_NAME
+    )
     with TarShardWriter(output, conf.shard_size) as writer:
         unreadable, renamed = pack_files(conf, root, found, writer)
     skipped = sorted(skipped + unreadable, key=lambda s: _path_order(s.source))
     if not writer.shards:
-        raise PackInputError(f"no readable image among the {len(found)} image files of {root} "
-                             f"(e.g. {skipped[0].source}: {skipped[0].reason})")
+        raise PackInputError(
+            f"no readable image among the {len(found)} image files of {root} "
+            f"(e.g. {skipped[0].source}: {skipped[0].reason})"
+        )
     removed = remove_stale(output, {s["tar"] for s in writer.shards})
     info = _info(conf, inputs, root, output, found, ignored, writer.shards, skipped, renamed, removed, "complete")
     write_json_atomic(info, output / INFO_NAME)
-    log.info("pack: %d images from %s in %d tars at %s (%d skipped, %d keys renamed)", info["images"], root,
-             len(writer.shards), output, len(skipped), len(renamed))
+    log.info(
+        "pack: %d images from %s in %d tars at %s (%d skipped, %d keys renamed)",
+        info["images"],
+        root,
+        len(writer.shards),
+        output,
+        len(skipped),
+        len(renamed),
+    )
     return output

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from core.errors import ImageDecodeError, ShardReadError
 from ingest.descriptors import (
     STATUS_ERROR,
     STATUS_OK,
@@ -29,7 +30,6 @@ from ingest.descriptors import (
     list_column,
     make_row_id,
 )
-from core.errors import ImageDecodeError, ShardReadError
 from ingest.images import decode_resized_many
 from ingest.reader import image_bytes, iter_samples
 from ingest.shards import shard_name
@@ -72,7 +72,6 @@ class _Decoded:
     error: str
 
 
-
 class Extractor(Protocol):
     """What an ingestion worker needs from an extractor."""
 
@@ -98,8 +97,9 @@ def _decode_sample(sample: dict[str, Any], longer_sides: tuple[int, ...]) -> _De
     return _Decoded(key, images, width, height, "")
 
 
-def _decoded_stream(samples: Iterator[dict[str, Any]], longer_sides: tuple[int, ...], pool: ThreadPoolExecutor,
-                    ahead: int) -> Iterator[_Decoded]:
+def _decoded_stream(
+    samples: Iterator[dict[str, Any]], longer_sides: tuple[int, ...], pool: ThreadPoolExecutor, ahead: int
+) -> Iterator[_Decoded]:
     """Decode samples in ``pool``, keeping up to ``ahead`` decodes in flight, in input order."""
     pending: deque[Future[_Decoded]] = deque()
     for sample in samples:
@@ -130,8 +130,14 @@ def _decode_batch(samples: list[dict[str, Any]], longer_sides: tuple[int, ...], 
     return out
 
 
-def _batch_decoded_stream(samples: Iterator[dict[str, Any]], longer_sides: tuple[int, ...], decoder: Any,
-                          pool: ThreadPoolExecutor, batch: int, ahead: int) -> Iterator[_Decoded]:
+def _batch_decoded_stream(
+    samples: Iterator[dict[str, Any]],
+    longer_sides: tuple[int, ...],
+    decoder: Any,
+    pool: ThreadPoolExecutor,
+    batch: int,
+    ahead: int,
+) -> Iterator[_Decoded]:
     """Like :func:`_decoded_stream`, decoding ``batch`` samples per call of ``decoder`` in ``pool``."""
     pending: deque[Future[list[_Decoded]]] = deque()
     for group in _chunks(samples, batch):
@@ -142,8 +148,9 @@ def _batch_decoded_stream(samples: Iterator[dict[str, Any]], longer_sides: tuple
         yield from pending.popleft().result()
 
 
-def _phased_chunks(samples: Iterator[dict[str, Any]], longer_sides: tuple[int, ...], pool: ThreadPoolExecutor,
-                   size: int) -> Iterator[list[_Decoded]]:
+def _phased_chunks(
+    samples: Iterator[dict[str, Any]], longer_sides: tuple[int, ...], pool: ThreadPoolExecutor, size: int
+) -> Iterator[list[_Decoded]]:
     """Chunks of ``size`` samples, each decoded on all of ``pool``'s threads before it is handed
     on, and nothing decoded while the caller works on it: where decoding and the model share the
     same cores, taking turns avoids the stalls of oversubscription (a decoding thread preempting
@@ -227,8 +234,15 @@ def process_shard(
     return ShardResult(url, name, "ok", path, len(keys), n_errors, seconds)
 
 
-def _describe(url: str, opener: Any, extractors: Sequence[Extractor], decode_threads: int, chunk_size: int,
-              batch_decoder: Any = None, overlap: bool = True) -> tuple:
+def _describe(
+    url: str,
+    opener: Any,
+    extractors: Sequence[Extractor],
+    decode_threads: int,
+    chunk_size: int,
+    batch_decoder: Any = None,
+    overlap: bool = True,
+) -> tuple:
     """Every sample of the shard through decoding and the extractors, in archive order."""
     name = shard_name(url)
     keys, widths, heights, errors = [], [], [], []
@@ -244,7 +258,9 @@ def _describe(url: str, opener: Any, extractors: Sequence[Extractor], decode_thr
         ahead = chunk_size + 4 * decode_threads
         samples = iter_samples(url, opener)
         if batch_decoder is not None:
-            chunks = _chunks(_batch_decoded_stream(samples, longer_sides, batch_decoder, pool, DECODE_BATCH, ahead), chunk_size)
+            chunks = _chunks(
+                _batch_decoded_stream(samples, longer_sides, batch_decoder, pool, DECODE_BATCH, ahead), chunk_size
+            )
         elif overlap:
             chunks = _chunks(_decoded_stream(samples, longer_sides, pool, ahead), chunk_size)
         else:

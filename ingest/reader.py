@@ -25,11 +25,13 @@ IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 def open_shard(url: str, opener: Callable[[str], IO[bytes]] | None = None) -> Iterator[IO[bytes]]:
     """Open a shard for streaming; ``opener`` handles remote URLs (local files by default)."""
     try:
-        stream = opener(url) if opener is not None else open(url, "rb")
+        stream = opener(url) if opener is not None else open(url, "rb")  # noqa: SIM115 (closed below)
     except FileNotFoundError as exc:
         raise ShardReadError(url, "file not found") from exc
     except Exception as exc:  # S3 client errors are not all OSErrors
-        raise ShardReadError(url, f"{type(exc).__name__}: {exc}", transient=is_transient(exc) or isinstance(exc, OSError)) from exc
+        raise ShardReadError(
+            url, f"{type(exc).__name__}: {exc}", transient=is_transient(exc) or isinstance(exc, OSError)
+        ) from exc
     try:
         yield stream
     finally:
@@ -42,7 +44,10 @@ def _reraise(exc: Exception) -> bool:
 
 def is_transient(exc: BaseException) -> bool:
     """Network trouble worth a second read (connection reset, timeout, an S3 stream cut)."""
-    return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.split(".")[0] in ("botocore", "urllib3")
+    return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.split(".")[0] in (
+        "botocore",
+        "urllib3",
+    )
 
 
 def iter_samples(url: str, opener: Callable[[str], IO[bytes]] | None = None) -> Iterator[dict[str, Any]]:

@@ -155,7 +155,9 @@ class S3Storage:
 
     def commit_file(self, name: str, local_file: Path, marker: dict[str, Any]) -> str:
         self.client.upload_file(str(local_file), self.bucket, self._key(name))
-        self.client.put_object(Bucket=self.bucket, Key=self._key(name + MARKER_SUFFIX), Body=json.dumps(marker).encode())
+        self.client.put_object(
+            Bucket=self.bucket, Key=self._key(name + MARKER_SUFFIX), Body=json.dumps(marker).encode()
+        )
         Path(local_file).unlink(missing_ok=True)
         return f"s3://{self.bucket}/{self._key(name)}"
 

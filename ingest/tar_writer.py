@@ -49,7 +49,7 @@ class TarShardWriter:
         if self._tar is None:
             self._path = self.out_dir / f"{self.prefix}{len(self.shards):06d}.tar"
             self._tmp = temporary_path(self._path)
-            self._tar = tarfile.open(self._tmp, "w", format=self.tar_format)
+            self._tar = tarfile.open(self._tmp, "w", format=self.tar_format)  # noqa: SIM115 (open across add calls)
         for suffix, data in members:
             self._tar.addfile(tar_member(f"{key}.{suffix}", len(data)), io.BytesIO(data))
         self._keys.append(key)
@@ -64,8 +64,15 @@ class TarShardWriter:
             return
         self._tar.close()
         self._tmp.replace(self._path)
-        self.shards.append({"tar": self._path.name, "samples": len(self._keys), "bytes": self._path.stat().st_size,
-                            "first_key": self._keys[0], "last_key": self._keys[-1]})
+        self.shards.append(
+            {
+                "tar": self._path.name,
+                "samples": len(self._keys),
+                "bytes": self._path.stat().st_size,
+                "first_key": self._keys[0],
+                "last_key": self._keys[-1],
+            }
+        )
         self.written.append(self._path)
         self._tar, self._keys = None, []
 

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.checkpoint import load_torch_file
 from core.atomic import write_atomic
+from core.checkpoint import load_torch_file
 from core.errors import NeedleInputError
 from core.tokens import CODE_BITS, LocalTokens, TokenBatch, unpack_signs
 
@@ -97,7 +97,9 @@ class DecoderLayer(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.norm3 = nn.LayerNorm(dim)
 
-    def forward(self, x: torch.Tensor, sa_mask: torch.Tensor, ca_mask: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, sa_mask: torch.Tensor, ca_mask: torch.Tensor, padding: torch.Tensor
+    ) -> torch.Tensor:
         # need_weights=False: the official code discards the weights; skipping them lets torch use
         # its fused attention kernels, same result up to float rounding.
         x = self.norm1(x + self.self_attn(x, x, x, attn_mask=sa_mask, key_padding_mask=padding, need_weights=False)[0])
@@ -112,7 +114,9 @@ class Decoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(conf.model_dim, conf.heads, conf.ff_dim) for _ in range(conf.layers))
 
-    def forward(self, x: torch.Tensor, sa_mask: torch.Tensor, ca_mask: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, sa_mask: torch.Tensor, ca_mask: torch.Tensor, padding: torch.Tensor
+    ) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, sa_mask, ca_mask, padding)
         return x
@@ -137,9 +141,9 @@ def attention_masks(q: int, t: int, device: torch.device | None = None) -> tuple
     """
     n = 1 + q + t
     src = torch.zeros(n, dtype=torch.bool, device=device)
-    src[1:1 + q] = True
+    src[1 : 1 + q] = True
     tgt = torch.zeros(n, dtype=torch.bool, device=device)
-    tgt[1 + q:] = True
+    tgt[1 + q :] = True
     sa = (src[:, None] & tgt[None, :]) | (tgt[:, None] & src[None, :])
     ca = (src[:, None] & src[None, :]) | (tgt[:, None] & tgt[None, :])
     return sa, ca
@@ -157,7 +161,9 @@ class AMES(nn.Module):
         self.mtc_token = nn.Parameter(torch.empty(conf.model_dim))
         if conf.binarized:
             self.remap_local = nn.Sequential(
-                SignProjection(conf.local_dim, conf.model_dim), nn.Linear(conf.model_dim, conf.model_dim), nn.LayerNorm(conf.model_dim)
+                SignProjection(conf.local_dim, conf.model_dim),
+                nn.Linear(conf.model_dim, conf.model_dim),
+                nn.LayerNorm(conf.model_dim),
             )
         else:
             self.remap_local = nn.Sequential(nn.Linear(conf.local_dim, conf.model_dim), nn.LayerNorm(conf.model_dim))
@@ -174,7 +180,11 @@ class AMES(nn.Module):
         """
         if not self.conf.binarized:
             raise AMESInputError("set_projection needs a binarised AMES model; this one is full precision")
-        w = proj.detach().float() if isinstance(proj, torch.Tensor) else torch.from_numpy(np.asarray(proj, dtype=np.float32))
+        w = (
+            proj.detach().float()
+            if isinstance(proj, torch.Tensor)
+            else torch.from_numpy(np.asarray(proj, dtype=np.float32))
+        )
         if w.ndim != 2 or w.shape[1] != self.conf.model_dim:
             raise AMESInputError(f"ITQ projection has shape {tuple(w.shape)}, expected (d, {self.conf.model_dim})")
         layer = self.remap_local[0]
@@ -212,7 +222,9 @@ class AMES(nn.Module):
         post = self.remap_local[1:]
         return self._score(post(src_signs), src_mask, post(tgt_signs), tgt_mask)
 
-    def _score(self, src: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor, tgt_mask: torch.Tensor) -> torch.Tensor:
+    def _score(
+        self, src: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor, tgt_mask: torch.Tensor
+    ) -> torch.Tensor:
         B, Q, _ = src.shape
         T = tgt.shape[1]
         x = torch.cat([self.mtc_token.expand(B, 1, -1), src, tgt], dim=1)
@@ -222,9 +234,13 @@ class AMES(nn.Module):
         return self.classifier(x[:, 0]).view(-1)
 
     @staticmethod
-    def _check(src: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor, tgt_mask: torch.Tensor, dim: int, what: str) -> None:
+    def _check(
+        src: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor, tgt_mask: torch.Tensor, dim: int, what: str
+    ) -> None:
         if src.ndim != 3 or tgt.ndim != 3 or src.shape[-1] != dim or tgt.shape[-1] != dim or len(src) != len(tgt):
-            raise AMESInputError(f"AMES {what} must be (B,Q,{dim}) and (B,T,{dim}), got {tuple(src.shape)} and {tuple(tgt.shape)}")
+            raise AMESInputError(
+                f"AMES {what} must be (B,Q,{dim}) and (B,T,{dim}), got {tuple(src.shape)} and {tuple(tgt.shape)}"
+            )
         if tuple(src_mask.shape) != tuple(src.shape[:2]) or tuple(tgt_mask.shape) != tuple(tgt.shape[:2]):
             raise AMESInputError(
                 f"AMES padding masks {tuple(src_mask.shape)}, {tuple(tgt_mask.shape)} do not match tokens "
@@ -246,28 +262,34 @@ def _unwrap(obj: Any, path: Path) -> dict[str, torch.Tensor]:
         if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
             # Multi-GPU training saves names as "module.<name>".
             return {k.removeprefix("module."): v for k, v in obj.items()}
-    raise AMESCheckpointError(f"{path}: not an AMES checkpoint (no state dict at the top or under {'/'.join(_WRAPPERS)})")
+    raise AMESCheckpointError(
+        f"{path}: not an AMES checkpoint (no state dict at the top or under {'/'.join(_WRAPPERS)})"
+    )
 
 
 def _infer_config(sd: Mapping[str, torch.Tensor], path: Path, heads: int) -> AMESConfig:
     """The architecture implied by the state dict's shapes (all but the number of heads)."""
+
     def get(key: str) -> torch.Tensor:
         if key not in sd:
             raise AMESCheckpointError(f"{path}: missing key {key!r}")
         return sd[key]
 
     binarized = "remap_local.0.W" in sd
-    if binarized:
-        local_dim = int(get("remap_local.0.W").shape[0])
-    else:
-        local_dim = int(get("remap_local.0.weight").shape[-1])
+    local_dim = int(get("remap_local.0.W").shape[0]) if binarized else int(get("remap_local.0.weight").shape[-1])
     model_dim = int(get("mtc_token").shape[0])
     layer_ids = {int(m.group(1)) for k in sd if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
     if not layer_ids:
         raise AMESCheckpointError(f"{path}: no decoder.layers.* keys")
     ff_dim = int(get("decoder.layers.0.linear1.weight").shape[0])
-    return AMESConfig(local_dim=local_dim, model_dim=model_dim, heads=heads, layers=max(layer_ids) + 1, ff_dim=ff_dim,
-                      binarized=binarized)
+    return AMESConfig(
+        local_dim=local_dim,
+        model_dim=model_dim,
+        heads=heads,
+        layers=max(layer_ids) + 1,
+        ff_dim=ff_dim,
+        binarized=binarized,
+    )
 
 
 def load_ames(path: str | Path, conf: AMESConfig | None = None, map_location: str | torch.device = "cpu") -> AMES:
@@ -291,7 +313,9 @@ def load_ames(path: str | Path, conf: AMESConfig | None = None, map_location: st
         if key not in sd:
             raise AMESCheckpointError(f"{path}: missing key {key!r} (expected shape {list(value.shape)})")
         if tuple(sd[key].shape) != tuple(value.shape):
-            raise AMESCheckpointError(f"{path}: key {key!r} has shape {list(sd[key].shape)}, expected {list(value.shape)}")
+            raise AMESCheckpointError(
+                f"{path}: key {key!r} has shape {list(sd[key].shape)}, expected {list(value.shape)}"
+            )
     unexpected = sorted(set(sd) - set(expected))
     if unexpected:
         raise AMESCheckpointError(f"{path}: unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
@@ -302,7 +326,10 @@ def load_ames(path: str | Path, conf: AMESConfig | None = None, map_location: st
 
 def save_ames(model: AMES, path: str | Path, extra: Mapping[str, Any] | None = None) -> Path:
     """Write {"state": state_dict, "config": ...} atomically (.tmp then rename), loadable by load_ames."""
-    payload: dict[str, Any] = {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "config": asdict(model.conf)}
+    payload: dict[str, Any] = {
+        "state": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "config": asdict(model.conf),
+    }
     if extra:
         payload.update(extra)
     return write_atomic(Path(path), lambda tmp: torch.save(payload, tmp))
@@ -321,8 +348,8 @@ def pad_descriptors(images: Sequence[LocalTokens], dim: int) -> tuple[np.ndarray
         if len(t) and (t.desc is None or t.desc.shape[1] != dim):
             got = None if t.desc is None else t.desc.shape
             raise AMESInputError(f"full-precision AMES needs float descriptors of dim {dim}; image {b} has {got}")
-        out[b, :len(t)] = t.desc if len(t) else 0
-        pad[b, :len(t)] = False
+        out[b, : len(t)] = t.desc if len(t) else 0
+        pad[b, : len(t)] = False
     return out, pad
 
 

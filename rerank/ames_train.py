@@ -34,8 +34,8 @@ from tqdm import tqdm
 
 from core.atomic import write_atomic
 from core.errors import NeedleInputError
-from rerank.ames import AMES, AMESConfig, load_ames, pad_descriptors, save_ames
 from core.tokens import LocalTokens, TokenBatch, unpack_signs
+from rerank.ames import AMES, AMESConfig, load_ames, pad_descriptors, save_ames
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,9 @@ def load_images(images: str | Path | Sequence[str | Path | np.ndarray]) -> list[
         folder = Path(images)
         if not folder.is_dir():
             raise AMESTrainError(f"training images directory {folder} does not exist")
-        items: Sequence[str | Path | np.ndarray] = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        items: Sequence[str | Path | np.ndarray] = sorted(
+            p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES
+        )
         if not items:
             raise AMESTrainError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
     else:
@@ -187,10 +189,14 @@ def load_images(images: str | Path | Sequence[str | Path | np.ndarray]) -> list[
     return out
 
 
-def _describe(describe: Describe, images: list[np.ndarray], keep_desc: bool, max_tokens: int | None) -> list[LocalTokens]:
+def _describe(
+    describe: Describe, images: list[np.ndarray], keep_desc: bool, max_tokens: int | None
+) -> list[LocalTokens]:
     tokens = describe(images)
     if len(tokens) != len(images) or not all(isinstance(t, LocalTokens) for t in tokens):
-        raise AMESTrainError(f"describe returned {len(tokens)} items for {len(images)} images; expected one LocalTokens each")
+        raise AMESTrainError(
+            f"describe returned {len(tokens)} items for {len(images)} images; expected one LocalTokens each"
+        )
     out = []
     for t in tokens:
         if max_tokens is not None:
@@ -208,7 +214,7 @@ def build_pool(images: list[np.ndarray], describe: Describe, conf: TrainConfig, 
         raise AMESTrainError(f"AMES training needs at least 2 images (negatives pair different ones), got {n}")
     if conf.pairs < 2:
         raise AMESTrainError(f"AMES training needs at least 2 pairs, got {conf.pairs}")
-    n_pos = int(round(conf.pairs * conf.positive_fraction))
+    n_pos = round(conf.pairs * conf.positive_fraction)
     labels = rng.permutation(np.r_[np.ones(n_pos), np.zeros(conf.pairs - n_pos)])
     # Anchors cycle through shuffled images so that every image is used before any repeats.
     anchors = np.concatenate([rng.permutation(n) for _ in range(-(-conf.pairs // n))])[: conf.pairs]
@@ -220,11 +226,13 @@ def build_pool(images: list[np.ndarray], describe: Describe, conf: TrainConfig, 
     used = np.unique(anchors)
     anchor_tokens: dict[int, LocalTokens] = {}
     for start in range(0, len(used), step):
-        ids = used[start:start + step]
-        anchor_tokens.update(zip(ids.tolist(), _describe(describe, [images[i] for i in ids], keep_desc, conf.max_tokens)))
+        ids = used[start : start + step]
+        anchor_tokens.update(
+            zip(ids.tolist(), _describe(describe, [images[i] for i in ids], keep_desc, conf.max_tokens))
+        )
     view_tokens: list[LocalTokens] = []
     for start in tqdm(range(0, conf.pairs, step), desc="describing views", disable=None):
-        views = [random_view(images[i], rng, conf.warp) for i in sources[start:start + step]]
+        views = [random_view(images[i], rng, conf.warp) for i in sources[start : start + step]]
         view_tokens += _describe(describe, views, keep_desc, conf.max_tokens)
     return [Pair(anchor_tokens[int(a)], v, float(y)) for a, v, y in zip(anchors, view_tokens, labels)]
 
@@ -255,7 +263,9 @@ def evaluate(model: AMES, pairs: Sequence[Pair], batch_size: int = 64) -> dict[s
     model.eval()
     try:
         with torch.inference_mode():
-            logits = torch.cat([_batch_logits(model, pairs[i:i + batch_size]) for i in range(0, len(pairs), batch_size)])
+            logits = torch.cat(
+                [_batch_logits(model, pairs[i : i + batch_size]) for i in range(0, len(pairs), batch_size)]
+            )
     finally:
         model.train(was_training)
     labels = torch.tensor([p.label for p in pairs])
@@ -284,7 +294,7 @@ def train(model: AMES, pairs: Sequence[Pair], conf: TrainConfig, rng: np.random.
             order = rng.permutation(len(pairs))
             total, correct = 0.0, 0
             for start in range(0, len(pairs), conf.batch_size):
-                batch = [pairs[i] for i in order[start:start + conf.batch_size]]
+                batch = [pairs[i] for i in order[start : start + conf.batch_size]]
                 labels = torch.tensor([p.label for p in batch], device=device)
                 logits = _batch_logits(model, batch)
                 loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
@@ -314,7 +324,9 @@ def _build_model(conf: TrainConfig, pool: Sequence[Pair], projection: np.ndarray
         model = load_ames(conf.init)
         if model.conf.binarized != conf.binarized:
             kind = "binarised" if model.conf.binarized else "full precision"
-            raise AMESTrainError(f"init checkpoint {conf.init} is {kind}, but the config says binarized={conf.binarized}")
+            raise AMESTrainError(
+                f"init checkpoint {conf.init} is {kind}, but the config says binarized={conf.binarized}"
+            )
     else:
         dim = _token_dim(pool)
         if conf.binarized:
@@ -322,15 +334,27 @@ def _build_model(conf: TrainConfig, pool: Sequence[Pair], projection: np.ndarray
             # with for forward() on float descriptors to agree; without one it stays random.
             local_dim = projection.shape[0] if projection is not None else (dim or AMESConfig.local_dim)
             if projection is None:
-                log.warning("no ITQ projection given: the checkpoint's remap_local.0.W is random (forward_codes is unaffected)")
+                log.warning(
+                    "no ITQ projection given: the checkpoint's remap_local.0.W is random (forward_codes is unaffected)"
+                )
         else:
             if dim is None:
-                raise AMESTrainError("full-precision AMES training needs float descriptors; describe returned tokens without desc")
+                raise AMESTrainError(
+                    "full-precision AMES training needs float descriptors; describe returned tokens without desc"
+                )
             local_dim = dim
         with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG
             torch.manual_seed(conf.seed)
-            model = AMES(AMESConfig(local_dim=int(local_dim), model_dim=conf.model_dim, heads=conf.heads,
-                                    layers=conf.layers, ff_dim=conf.ff_dim, binarized=conf.binarized))
+            model = AMES(
+                AMESConfig(
+                    local_dim=int(local_dim),
+                    model_dim=conf.model_dim,
+                    heads=conf.heads,
+                    layers=conf.layers,
+                    ff_dim=conf.ff_dim,
+                    binarized=conf.binarized,
+                )
+            )
     if projection is not None:
         model.set_projection(projection)
     if model.conf.binarized:
@@ -356,8 +380,10 @@ def main(
     output = Path(output)
     ckpt = output if output.suffix in (".pt", ".pth") else output / "ames.pt"
     if not 0 < conf.positive_fraction < 1 or not 0 <= conf.val_fraction < 1:
-        raise AMESTrainError(f"positive_fraction must be in (0, 1) and val_fraction in [0, 1), "
-                             f"got {conf.positive_fraction} and {conf.val_fraction}")
+        raise AMESTrainError(
+            f"positive_fraction must be in (0, 1) and val_fraction in [0, 1), "
+            f"got {conf.positive_fraction} and {conf.val_fraction}"
+        )
     rng = np.random.default_rng(conf.seed)
     t0 = time.perf_counter()
     imgs = load_images(images)
@@ -365,16 +391,29 @@ def main(
     t_describe = time.perf_counter() - t0
     n_val = int(len(pool) * conf.val_fraction)
     val, trn = pool[:n_val], pool[n_val:]  # the pool is already in random order
-    log.info("AMES pool: %d images, %d pairs (%d train, %d held out), described in %.1f s",
-             len(imgs), len(pool), len(trn), n_val, t_describe)
+    log.info(
+        "AMES pool: %d images, %d pairs (%d train, %d held out), described in %.1f s",
+        len(imgs),
+        len(pool),
+        len(trn),
+        n_val,
+        t_describe,
+    )
 
     model = _build_model(conf, pool, projection)
     t1 = time.perf_counter()
     history = train(model, trn, conf, rng)
     t_train = time.perf_counter() - t1
     on_train, on_val = evaluate(model, trn), evaluate(model, val)
-    log.info("AMES trained in %.1f s: final loss %.4f; train pos/neg acc %s/%s; held-out pos/neg acc %s/%s",
-             t_train, history[-1], on_train["pos_acc"], on_train["neg_acc"], on_val["pos_acc"], on_val["neg_acc"])
+    log.info(
+        "AMES trained in %.1f s: final loss %.4f; train pos/neg acc %s/%s; held-out pos/neg acc %s/%s",
+        t_train,
+        history[-1],
+        on_train["pos_acc"],
+        on_train["neg_acc"],
+        on_val["pos_acc"],
+        on_val["neg_acc"],
+    )
 
     record: dict[str, Any] = {
         "checkpoint": ckpt.name,

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rerank.matching import NearestTokens, nearest_tokens
 from core.tokens import CODE_BITS, LocalTokens, TokenBatch
+from rerank.matching import NearestTokens, nearest_tokens
 
 
 def chamfer_similarity(query: LocalTokens, candidates: TokenBatch) -> np.ndarray:

@@ -22,7 +22,9 @@ METHODS = ("sp", "chamfer", "ames")
 
 @dataclass(frozen=True)
 class EnsembleConfig:
-    lam: float = 0.5  # weight of the global score (1 - lam for the local one); realbench validation folds chose 0.5-0.6 for SP
+    lam: float = (
+        0.5  # weight of the global score (1 - lam for the local one); realbench validation folds chose 0.5-0.6 for SP
+    )
     gamma: float = 1.0  # AMES: sigmoid temperature over its logit
     inlier_cap: int = 50  # SP: inliers at which the local score saturates at 1
 
@@ -45,7 +47,9 @@ def local_to_unit(method: str, raw: np.ndarray, conf: EnsembleConfig) -> np.ndar
     raise NeedleInputError(f"unknown re-ranking method {method!r}; choose from {METHODS}")
 
 
-def combine(method: str, s_global: np.ndarray, raw_local: np.ndarray, has_locals: np.ndarray, conf: EnsembleConfig) -> np.ndarray:
+def combine(
+    method: str, s_global: np.ndarray, raw_local: np.ndarray, has_locals: np.ndarray, conf: EnsembleConfig
+) -> np.ndarray:
     """Final scores of a shortlist: the ensemble where a candidate has tokens, else its global score."""
     mixed = conf.lam * np.asarray(s_global, np.float64) + (1.0 - conf.lam) * local_to_unit(method, raw_local, conf)
     return np.where(has_locals, mixed, s_global)
@@ -90,9 +94,14 @@ DEFAULT_LAMBDAS = tuple(np.round(np.linspace(0.0, 1.0, 21), 3))
 DEFAULT_GAMMAS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 
 
-def grid_search(queries: Sequence[ValidationQuery], method: str, k: int = 1000,
-                lambdas: Sequence[float] = DEFAULT_LAMBDAS, gammas: Sequence[float] = DEFAULT_GAMMAS,
-                inlier_cap: int = 50) -> tuple[EnsembleConfig, float]:
+def grid_search(
+    queries: Sequence[ValidationQuery],
+    method: str,
+    k: int = 1000,
+    lambdas: Sequence[float] = DEFAULT_LAMBDAS,
+    gammas: Sequence[float] = DEFAULT_GAMMAS,
+    inlier_cap: int = 50,
+) -> tuple[EnsembleConfig, float]:
     """The (λ, γ) of best validation mAP@k (γ only for AMES); ties go to the first in grid order."""
     if not queries:
         raise NeedleInputError("grid search needs at least one validation query")

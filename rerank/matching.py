@@ -72,7 +72,9 @@ class NearestTokens:
     candidate: np.ndarray  # (n,) int64 candidate of each pair within ``within`` bits
     query: np.ndarray  # (n,) int64 query token
     token: np.ndarray  # (n,) int64 nearest candidate token (position in the TokenBatch row; lowest on ties)
-    mutual: np.ndarray | None  # (n,) bool: the token's nearest query token (lowest on ties) is ``query``; None if not asked
+    mutual: (
+        np.ndarray | None
+    )  # (n,) bool: the token's nearest query token (lowest on ties) is ``query``; None if not asked
     within: int  # the distance the pairs were collected within (-1: none collected)
 
     @property
@@ -141,7 +143,9 @@ def _bf16_bits(value: float) -> int:
 
 def _check_inputs(query_codes: np.ndarray, candidates: TokenBatch) -> None:
     if query_codes.ndim != 2 or query_codes.shape[1] != CODE_BYTES or query_codes.dtype != np.uint8:
-        raise RerankInputError(f"query codes must be (Q, {CODE_BYTES}) uint8, got {query_codes.shape} {query_codes.dtype}")
+        raise RerankInputError(
+            f"query codes must be (Q, {CODE_BYTES}) uint8, got {query_codes.shape} {query_codes.dtype}"
+        )
     codes, mask = candidates.codes, candidates.mask
     if codes.ndim != 3 or codes.shape[2] != CODE_BYTES or codes.dtype != np.uint8:
         raise RerankInputError(f"candidate codes must be (C, T, {CODE_BYTES}) uint8, got {codes.shape} {codes.dtype}")
@@ -150,7 +154,11 @@ def _check_inputs(query_codes: np.ndarray, candidates: TokenBatch) -> None:
 
 
 def nearest_tokens(
-    query_codes: np.ndarray, candidates: TokenBatch, *, within: int = 32, mutual: bool = True,
+    query_codes: np.ndarray,
+    candidates: TokenBatch,
+    *,
+    within: int = 32,
+    mutual: bool = True,
     block_values: int = BLOCK_VALUES,
 ) -> NearestTokens:
     """Hamming nearest neighbours of each query token in each candidate (all exact).
@@ -181,7 +189,7 @@ def nearest_tokens(
     with torch.inference_mode():
         for c0 in range(0, C, chunk):
             c1 = min(C, c0 + chunk)
-            signs = F.embedding(rows[c0 * T:c1 * T], table).reshape(-1, _WIDTH)
+            signs = F.embedding(rows[c0 * T : c1 * T], table).reshape(-1, _WIDTH)
             block = (signs @ q_t).view(torch.int16).view(c1 - c0, T, Q)  # 256 - 2 * hamming, as int16 bits
             torch.amax(block, dim=1, out=best[c0:c1])
             if threshold is not None:
@@ -202,7 +210,12 @@ def _bits_to_hamming(best: torch.Tensor) -> np.ndarray:
 
 
 def _pairs_in_chunk(
-    block: torch.Tensor, best: torch.Tensor, threshold: int, mask: np.ndarray, c0: int, mutual: bool,
+    block: torch.Tensor,
+    best: torch.Tensor,
+    threshold: int,
+    mask: np.ndarray,
+    c0: int,
+    mutual: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The (candidate, query token) pairs of one chunk within the threshold, their nearest token
     (lowest index among equals) and, with ``mutual``, whether they are mutual nearest neighbours.
@@ -236,25 +249,32 @@ def _pairs_in_chunk(
 
 def match_tokens(query: LocalTokens, candidates: TokenBatch, config: MatchConfig = MatchConfig()) -> Matches:
     """Tentative correspondences of ``query`` with every candidate of the shortlist."""
-    return matches_from_nearest(nearest_tokens(query.codes, candidates, within=config.max_distance, mutual=config.mutual),
-                                config)
+    return matches_from_nearest(
+        nearest_tokens(query.codes, candidates, within=config.max_distance, mutual=config.mutual), config
+    )
 
 
 def matches_from_nearest(nearest: NearestTokens, config: MatchConfig = MatchConfig()) -> Matches:
     """The matches of ``config`` among already computed nearest neighbours (which must have been
     collected within at least ``config.max_distance`` bits, with ``mutual`` when the config asks)."""
     if nearest.within < config.max_distance:
-        raise RerankInputError(f"nearest tokens were collected within {nearest.within} bits, the match config needs {config.max_distance}")
+        raise RerankInputError(
+            f"nearest tokens were collected within {nearest.within} bits, the match config needs {config.max_distance}"
+        )
     if config.mutual and nearest.mutual is None:
         raise RerankInputError("the match config asks for mutual matches but nearest tokens were computed without")
     distance = nearest.pair_distance
     keep = distance <= config.max_distance
     if config.mutual:
         keep &= nearest.mutual
-    return _pad_matches(len(nearest.distance), nearest.candidate[keep], nearest.query[keep], nearest.token[keep], distance[keep])
+    return _pad_matches(
+        len(nearest.distance), nearest.candidate[keep], nearest.query[keep], nearest.token[keep], distance[keep]
+    )
 
 
-def _pad_matches(n_candidates: int, cand: np.ndarray, query: np.ndarray, token: np.ndarray, distance: np.ndarray) -> Matches:
+def _pad_matches(
+    n_candidates: int, cand: np.ndarray, query: np.ndarray, token: np.ndarray, distance: np.ndarray
+) -> Matches:
     """Scatter pairs sorted by candidate into (C, M) arrays, M the largest count."""
     counts = np.bincount(cand, minlength=n_candidates)
     M = int(counts.max(initial=0))
@@ -269,7 +289,9 @@ def _pad_matches(n_candidates: int, cand: np.ndarray, query: np.ndarray, token: 
 
 
 def match_pair(
-    query_codes: np.ndarray, candidate_codes: np.ndarray, config: MatchConfig = MatchConfig(),
+    query_codes: np.ndarray,
+    candidate_codes: np.ndarray,
+    config: MatchConfig = MatchConfig(),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Plain reference for one pair: (query index, candidate index, distance) int64 arrays, by query index.
 

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from core.errors import NeedleInputError
+from core.tokens import LocalTokens, TokenBatch
 from rerank.ensemble import METHODS, EnsembleConfig, combine, rerank_order
 from rerank.matching import MatchConfig, matches_from_nearest, nearest_tokens
 from rerank.spatial import SpatialConfig, verify
-from core.tokens import LocalTokens, TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,9 @@ class RerankConfig:
         if self.shortlist < 1:
             raise NeedleInputError(f"shortlist must be >= 1, got {self.shortlist}")
         if self.method == "ames" and not self.ames:
-            raise NeedleInputError("re-ranking with AMES needs a checkpoint (--ames FILE, trained by `needle ames train`)")
+            raise NeedleInputError(
+                "re-ranking with AMES needs a checkpoint (--ames FILE, trained by `needle ames train`)"
+            )
 
 
 @dataclass(frozen=True)
@@ -80,16 +82,23 @@ class Reranker:
 
             nearest = nearest_tokens(query.codes, candidates, within=-1, mutual=False)
             return LocalScores(chamfer_from_nearest(nearest), has_locals)
-        nearest = nearest_tokens(query.codes, candidates, within=self.conf.match.max_distance, mutual=self.conf.match.mutual)
+        nearest = nearest_tokens(
+            query.codes, candidates, within=self.conf.match.max_distance, mutual=self.conf.match.mutual
+        )
         matches = matches_from_nearest(nearest, self.conf.match)
         result = verify(query, candidates, matches, self.conf.spatial)
         inliers = np.where(result.verified, result.inliers, 0)
         # Evidence is drawn for the few results shown, not for the whole shortlist.
-        return LocalScores(inliers.astype(np.float64), has_locals, inliers,
-                           functools.partial(_inlier_evidence, query, candidates, matches, result))
+        return LocalScores(
+            inliers.astype(np.float64),
+            has_locals,
+            inliers,
+            functools.partial(_inlier_evidence, query, candidates, matches, result),
+        )
 
-    def rerank(self, rows: np.ndarray, s_global: np.ndarray, query: LocalTokens,
-               candidates: TokenBatch) -> tuple[np.ndarray, np.ndarray, LocalScores]:
+    def rerank(
+        self, rows: np.ndarray, s_global: np.ndarray, query: LocalTokens, candidates: TokenBatch
+    ) -> tuple[np.ndarray, np.ndarray, LocalScores]:
         """(order of the shortlist, its final scores, the local evidence)."""
         local = self.local_scores(query, candidates)
         scores = combine(self.conf.method, s_global, local.raw, local.has_locals, self.conf.ensemble)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rerank.matching import Matches, RerankInputError
 from core.tokens import LocalTokens, TokenBatch
+from rerank.matching import Matches, RerankInputError
 
 # (matches x matches) hypothesis-table entries per group of candidates: two float64 arrays of this
 # size are live at once, 8 MB at 500k; 250k..1M measured the same (bench/rerank_speed.py --duplicates).
@@ -38,11 +38,17 @@ RANK_TOL = 1e-9
 class SpatialConfig:
     """Spatial verification parameters."""
 
-    inlier_threshold: float = 24.0  # database base pixels a transformed query point may miss by: 1.5 token cells of 16 px
-    min_scale: float = 1 / 3  # hypotheses whose scale f_q / f_d is below this are not tried (their matches still count as inliers)
+    inlier_threshold: float = (
+        24.0  # database base pixels a transformed query point may miss by: 1.5 token cells of 16 px
+    )
+    min_scale: float = (
+        1 / 3
+    )  # hypotheses whose scale f_q / f_d is below this are not tried (their matches still count as inliers)
     max_scale: float = 3.0  # nor those above this
     lo_iterations: int = 3  # affine refinements at most; each is kept only if it has more inliers than the best so far
-    min_fit_inliers: int = 4  # fit an affine only to this many inliers or more: 3 determine one exactly, chance included
+    min_fit_inliers: int = (
+        4  # fit an affine only to this many inliers or more: 3 determine one exactly, chance included
+    )
     min_inliers: int = 5  # fewer inliers than this and the candidate is not verified (score 0)
 
     def __post_init__(self) -> None:
@@ -97,7 +103,9 @@ def normalized_inliers(inliers: np.ndarray | int, cap: int = 50, min_inliers: in
 # batched
 
 
-def verify(query: LocalTokens, candidates: TokenBatch, matches: Matches, config: SpatialConfig = SpatialConfig()) -> Verification:
+def verify(
+    query: LocalTokens, candidates: TokenBatch, matches: Matches, config: SpatialConfig = SpatialConfig()
+) -> Verification:
     """Spatially verify every candidate's matches (see the module docstring)."""
     _check_matches(query, candidates, matches)
     C, M = matches.mask.shape
@@ -137,15 +145,16 @@ def _groups(counts: np.ndarray, budget: int) -> list[np.ndarray]:
     for end in range(1, len(order) + 1):
         m = int(counts[order[end - 1]])
         if (end - start) * m * m > budget and end - 1 > start:
-            groups.append(order[start:end - 1])
+            groups.append(order[start : end - 1])
             start = end - 1
     if start < len(order):
         groups.append(order[start:])
     return groups
 
 
-def _verify_group(query: LocalTokens, candidates: TokenBatch, matches: Matches, group: np.ndarray, m: int,
-                  config: SpatialConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _verify_group(
+    query: LocalTokens, candidates: TokenBatch, matches: Matches, group: np.ndarray, m: int, config: SpatialConfig
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     valid = matches.mask[group, :m]
     qi, ti = matches.query[group, :m], matches.token[group, :m]
     xq = query.xy[qi].astype(np.float64)  # (G, m, 2)
@@ -154,7 +163,9 @@ def _verify_group(query: LocalTokens, candidates: TokenBatch, matches: Matches, 
     thr2 = float(config.inlier_threshold) ** 2
     tx = xd[..., 0] - s * xq[..., 0]
     ty = xd[..., 1] - s * xq[..., 1]
-    counts, table = _hypothesis_inliers(np.where(valid[..., None], xq, 0.0), np.where(valid[..., None], xd, _FAR), s, tx, ty, thr2)
+    counts, table = _hypothesis_inliers(
+        np.where(valid[..., None], xq, 0.0), np.where(valid[..., None], xd, _FAR), s, tx, ty, thr2
+    )
     counts[~(valid & (s >= config.min_scale) & (s <= config.max_scale))] = -1
     best = counts.argmax(1)  # the first maximum: the lowest match index
     rows = np.arange(len(group))
@@ -182,8 +193,9 @@ def _verify_group(query: LocalTokens, candidates: TokenBatch, matches: Matches, 
     return count, model, mask, refined
 
 
-def _hypothesis_inliers(xq: np.ndarray, xd: np.ndarray, s: np.ndarray, tx: np.ndarray, ty: np.ndarray,
-                        thr2: float) -> tuple[np.ndarray, np.ndarray]:
+def _hypothesis_inliers(
+    xq: np.ndarray, xd: np.ndarray, s: np.ndarray, tx: np.ndarray, ty: np.ndarray, thr2: float
+) -> tuple[np.ndarray, np.ndarray]:
     """For every hypothesis h (the similarity s_h, t_h of match h) and match j of each candidate:
     is ``s_h xq_j + t_h`` within the threshold of ``xd_j``? Returns counts (G, m) int64 and the
     table (G, m, m) bool. torch, in place: this (G, m, m) float64 work dominates SP, and torch
@@ -246,8 +258,9 @@ def fit_affine(src: np.ndarray, dst: np.ndarray, weight: np.ndarray) -> tuple[np
 # per-pair reference
 
 
-def verify_pair(query: LocalTokens, candidate: LocalTokens, pairs: np.ndarray,
-                config: SpatialConfig = SpatialConfig()) -> PairVerification:
+def verify_pair(
+    query: LocalTokens, candidate: LocalTokens, pairs: np.ndarray, config: SpatialConfig = SpatialConfig()
+) -> PairVerification:
     """Plain reference for one candidate: ``pairs`` (m, 2) (query token, candidate token) indices,
     in match order (ties between hypotheses go to the lowest row)."""
     pairs = np.asarray(pairs, np.int64).reshape(-1, 2)

@@ -55,7 +55,10 @@ def tiny_shards(tmp_path: Path, photos) -> list[Path]:
         members = []
         for i, name in enumerate(names[3 * s : 3 * s + 3]):
             image = photos[name] if s == 0 else np.ascontiguousarray(photos[name][:, ::-1])
-            members += [(f"{s:02d}{i:03d}.jpg", jpeg_bytes(image)), (f"{s:02d}{i:03d}.json", json.dumps({"photo": name}).encode())]
+            members += [
+                (f"{s:02d}{i:03d}.jpg", jpeg_bytes(image)),
+                (f"{s:02d}{i:03d}.json", json.dumps({"photo": name}).encode()),
+            ]
         shards.append(write_tar(tmp_path / f"{s:06d}.tar", members))
     return shards
 

@@ -39,7 +39,9 @@ class ILIAS:
     def __init__(self, dataset_dir, check_ids=False, taxonomy=None):
         self.check_ids = check_ids
         ids = f"{dataset_dir}/image_ids"
-        self.image_query_ids = sorted(np.loadtxt(f"{ids}/image_query_ids.txt", dtype=str, delimiter=",", ndmin=2)[:, 0].tolist())
+        self.image_query_ids = sorted(
+            np.loadtxt(f"{ids}/image_query_ids.txt", dtype=str, delimiter=",", ndmin=2)[:, 0].tolist()
+        )
         self.text_query_ids = sorted(np.loadtxt(f"{ids}/text_query_ids.txt", dtype=str, ndmin=1).tolist())
         positives = np.loadtxt(f"{ids}/positive_ids.txt", dtype=str, delimiter=",", ndmin=2)
         self.positive_ids = sorted(positives[:, 0].tolist())
@@ -75,8 +77,11 @@ class ILIAS:
 
     def _per_bin(self, groups, attribute, out, instance, db_ids, sims, ranks, k):
         for low, high in groups:
-            excluded = {i for i in self.gt[instance]
-                        if self.positive_info[i][attribute] < low or self.positive_info[i][attribute] >= high}
+            excluded = {
+                i
+                for i in self.gt[instance]
+                if self.positive_info[i][attribute] < low or self.positive_info[i][attribute] >= high
+            }
             if self.gt[instance] - excluded:
                 out[f"{low}-{high}"].append(100 * self._compute_ap(instance, db_ids, sims, ranks, k, excluded)[0])
 
@@ -108,8 +113,11 @@ class ILIAS:
                 self._per_bin(CLUTTER_GROUPS, 1, clutter, instance, db_ids, s, r, k)
         result = {"queries": queries, "map": np.mean(aps), "aps": np.array(aps)}
         if report:
-            result.update(oracle=np.mean(oracles), scale={b: np.mean(v) for b, v in scale.items()},
-                          clutter={b: np.mean(v) for b, v in clutter.items()})
+            result.update(
+                oracle=np.mean(oracles),
+                scale={b: np.mean(v) for b, v in scale.items()},
+                clutter={b: np.mean(v) for b, v in clutter.items()},
+            )
             if self.taxonomy is not None:
                 result["categories"] = {c: np.mean([np.mean(v) for v in per.values()]) for c, per in categories.items()}
         return result

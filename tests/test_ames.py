@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from core.errors import NeedleInputError
+from core.tokens import LocalTokens, TokenBatch, unpack_signs
 from rerank.ames import AMES, AMESCheckpointError, AMESConfig, AMESInputError, ensemble, load_ames, score_shortlist
 from rerank.ames_train import (
     AMESTrainError,
@@ -21,7 +22,6 @@ from rerank.ames_train import (
     random_view,
     warp_image,
 )
-from core.tokens import LocalTokens, TokenBatch, unpack_signs
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "ames_state_dict_shapes.json"
 VARIANTS = [(True, "ames_binarized"), (False, "ames_full_precision")]
@@ -50,7 +50,7 @@ def random_state(shapes: dict[str, list[int]], seed: int, scale: float = 0.05) -
     sd = {}
     for k, shape in shapes.items():
         t = torch.randn(shape, generator=g) * scale
-        if ".norm" in k or k.startswith("remap_local") and len(shape) == 1 and k.endswith("weight"):
+        if ".norm" in k or (k.startswith("remap_local") and len(shape) == 1 and k.endswith("weight")):
             t = 1 + t
         sd[k] = t
     return sd
@@ -94,13 +94,13 @@ def ref_l2n(x):
 
 def ref_attention(x, sd, prefix, forbidden, heads):
     """Multi-head attention done by hand; ``forbidden`` (B, L, L) True = query i may not see key j."""
-    B, L, D = x.shape
+    _B, _L, D = x.shape
     w, b = sd[prefix + "in_proj_weight"], sd[prefix + "in_proj_bias"]
-    q, k, v = (x @ w[i * D:(i + 1) * D].T + b[i * D:(i + 1) * D] for i in range(3))
+    q, k, v = (x @ w[i * D : (i + 1) * D].T + b[i * D : (i + 1) * D] for i in range(3))
     dh = D // heads
     outs = []
     for h in range(heads):
-        qh, kh, vh = (t[..., h * dh:(h + 1) * dh] for t in (q, k, v))
+        qh, kh, vh = (t[..., h * dh : (h + 1) * dh] for t in (q, k, v))
         scores = qh @ kh.transpose(1, 2) / math.sqrt(dh)
         scores = scores.masked_fill(forbidden, float("-inf"))
         outs.append(torch.softmax(scores, -1) @ vh)
@@ -196,13 +196,13 @@ def test_bad_checkpoints_raise_typed_errors(tmp_path, binarized, key):
         load_ames(path)
 
     torch.save({"state": sd}, path)
-    with pytest.raises(AMESCheckpointError, match="heads|layers|linear1"):
+    with pytest.raises(AMESCheckpointError, match=r"heads|layers|linear1"):
         load_ames(path, conf=AMESConfig(binarized=binarized, ff_dim=256))
 
     path.write_bytes(b"not a torch file")
-    with pytest.raises(AMESCheckpointError, match="bad.pt"):
+    with pytest.raises(AMESCheckpointError, match=r"bad\.pt"):
         load_ames(path)
-    with pytest.raises(AMESCheckpointError, match="nope.pt"):
+    with pytest.raises(AMESCheckpointError, match=r"nope\.pt"):
         load_ames(tmp_path / "nope.pt")
     assert issubclass(AMESCheckpointError, NeedleInputError)
 
@@ -224,10 +224,10 @@ def test_forward_matches_independent_reference(binarized):
     assert (unmasked - ref).abs().max() > 1e-3
     # Garbage in padded slots does not matter: each pair alone, unpadded, scores the same.
     for b in range(3):
-        s, t = src[b:b + 1, ~src_pad[b]], tgt[b:b + 1, ~tgt_pad[b]]
+        s, t = src[b : b + 1, ~src_pad[b]], tgt[b : b + 1, ~tgt_pad[b]]
         with torch.inference_mode():
             alone = model(s, torch.zeros(s.shape[:2], dtype=torch.bool), t, torch.zeros(t.shape[:2], dtype=torch.bool))
-        torch.testing.assert_close(alone, got[b:b + 1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(alone, got[b : b + 1], rtol=1e-5, atol=1e-5)
 
 
 def test_forward_rejects_bad_shapes():
@@ -273,8 +273,10 @@ def test_forward_codes_equals_forward(local_dim):
 
 def random_tokens(rng: np.random.Generator, n: int, dim: int | None = None) -> LocalTokens:
     return LocalTokens(
-        rng.integers(0, 256, size=(n, 16), dtype=np.uint8), rng.random((n, 2), dtype=np.float32) * 100,
-        np.ones(n, np.float32), rng.random(n, dtype=np.float32),
+        rng.integers(0, 256, size=(n, 16), dtype=np.uint8),
+        rng.random((n, 2), dtype=np.float32) * 100,
+        np.ones(n, np.float32),
+        rng.random(n, dtype=np.float32),
         None if dim is None else rng.normal(size=(n, dim)).astype(np.float32),
     )
 
@@ -288,8 +290,14 @@ def test_score_shortlist_binarized_equals_loop():
     with torch.inference_mode():
         q = torch.from_numpy(unpack_signs(query.codes))[None]
         loop = [
-            float(model.forward_codes(q, torch.zeros(1, len(query), dtype=torch.bool),
-                                      torch.from_numpy(unpack_signs(c.codes))[None], torch.zeros(1, len(c), dtype=torch.bool)))
+            float(
+                model.forward_codes(
+                    q,
+                    torch.zeros(1, len(query), dtype=torch.bool),
+                    torch.from_numpy(unpack_signs(c.codes))[None],
+                    torch.zeros(1, len(c), dtype=torch.bool),
+                )
+            )
             for c in cands
         ]
     assert got.shape == (7,) and got.dtype == np.float32
@@ -308,8 +316,17 @@ def test_score_shortlist_full_precision_equals_loop():
     assert model.training
     model.eval()
     with torch.inference_mode():
-        loop = [float(model(torch.from_numpy(query.desc)[None], torch.zeros(1, 6, dtype=torch.bool),
-                            torch.from_numpy(c.desc)[None], torch.zeros(1, len(c), dtype=torch.bool))) for c in cands]
+        loop = [
+            float(
+                model(
+                    torch.from_numpy(query.desc)[None],
+                    torch.zeros(1, 6, dtype=torch.bool),
+                    torch.from_numpy(c.desc)[None],
+                    torch.zeros(1, len(c), dtype=torch.bool),
+                )
+            )
+            for c in cands
+        ]
     np.testing.assert_allclose(got, loop, rtol=1e-5, atol=1e-5)
     with pytest.raises(AMESInputError, match="desc"):
         score_shortlist(model, query, TokenBatch.stack(cands))
@@ -324,7 +341,9 @@ def test_ensemble_is_official_formula():
 
 
 def test_warps_are_seeded_and_homographies_exact():
-    img = np.asarray(Image.fromarray((np.random.default_rng(0).random((8, 8, 3)) * 255).astype(np.uint8)).resize((64, 48)))
+    img = np.asarray(
+        Image.fromarray((np.random.default_rng(0).random((8, 8, 3)) * 255).astype(np.uint8)).resize((64, 48))
+    )
     a = random_view(img, np.random.default_rng(5))
     b = random_view(img, np.random.default_rng(5))
     assert a.shape == img.shape and a.dtype == np.uint8 and np.array_equal(a, b)
@@ -340,8 +359,14 @@ def test_warps_are_seeded_and_homographies_exact():
 def textures(n: int, size: int = 64, seed: int = 0) -> list[np.ndarray]:
     """Smooth random colour textures: distinct enough to tell apart, cheap to make."""
     rng = np.random.default_rng(seed)
-    return [np.asarray(Image.fromarray((rng.random((6, 6, 3)) * 255).astype(np.uint8)).resize((size, size), Image.Resampling.BICUBIC))
-            for _ in range(n)]
+    return [
+        np.asarray(
+            Image.fromarray((rng.random((6, 6, 3)) * 255).astype(np.uint8)).resize(
+                (size, size), Image.Resampling.BICUBIC
+            )
+        )
+        for _ in range(n)
+    ]
 
 
 GRID_PROJ = np.random.default_rng(123).normal(size=(9, 128)).astype(np.float32)
@@ -362,8 +387,15 @@ def grid_describe(images: list[np.ndarray], cell: int = 8) -> list[LocalTokens]:
         f = np.concatenate([mean - 0.5, dy, dx], -1).reshape(-1, 9)
         ys, xs = np.mgrid[:h, :w]
         xy = np.stack([xs, ys], -1).reshape(-1, 2).astype(np.float32) * cell + cell / 2
-        out.append(LocalTokens(np.packbits(f @ proj >= 0, axis=-1), xy, np.ones(len(f), np.float32),
-                               cells.std((2, 3, 4)).reshape(-1).astype(np.float32), f))
+        out.append(
+            LocalTokens(
+                np.packbits(f @ proj >= 0, axis=-1),
+                xy,
+                np.ones(len(f), np.float32),
+                cells.std((2, 3, 4)).reshape(-1).astype(np.float32),
+                f,
+            )
+        )
     return out
 
 
@@ -373,7 +405,9 @@ def test_tiny_training_run(tmp_path):
     folder.mkdir()
     for i, img in enumerate(imgs):
         Image.fromarray(img).save(folder / f"{i:02d}.png")
-    conf = TrainConfig(pairs=48, epochs=6, batch_size=8, lr=1e-3, layers=1, ff_dim=64, val_fraction=0.25, max_tokens=40, seed=3)
+    conf = TrainConfig(
+        pairs=48, epochs=6, batch_size=8, lr=1e-3, layers=1, ff_dim=64, val_fraction=0.25, max_tokens=40, seed=3
+    )
     ckpt = main(conf, folder, tmp_path / "out", describe=grid_describe, projection=GRID_PROJ)
     assert ckpt == tmp_path / "out" / "ames.pt" and not (tmp_path / "out" / "ames.pt.tmp").exists()
     record = json.loads(ckpt.with_suffix(".json").read_text())

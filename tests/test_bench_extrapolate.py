@@ -16,18 +16,27 @@ def run(n: int, shards: int, n_train: int, nlist: int) -> dict:
     6 bytes of RSS per training float, 0.5 GB beside a part's codes; 1e-9 s per k-means point x list."""
     bpv = 84.0
     return {
-        "n": n, "d": 512, "shards": shards, "factory": "IVF,PQ", "code_bytes": 64, "bytes_per_vector": bpv,
-        "n_train": n_train, "nlist": nlist,
+        "n": n,
+        "d": 512,
+        "shards": shards,
+        "factory": "IVF,PQ",
+        "code_bytes": 64,
+        "bytes_per_vector": bpv,
+        "n_train": n_train,
+        "nlist": nlist,
         "serve_pss_anon_gb": (n * bpv + (shards + 1) * 0.3 * GB) / GB,
-        "build_memory": {"peak_rss_after_training_gb": 6 * n_train * 512 * 4 / GB,
-                         "part_rss_gb": (0.5 * GB + n / shards * bpv) / GB},
+        "build_memory": {
+            "peak_rss_after_training_gb": 6 * n_train * 512 * 4 / GB,
+            "part_rss_gb": (0.5 * GB + n / shards * bpv) / GB,
+        },
         "build_timings": {"train_s": 1e-9 * n_train * nlist * 512, "add_s": 2e-5 * n},
     }
 
 
 def test_extrapolation_recovers_the_model(tmp_path):
-    from index.factory import parse_bytes, plan_index
     from index_extrapolate import extrapolate, load_runs
+
+    from index.factory import parse_bytes, plan_index
 
     paths = []
     for name, r in {"1m": run(10**6, 2, 262144, 4096), "10m": run(10**7, 2, 819200, 16384)}.items():

@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from cluster.ingest_job import IngestConfig, _worker_layout, cpus_per_gpu
+from core.errors import ImageDecodeError, NeedleInputError
 from embed.extract import GlobalExtractor, plan_batches
 from embed.registry import RANDOM
-from core.errors import ImageDecodeError, NeedleInputError
 from ingest.images import decode_resized_many
 from ingest.pipeline import process_shard
 from tests.conftest import SHARED, jpeg_bytes, write_tar
@@ -39,6 +39,7 @@ def _mixed_images(rng: np.random.Generator, longer: int = 96, n: int = 12) -> li
 
 
 # -- batching ------------------------------------------------------------------------------------
+
 
 def test_plan_batches_groups_by_input_shape_and_caps_size():
     shapes = [(10, 20), (12, 20), (10, 20), (16, 16), (10, 20), (10, 20)]
@@ -79,6 +80,7 @@ def test_cnn_batches_only_equal_shapes(extractor):
 
 # -- worker layout -------------------------------------------------------------------------------
 
+
 def test_gpu_worker_reserves_its_nodes_cpu_share():
     nodes = [
         {"Alive": True, "Resources": {"CPU": 32.0, "GPU": 4.0}},
@@ -102,6 +104,7 @@ def test_unknown_decoder_is_refused():
 
 
 # -- batched decoding through the pipeline ---------------------------------------------------------
+
 
 class PilBatchDecoder:
     """The batched-decoder interface over PIL: the pipeline's plumbing, testable without a GPU."""
@@ -152,7 +155,9 @@ def test_taking_turns_writes_what_overlapping_writes(tmp_path, photos, extractor
     chunk boundary and a short last chunk."""
     shard = _shard_with_errors(tmp_path, photos)
     overlapped = process_shard(str(shard), 0, tmp_path / "overlap", [extractor], decode_threads=2, chunk_size=32)
-    turns = process_shard(str(shard), 0, tmp_path / "turns", [extractor], decode_threads=2, chunk_size=32, overlap=False)
+    turns = process_shard(
+        str(shard), 0, tmp_path / "turns", [extractor], decode_threads=2, chunk_size=32, overlap=False
+    )
     a, b = pq.read_table(overlapped.output).to_pydict(), pq.read_table(turns.output).to_pydict()
     errors_a, errors_b = a.pop("error"), b.pop("error")
     assert a == b and a["key"] == [f"000000/{i:04d}" for i in range(70)]
@@ -169,7 +174,10 @@ def test_cpu_workers_take_turns_on_all_their_cpus():
     try:
         worker = IngestWorker(IngestConfig(model="tf_efficientnet_lite0.gem"), "cpu", 2)
         assert worker.decode_threads == 2 and worker.overlap is False and worker.chunk_size == 64
-        assert IngestWorker(IngestConfig(model="tf_efficientnet_lite0.gem", decode_threads=1), "cpu", 2).decode_threads == 1
+        assert (
+            IngestWorker(IngestConfig(model="tf_efficientnet_lite0.gem", decode_threads=1), "cpu", 2).decode_threads
+            == 1
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -210,7 +218,11 @@ def test_gpu_decoder_logic_on_cpu(photos):
     jpegs = [jpeg_bytes(photo) for photo in photos.values()]
     png = io.BytesIO()
     Image.fromarray(np.full((40, 60, 3), 128, np.uint8)).save(png, format="PNG")
-    items = [(f"k{i}", d) for i, d in enumerate(jpegs)] + [("png", png.getvalue()), ("bad", b"\xff\xd8\xffjunk"), ("empty", b"")]
+    items = [(f"k{i}", d) for i, d in enumerate(jpegs)] + [
+        ("png", png.getvalue()),
+        ("bad", b"\xff\xd8\xffjunk"),
+        ("empty", b""),
+    ]
     out = GpuJpegDecoder("cpu", decode_jpeg=decode)(items, (96, 160))
     assert calls == [7] + [1] * 7  # the batch failed on "bad": each JPEG again, alone
     for (key, data), (images, w, h) in zip(items[:6], out[:6]):
@@ -226,6 +238,7 @@ def test_gpu_decoder_logic_on_cpu(photos):
 
 
 # -- on a GPU --------------------------------------------------------------------------------------
+
 
 def _realbench_jpegs(n: int) -> list[bytes]:
     files = sorted((REALBENCH / "images").glob("*.jpg"))[:n]
@@ -289,8 +302,14 @@ def test_ingest_job_on_a_gpu(tmp_path):
     from cluster.ingest_job import main as ingest
 
     jpegs = _realbench_jpegs(40)
-    shards = [str(write_tar(tmp_path / f"{s:06d}.tar", [(f"{s}{i:03d}.jpg", d) for i, d in enumerate(jpegs[20 * s : 20 * s + 20])]))
-              for s in range(2)]
+    shards = [
+        str(
+            write_tar(
+                tmp_path / f"{s:06d}.tar", [(f"{s}{i:03d}.jpg", d) for i, d in enumerate(jpegs[20 * s : 20 * s + 20])]
+            )
+        )
+        for s in range(2)
+    ]
     ray.init(address="local", num_cpus=os.cpu_count(), num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         outputs = {}
@@ -301,8 +320,12 @@ def test_ingest_job_on_a_gpu(tmp_path):
             info = json.loads((out / "ingest_info.json").read_text())
             assert info["images"] == 40 and info["shards_ok"] == 2 and info["error_rows"] == 0
             assert info["extractors"][0]["precision"] == "fp16"
-            outputs[decoder] = np.concatenate([np.stack(pq.read_table(out / f"{s:06d}.parquet")["global"].to_numpy(zero_copy_only=False))
-                                               for s in range(2)]).astype(np.float32)
+            outputs[decoder] = np.concatenate(
+                [
+                    np.stack(pq.read_table(out / f"{s:06d}.parquet")["global"].to_numpy(zero_copy_only=False))
+                    for s in range(2)
+                ]
+            ).astype(np.float32)
     finally:
         ray.shutdown()
     # Two decoders, two resizes (PIL's bicubic after a draft decode, torch's antialiased bicubic):

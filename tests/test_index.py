@@ -6,11 +6,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc
 import pytest
-
 from helpers_index import clustered_unit_vectors, write_descriptor_file
+
+from core.errors import NeedleInputError
 from index.build import IDS_FILE, INFOS_FILE, IndexConfig, main
 from index.search import IndexFileError, UnknownKeyError, load_index, read_ids, search_params
-from core.errors import NeedleInputError
 from ingest.descriptors import DescriptorFileError, make_row_id
 
 
@@ -55,7 +55,7 @@ def test_ivfpq_with_refine_matches_exact_search(tmp_path, collection):
     xq = xb[::9]
     k = 20
     D, I = index.search(xq, k)
-    D_exact, order = exact_topk(xq, xb, k)
+    _D_exact, order = exact_topk(xq, xb, k)
     rows = np.array([make_row_id(s, i) for s in range(3) for i in range(150)])
     recall = np.mean([len(set(I[q]) & set(rows[order[q]])) / k for q in range(len(xq))])
     assert recall >= 0.95
@@ -63,7 +63,7 @@ def test_ivfpq_with_refine_matches_exact_search(tmp_path, collection):
     positions = index.positions_of_rows(I)
     np.testing.assert_allclose(D, np.einsum("qd,qkd->qk", xq, xb[positions]), rtol=1e-3, atol=1e-3)
     # Without refine the PQ scores are approximate and recall is lower or equal.
-    D_pq, I_pq = index.search(xq, k, refine=False)
+    _D_pq, I_pq = index.search(xq, k, refine=False)
     recall_pq = np.mean([len(set(I_pq[q]) & set(rows[order[q]])) / k for q in range(len(xq))])
     assert recall_pq <= recall
 
@@ -130,7 +130,7 @@ def test_non_finite_descriptors_rejected_and_counted(tmp_path):
     assert index.ntotal == 18 and index.infos["rejected_non_finite"] == 2 and index.infos["rows"] == 20
     with pytest.raises(UnknownKeyError, match="no valid descriptor"):
         index.vector_of("000000/00003")
-    D, I = index.search(xb[:1].astype(np.float32), 20)
+    _D, I = index.search(xb[:1].astype(np.float32), 20)
     assert len(I[0]) == 18 and "000000/00003" not in index.keys_of(I)[0]
 
 
@@ -152,7 +152,7 @@ def test_corrupted_index_file_is_refused(tmp_path, collection):
     desc, _ = collection
     out = main(IndexConfig(), desc, tmp_path / "index")
     (out / "index.faiss").write_bytes(b"garbage")
-    with pytest.raises(IndexFileError, match="index.faiss"):
+    with pytest.raises(IndexFileError, match=r"index\.faiss"):
         load_index(out)
 
 
@@ -189,7 +189,7 @@ def test_hnsw_quantizer_plan_builds_and_searches(tmp_path, collection):
     desc, xb = collection
     conf = IndexConfig(factory="IVF16_HNSW32,PQ8x4fsr", nprobe=16, points_per_list=20)
     index = load_index(main(conf, desc, tmp_path / "index"))
-    D, I = index.search(xb[:5], 3)
+    _D, I = index.search(xb[:5], 3)
     assert [keys[0] for keys in index.keys_of(I)] == [index.keys_of(index.rows[None, :5])[0][q] for q in range(5)]
     # The build's HNSW search depth is saved with the quantizer and recorded; queries never explore
     # fewer graph candidates than the lists they want.

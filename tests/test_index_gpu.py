@@ -8,9 +8,10 @@ import sys
 import faiss
 import numpy as np
 import pytest
+from helpers_index import clustered_unit_vectors, write_descriptor_file
 
 import index.search as search_module
-from helpers_index import clustered_unit_vectors, write_descriptor_file
+from core.errors import NeedleInputError
 from index.build import IndexConfig, assigning_with, hnsw_quantizer, main, train
 from index.factory import IndexPlan
 from index.gpu import (
@@ -18,9 +19,9 @@ from index.gpu import (
     FaissCpu,
     TorchBackend,
     assignment_quantizer,
+    choose_backend,
     chunks_at,
     chunks_of,
-    choose_backend,
     exact_search,
     faiss_gpus,
     gpu_backend_available,
@@ -29,7 +30,6 @@ from index.gpu import (
     torch_cuda_available,
 )
 from index.search import load_index
-from core.errors import NeedleInputError
 
 CPU_BACKENDS = ("faiss-cpu", "torch")  # torch on the CPU: the CUDA backend's code, run in CI
 
@@ -69,7 +69,7 @@ def reference(xq, xb, k, metric):
 def assert_same_neighbours(D, I, D_ref, I_ref, atol):
     """Scores within ``atol``; ids equal except among scores within 2 * atol of each other."""
     np.testing.assert_allclose(D, D_ref, atol=atol, rtol=1e-6)
-    for q, j in zip(*np.nonzero(I != I_ref)):
+    for q, j in zip(*np.nonzero(I_ref != I)):
         close = np.abs(D_ref[q] - D_ref[q, j]) <= 2 * atol
         close[j] = False
         assert close.any() or abs(D_ref[q, j] - D_ref[q, -1]) <= 2 * atol, (q, j, D_ref[q, j], I[q, j], I_ref[q, j])
@@ -167,13 +167,13 @@ def test_merge_sorted_equals_a_full_sort(metric):
 def test_empty_chunks_no_queries_and_empty_database():
     xq, xb = random_data(30, 8, 4, np.float16)
     empty = xb[:0]
-    D_ref, I_ref = exact_search(xq, [xb], 5, device="cpu")
+    _D_ref, I_ref = exact_search(xq, [xb], 5, device="cpu")
     D, I = exact_search(xq, [empty, xb[:10], empty, xb[10:], empty], 5, device="cpu")
     np.testing.assert_array_equal(I, I_ref)
     D, I = exact_search(xq[:0], [xb], 5, device="cpu")
     assert D.shape == I.shape == (0, 5)
     D, I = exact_search(xq, [empty], 3, device="cpu")
-    assert (I == -1).all() and (D == WORST["ip"]).all()
+    assert (I == -1).all() and (WORST["ip"] == D).all()
     D, I = exact_search(xq, xb, 5, device="cpu")  # one array: chunked for the caller
     np.testing.assert_array_equal(I, I_ref)
 
@@ -415,8 +415,12 @@ def test_build_adds_through_the_stand_in_where_faiss_has_gpus(tmp_path, monkeypa
     through = main(conf, tmp_path / "desc", tmp_path / "through")
     assert len(stand_ins) == 1
     a, b = (faiss.read_index(str(out / "index.faiss")) for out in (plain, through))
-    assert type(faiss.downcast_index(faiss.extract_index_ivf(b).quantizer)).__name__ == "IndexFlatIP"  # not the stand-in
-    np.testing.assert_array_equal(faiss.serialize_index(a), faiss.serialize_index(b))  # the same training, the same lists
+    assert (
+        type(faiss.downcast_index(faiss.extract_index_ivf(b).quantizer)).__name__ == "IndexFlatIP"
+    )  # not the stand-in
+    np.testing.assert_array_equal(
+        faiss.serialize_index(a), faiss.serialize_index(b)
+    )  # the same training, the same lists
     xq = clustered_unit_vectors(20, 32, seed=9).astype(np.float32)
     D_a, I_a = load_index(plain).search(xq, 10)
     D_b, I_b = load_index(through).search(xq, 10)
@@ -426,9 +430,11 @@ def test_build_adds_through_the_stand_in_where_faiss_has_gpus(tmp_path, monkeypa
 
 def test_assigning_with_refuses_other_centroids():
     index = trained("IVF16,PQ8x4fsr")
-    with pytest.raises(NeedleInputError, match="holds 0 x 32 centroids, the index 16 x 32"):
-        with assigning_with(index, faiss.IndexFlatIP(32)):
-            pass
+    with (
+        pytest.raises(NeedleInputError, match="holds 0 x 32 centroids, the index 16 x 32"),
+        assigning_with(index, faiss.IndexFlatIP(32)),
+    ):
+        pass
     assert faiss.extract_index_ivf(index).quantizer.ntotal == 16
 
 
@@ -445,8 +451,13 @@ def gpu_comparison(backend, device="cuda", metric="ip", dtype=np.float16):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", [
-    "torch", pytest.param("faiss-gpu", marks=pytest.mark.skipif(faiss_gpus() == 0, reason="faiss without GPU support"))])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        pytest.param("faiss-gpu", marks=pytest.mark.skipif(faiss_gpus() == 0, reason="faiss without GPU support")),
+    ],
+)
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_gpu_backends_equal_cpu(backend, metric, dtype):
@@ -460,9 +471,9 @@ def test_cuda_device_auto_backend_and_ties():
     rng = np.random.default_rng(1)
     xb = rng.integers(-1, 2, size=(5000, 4)).astype(np.float16)
     xq = rng.integers(-2, 3, size=(9, 4)).astype(np.float32)
-    D_ref, I_ref = reference(xq, xb, 40, "ip")
+    _D_ref, I_ref = reference(xq, xb, 40, "ip")
     for backend in ("torch", "faiss-gpu") if faiss_gpus() else ("torch",):
-        D, I = exact_search(xq, chunks_of(xb, 1000), 40, device="cuda", backend=backend)
+        _D, I = exact_search(xq, chunks_of(xb, 1000), 40, device="cuda", backend=backend)
         np.testing.assert_array_equal(I, I_ref)
 
 

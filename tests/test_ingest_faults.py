@@ -12,9 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import jpeg_bytes, write_tar
 
 from cluster.ingest_job import IngestConfig, main
-from conftest import jpeg_bytes, write_tar
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -28,7 +28,7 @@ def many_shards(directory, photos, n_shards, per_shard):
         for i in range(per_shard):
             photo = photos[names[(s + i) % len(names)]]
             y, x = rng.integers(0, 60, size=2)
-            members.append((f"{s:03d}{i:03d}.jpg", jpeg_bytes(np.ascontiguousarray(photo[y:y + 240, x:x + 240]))))
+            members.append((f"{s:03d}{i:03d}.jpg", jpeg_bytes(np.ascontiguousarray(photo[y : y + 240, x : x + 240]))))
         write_tar(directory / f"{s:06d}.tar", members)
     return str(directory / "*.tar")
 
@@ -48,7 +48,11 @@ def test_killed_worker_loses_and_duplicates_nothing(tmp_path, photos, ray_local)
         # Once the first shard is committed, kill a busy worker without restart.
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            names = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if n["name"].startswith("needle-ingest-")]
+            names = [
+                n["name"]
+                for n in ray.util.list_named_actors(all_namespaces=True)
+                if n["name"].startswith("needle-ingest-")
+            ]
             if names and list((tmp_path / "desc").glob("*.parquet")):
                 ray.kill(ray.get_actor(names[0], namespace=ray.get_runtime_context().namespace), no_restart=True)
                 killed.append(names[0])
@@ -71,8 +75,22 @@ def test_killed_worker_loses_and_duplicates_nothing(tmp_path, photos, ray_local)
 def test_killed_job_resumes_with_unfinished_shards_only(tmp_path, photos):
     pattern = many_shards(tmp_path, photos, n_shards=8, per_shard=16)
     out = tmp_path / "desc"
-    cmd = [sys.executable, "-m", "cluster.cli", "ingest", "--shards", pattern, "--out", str(out),
-           "--resolution", "224", "--cpus-per-worker", "1", "--workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "ingest",
+        "--shards",
+        pattern,
+        "--out",
+        str(out),
+        "--resolution",
+        "224",
+        "--cpus-per-worker",
+        "1",
+        "--workers",
+        "1",
+    ]
     job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while len(list(out.glob("*.parquet"))) < 2 and time.monotonic() < deadline and job.poll() is None:
@@ -125,6 +143,8 @@ def test_queue_replaces_a_dead_actor_once_and_requeues_all_its_shards(ray_local)
         died.add(url)
         return worker.work.remote(url, die)
 
-    out = {url: attempts for url, result, attempts, _ in run_queue(["b", "a", "c"], make_worker, submit, 1, max_retries=2)}
+    out = {
+        url: attempts for url, result, attempts, _ in run_queue(["b", "a", "c"], make_worker, submit, 1, max_retries=2)
+    }
     assert out == {"b": 2, "a": 2, "c": 1}  # "a" was queued on the dead actor: re-queued too
     assert len(created) == 2  # one replacement, not one per lost shard

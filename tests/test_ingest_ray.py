@@ -5,9 +5,9 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import jpeg_bytes, write_tar
 
 from cluster.ingest_job import IngestConfig, IngestFailed, main
-from conftest import jpeg_bytes, write_tar
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CONF = IngestConfig(resolution=160, batch_size=8, cpus_per_worker=1)

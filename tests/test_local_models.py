@@ -12,12 +12,11 @@ import torch
 from PIL import Image
 from torch import nn
 
+from core.errors import NeedleInputError
 from embed.itq import train_itq
 from embed.local_vit import SpatialAttention2d, ViTAmesTokens, build_vit_ames, grid_size, load_detector_weights
 from embed.locals import LocalExtractor
-from embed.registry import LocalConfig
-from embed.registry import RANDOM, WeightsError
-from core.errors import NeedleInputError
+from embed.registry import RANDOM, LocalConfig, WeightsError
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "ames_state_dict_shapes.json"
 AMES_MODEL = "vit_base_patch14_reg4_dinov2.ames"
@@ -54,6 +53,7 @@ def _random_detector_state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 # --- the AMES detector head -------------------------------------------------------------------------
 
+
 def test_detector_state_dict_matches_ames_reference():
     expected = _reference_shapes()
     actual = {name: list(t.shape) for name, t in SpatialAttention2d(768).state_dict().items()}
@@ -88,9 +88,9 @@ def test_detector_weights_errors_name_file_and_key(tmp_path: Path):
     with pytest.raises(WeightsError, match=r"missing\.pt.*bn\.running_mean"):
         load_detector_weights(SpatialAttention2d(768), tmp_path / "missing.pt")
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(WeightsError, match="garbage.pt"):
+    with pytest.raises(WeightsError, match=r"garbage\.pt"):
         load_detector_weights(SpatialAttention2d(768), tmp_path / "garbage.pt")
-    with pytest.raises(WeightsError, match="absent.pt"):
+    with pytest.raises(WeightsError, match=r"absent\.pt"):
         load_detector_weights(SpatialAttention2d(768), tmp_path / "absent.pt")
 
 
@@ -109,7 +109,9 @@ def test_detector_forward_matches_hand_computation():
     y = (y - p["bn.running_mean"].view(1, c, 1, 1)) / torch.sqrt(p["bn.running_var"].view(1, c, 1, 1) + 1e-5)
     y = y * p["bn.weight"].view(1, c, 1, 1) + p["bn.bias"].view(1, c, 1, 1)
     expected_desc = y / y.norm(dim=1, keepdim=True)
-    logit = torch.einsum("oc,bchw->bohw", p["conv2.weight"][:, :, 0, 0], y.clamp(min=0)) + p["conv2.bias"].view(1, 1, 1, 1)
+    logit = torch.einsum("oc,bchw->bohw", p["conv2.weight"][:, :, 0, 0], y.clamp(min=0)) + p["conv2.bias"].view(
+        1, 1, 1, 1
+    )
     expected_weight = torch.log1p(torch.exp(logit))
     assert desc.shape == (2, c, 3, 5) and weight.shape == (2, 1, 3, 5)
     torch.testing.assert_close(desc.double(), expected_desc, atol=1e-5, rtol=1e-5)
@@ -117,6 +119,7 @@ def test_detector_forward_matches_hand_computation():
 
 
 # --- ViT patch tokens ------------------------------------------------------------------------------
+
 
 class _PatchMeanViT(nn.Module):
     """A stand-in timm ViT: each patch token is its patch's mean colour, after 5 prefix tokens."""
@@ -188,7 +191,7 @@ def test_vit_ames_bf16_autocast_agrees_with_fp32(vit_ames: ViTAmesTokens):
     x = torch.randn(1, 3, 70, 98, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         vit_ames.precision = "fp32"
-        d32, w32 = vit_ames(x)
+        d32, _w32 = vit_ames(x)
         vit_ames.precision = "bf16"
         d16, w16 = vit_ames(x)
         vit_ames.precision = "auto"
@@ -203,8 +206,10 @@ def test_build_vit_ames_loads_detector_weights(tmp_path: Path):
     conf = LocalConfig(kind="vit_ames", model=AMES_MODEL, resolution=98, detector_weights=str(tmp_path / "det.pt"))
     model, *_ = build_vit_ames(conf, RANDOM)
     assert not model.training and torch.equal(model.detector.conv1.weight, state["conv1.weight"])
-    with pytest.raises(WeightsError, match="nope.pt"):
-        build_vit_ames(LocalConfig(kind="vit_ames", model=AMES_MODEL, detector_weights=str(tmp_path / "nope.pt")), RANDOM)
+    with pytest.raises(WeightsError, match=r"nope\.pt"):
+        build_vit_ames(
+            LocalConfig(kind="vit_ames", model=AMES_MODEL, detector_weights=str(tmp_path / "nope.pt")), RANDOM
+        )
     with pytest.raises(WeightsError, match="--detector-weights"):  # a random detector only when asked for
         build_vit_ames(LocalConfig(kind="vit_ames", model=AMES_MODEL, resolution=98), str(tmp_path / "backbone.pt"))
 
@@ -234,6 +239,7 @@ def test_local_extractor_vit_ames_two_aspect_ratios(vit_extractor: LocalExtracto
 
 
 # --- SIFT / RootSIFT --------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def sift():
@@ -293,7 +299,9 @@ def test_sift_matches_a_rotated_copy(sift, astronaut_512: np.ndarray, astronaut_
     # PIL turns the image counter-clockwise on screen about the centre of the 512 px frame.
     t = np.deg2rad(angle)
     p = xa[ia] - 256
-    expected = np.stack([np.cos(t) * p[:, 0] + np.sin(t) * p[:, 1], -np.sin(t) * p[:, 0] + np.cos(t) * p[:, 1]], 1) + 256
+    expected = (
+        np.stack([np.cos(t) * p[:, 0] + np.sin(t) * p[:, 1], -np.sin(t) * p[:, 0] + np.cos(t) * p[:, 1]], 1) + 256
+    )
     inliers = np.linalg.norm(expected - xb[ib], axis=1) < 3
     assert inliers.sum() > 300 and inliers.mean() > 0.8
 
@@ -311,7 +319,10 @@ def test_sift_on_flat_tiny_and_bad_images(sift):
 def test_local_extractor_sift(photos):
     conf = LocalConfig(kind="sift", resolution=256, top_k=100, keep_desc=True, scales=(0.75, 1.0))
     extractor = LocalExtractor(conf, itq=None)
-    images = [np.asarray(Image.fromarray(photos[name]).resize(size)) for name, size in (("astronaut", (256, 256)), ("chelsea", (256, 171)))]
+    images = [
+        np.asarray(Image.fromarray(photos[name]).resize(size))
+        for name, size in (("astronaut", (256, 256)), ("chelsea", (256, 171)))
+    ]
     for image, tokens in zip(images, extractor.describe(images)):
         height, width = image.shape[:2]
         assert len(tokens.xy) == 100 and tokens.desc.shape == (100, 128)

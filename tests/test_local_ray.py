@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow  # each `ray job submit` imports Ray (seconds)
 class _Dashboard(BaseHTTPRequestHandler):
     refusals = 0  # submissions answered "no agent" before one is accepted (-1: always)
     reply_500 = "No available agent to submit job, please try again later."
-    submitted: list[dict] = []
+    submitted: ClassVar[list[dict]] = []
 
     def log_message(self, *args):  # quiet
         pass
@@ -34,8 +35,10 @@ class _Dashboard(BaseHTTPRequestHandler):
         if self.path == "/api/version":
             import ray
 
-            return self._reply(200, json.dumps({"version": "4", "ray_version": ray.__version__, "ray_commit": "x",
-                                                "session_name": "s"}))
+            return self._reply(
+                200,
+                json.dumps({"version": "4", "ray_version": ray.__version__, "ray_commit": "x", "session_name": "s"}),
+            )
         if self.path.startswith("/api/jobs/"):
             return self._reply(200, json.dumps({"status": "SUCCEEDED"}))
         self._reply(404, "")
@@ -80,8 +83,9 @@ def test_submission_waits_for_the_job_agent(dashboard):
 def test_a_head_that_never_gets_an_agent_is_a_bounded_error_naming_its_log(dashboard, tmp_path):
     _Dashboard.refusals, _Dashboard.reply_500 = -1, "No available agent to submit job, please try again later."
     with pytest.raises(RayHeadError, match=r"no job agent ready after 1s \(the head's log: .*ray_head\.log"):
-        submit_when_agent_ready(dashboard, ["echo"], _env(), "needle-x", ready_timeout=1, head_log=tmp_path / "ray_head.log",
-                                retry_s=0.2)
+        submit_when_agent_ready(
+            dashboard, ["echo"], _env(), "needle-x", ready_timeout=1, head_log=tmp_path / "ray_head.log", retry_s=0.2
+        )
     assert not _Dashboard.submitted
 
 

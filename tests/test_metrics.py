@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from eval.metrics import average_precision_at_k, map_at_k, mean_average_precision
 from core.errors import NeedleInputError
+from eval.metrics import average_precision_at_k, map_at_k, mean_average_precision
 
 
 def brute_force_map(scores: np.ndarray, positives, k: int) -> float:

@@ -1,6 +1,7 @@
 """The model zoo: ILIAS presets over timm/open_clip, generic specs, any aspect ratio, --pretrained offline."""
 
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -31,9 +32,7 @@ def _check_descriptors(name: str) -> None:
             torch.testing.assert_close(out.norm(dim=1), torch.ones(2), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in LARGE else n for n in ZOO]
-)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in LARGE else n for n in ZOO])
 def test_preset_gives_unit_descriptors_of_recorded_dim_for_any_aspect_ratio(name):
     _check_descriptors(name)
 
@@ -57,12 +56,29 @@ def test_presets_exist_in_installed_libraries():
 
 
 def test_ilias_families_are_present():
-    for name in ["siglip_B16_224.head", "siglip_B16_256.head", "siglip_B16_384.head", "siglip_B16_512.head",
-                 "siglip_L16_256.head", "siglip_L16_384.head", "siglip2_L16_512.head",
-                 "dinov2_B14.cls", "dinov2_B14_reg.cls", "dinov2_L14.cls", "dinov2_L14_reg.cls",
-                 "openclip_B16_laion2b.head", "openclip_L14_laion2b.head", "openclip_convnext_BW.head",
-                 "evaclip_B16.head", "metaclip_B16.head", "clip_B16_openai.head", "clip_RN50_openai.head",
-                 "resnet50.gem", "resnet101.gem", "convnext_base.gem"]:
+    for name in [
+        "siglip_B16_224.head",
+        "siglip_B16_256.head",
+        "siglip_B16_384.head",
+        "siglip_B16_512.head",
+        "siglip_L16_256.head",
+        "siglip_L16_384.head",
+        "siglip2_L16_512.head",
+        "dinov2_B14.cls",
+        "dinov2_B14_reg.cls",
+        "dinov2_L14.cls",
+        "dinov2_L14_reg.cls",
+        "openclip_B16_laion2b.head",
+        "openclip_L14_laion2b.head",
+        "openclip_convnext_BW.head",
+        "evaclip_B16.head",
+        "metaclip_B16.head",
+        "clip_B16_openai.head",
+        "clip_RN50_openai.head",
+        "resnet50.gem",
+        "resnet101.gem",
+        "convnext_base.gem",
+    ]:
         assert name in MODELS, name
 
 
@@ -91,9 +107,20 @@ def test_poolings_and_normalisation_follow_the_methods():
 
 def test_generic_timm_spec():
     conf = get_model_config("timm:resnet18")
-    assert (conf.library, conf.architecture, conf.pooling, conf.train_resolution, conf.resolution) == ("timm", "resnet18", "gem", 224, 384)
+    assert (conf.library, conf.architecture, conf.pooling, conf.train_resolution, conf.resolution) == (
+        "timm",
+        "resnet18",
+        "gem",
+        224,
+        384,
+    )
     vit = get_model_config("timm:vit_small_patch16_224.augreg_in21k@head")
-    assert (vit.architecture, vit.pooling, vit.pretrained, vit.mean) == ("vit_small_patch16_224", "head", "vit_small_patch16_224.augreg_in21k", (0.5, 0.5, 0.5))
+    assert (vit.architecture, vit.pooling, vit.pretrained, vit.mean) == (
+        "vit_small_patch16_224",
+        "head",
+        "vit_small_patch16_224.augreg_in21k",
+        (0.5, 0.5, 0.5),
+    )
     assert dict(vit.factory_kwargs)["dynamic_img_size"] is True
     assert get_model_config("timm:vit_small_patch14_dinov2").pooling == "cls"
     assert get_model_config("timm:vit_small_patch14_dinov2").resolution == 724
@@ -105,7 +132,13 @@ def test_generic_timm_spec():
 
 def test_generic_open_clip_spec():
     conf = get_model_config("open_clip:ViT-S-32")
-    assert (conf.library, conf.pooling, conf.train_resolution, conf.dim, conf.pretrained) == ("open_clip", "head", 224, 384, None)
+    assert (conf.library, conf.pooling, conf.train_resolution, conf.dim, conf.pretrained) == (
+        "open_clip",
+        "head",
+        224,
+        384,
+        None,
+    )
     conf = get_model_config("open_clip:ViT-B-32/laion2b_s34b_b79k")
     assert conf.pretrained == "laion2b_s34b_b79k" and conf.dim == 512
     assert get_model_config("open_clip:convnext_base_w").resolution == 384
@@ -115,7 +148,9 @@ def test_generic_open_clip_spec():
     assert out.shape == (1, 384)
 
 
-@pytest.mark.parametrize("spec", ["nope", "timm:nope", "timm:resnet18.nosuchtag", "open_clip:nope", "open_clip:ViT-B-32/nosuchtag"])
+@pytest.mark.parametrize(
+    "spec", ["nope", "timm:nope", "timm:resnet18.nosuchtag", "open_clip:nope", "open_clip:ViT-B-32/nosuchtag"]
+)
 def test_unknown_specs_say_how_to_list(spec):
     with pytest.raises(UnknownModelError, match="list"):
         get_model_config(spec)
@@ -201,7 +236,7 @@ def test_pretrained_is_recorded_and_queries_ask_for_it_again(monkeypatch):
     assert calls == ["pretrained"] and info["weights"] == "pretrained" and info["weights_sha256"] is None
 
     class Index:
-        infos = {"extractors": [info]}
+        infos: ClassVar[dict] = {"extractors": [info]}
         path = "idx"
 
     assert recorded_extractor(Index())[1] == "pretrained"
@@ -214,7 +249,10 @@ def test_readme_lists_every_preset_with_its_resolutions():
     from embed.registry import MODELS, get_model_config
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    rows = {m.group(1): m.group(2, 3, 4, 5) for m in re.finditer(r"^\| `([^`]+)` \| (\w+) \| (\d+) \| (\d+) \| (\w+) \|", readme, re.M)}
+    rows = {
+        m.group(1): m.group(2, 3, 4, 5)
+        for m in re.finditer(r"^\| `([^`]+)` \| (\w+) \| (\d+) \| (\d+) \| (\w+) \|", readme, re.M)
+    }
     for name in MODELS:
         conf = get_model_config(name)
         assert rows.get(name) == (conf.library, str(conf.train_resolution), str(conf.resolution), conf.pooling), name

@@ -6,18 +6,27 @@ import torch
 
 from embed.extract import batches_by_shape
 from embed.models import build_global_model, load_weights
-from embed.registry import MODELS, RANDOM, UnknownModelError, WeightsError, get_model_config, one_level_up
 from embed.pooling import gem
+from embed.registry import MODELS, RANDOM, UnknownModelError, WeightsError, get_model_config, one_level_up
 from ingest.torchvision_compat import ensure_torchvision_importable
 
 
 def test_one_level_up_rule():
-    assert [one_level_up(r) for r in (224, 256, 320, 336, 384, 448, 512, 518)] == [384, 384, 512, 512, 512, 512, 724, 724]
+    assert [one_level_up(r) for r in (224, 256, 320, 336, 384, 448, 512, 518)] == [
+        384,
+        384,
+        512,
+        512,
+        512,
+        512,
+        724,
+        724,
+    ]
     assert get_model_config("tf_efficientnet_lite0.gem").resolution == 384
 
 
 def test_unknown_model_lists_known_ones():
-    with pytest.raises(UnknownModelError, match="tf_efficientnet_lite0.gem"):
+    with pytest.raises(UnknownModelError, match=r"tf_efficientnet_lite0\.gem"):
         get_model_config("nope")
 
 
@@ -52,7 +61,7 @@ def test_wrong_weights_file_is_named(tmp_path):
     bad = tmp_path / "bad.pth"
     torch.save({"conv.weight": torch.zeros(3, 3)}, bad)
     model, _ = build_global_model("tf_efficientnet_lite0.gem")
-    with pytest.raises(WeightsError, match="bad.pth"):
+    with pytest.raises(WeightsError, match=r"bad\.pth"):
         load_weights(model.backbone, bad, "auto")
     with pytest.raises(WeightsError, match="does not exist"):
         build_global_model("resnet50.gem", tmp_path / "missing.pth")

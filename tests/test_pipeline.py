@@ -1,10 +1,12 @@
 """process_shard without Ray: one row per sample, error rows, failed shards, atomic output."""
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import jpeg_bytes, write_tar
+
 from ingest.descriptors import ROW_SHARD_SHIFT, read_global
 from ingest.pipeline import process_shard
 
@@ -24,19 +26,29 @@ def test_one_row_per_sample_and_unit_norm(tmp_path, tiny_shards, extractor):
 
 def test_corrupt_and_empty_images_become_error_rows(tmp_path, photos, extractor):
     good = jpeg_bytes(photos["coffee"])
-    shard = write_tar(tmp_path / "000003.tar", [
-        ("a.jpg", good),
-        ("b.jpg", good[: len(good) // 3]),  # truncated JPEG
-        ("c.jpg", b""),  # zero-byte member
-        ("d.jpg", b"not an image at all"),
-        ("e.json", b"{}"),  # a sample with no image member
-        ("f.jpg", good),
-    ])
+    shard = write_tar(
+        tmp_path / "000003.tar",
+        [
+            ("a.jpg", good),
+            ("b.jpg", good[: len(good) // 3]),  # truncated JPEG
+            ("c.jpg", b""),  # zero-byte member
+            ("d.jpg", b"not an image at all"),
+            ("e.json", b"{}"),  # a sample with no image member
+            ("f.jpg", good),
+        ],
+    )
     result = process_shard(str(shard), 3, tmp_path / "out", [extractor])
     assert result.status == "ok" and result.rows == 6 and result.error_rows == 4
     table = pq.read_table(result.output).to_pydict()
     status = dict(zip(table["key"], table["status"]))
-    assert status == {"000003/a": "ok", "000003/b": "error", "000003/c": "error", "000003/d": "error", "000003/e": "error", "000003/f": "ok"}
+    assert status == {
+        "000003/a": "ok",
+        "000003/b": "error",
+        "000003/c": "error",
+        "000003/d": "error",
+        "000003/e": "error",
+        "000003/f": "ok",
+    }
     errors = dict(zip(table["key"], table["error"]))
     assert "empty" in errors["000003/c"] and "no image member" in errors["000003/e"]
     vectors = dict(zip(table["key"], table["global"]))
@@ -72,7 +84,7 @@ class CutStream:
 
     def __init__(self, path):
         CutStream.opened += 1
-        self.data = open(path, "rb").read()
+        self.data = Path(path).read_bytes()
         self.limit = len(self.data) // 2 if CutStream.opened == 1 else len(self.data)
         self.pos = 0
 
@@ -81,7 +93,7 @@ class CutStream:
             raise ConnectionResetError("connection reset by peer")
         n = len(self.data) - self.pos if n is None or n < 0 else n
         end = min(self.pos + n, self.limit if self.limit < len(self.data) else len(self.data))
-        chunk, self.pos = self.data[self.pos:end], end
+        chunk, self.pos = self.data[self.pos : end], end
         return chunk
 
     def close(self):

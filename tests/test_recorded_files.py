@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
+from conftest import jpeg_bytes, write_tar
 
 from core.hashing import file_sha256
 from query.recorded import QueryFiles, RecordedFileError, local_files, model_weights, verified_file
-from conftest import jpeg_bytes, write_tar
 
 
 def _file(path: Path, content: bytes) -> Path:
@@ -28,15 +29,21 @@ def test_verified_file_takes_the_recorded_bytes_only(tmp_path):
     copy = _file(tmp_path / "copy.pth", b"weights")
     assert verified_file("weights", str(good), sha, str(copy), "--weights") == copy  # same bytes elsewhere
     other = _file(tmp_path / "other.pth", b"other weights")
-    with pytest.raises(RecordedFileError, match=r"other\.pth \(given with --weights\) has SHA-256 .* built with .*w\.pth"):
+    with pytest.raises(
+        RecordedFileError, match=r"other\.pth \(given with --weights\) has SHA-256 .* built with .*w\.pth"
+    ):
         verified_file("weights", str(good), sha, str(other), "--weights")
     with pytest.raises(RecordedFileError, match=r"absent\.pth \(given with --weights\) does not exist"):
         verified_file("weights", str(good), sha, str(tmp_path / "absent.pth"), "--weights")
     good.write_bytes(b"retrained")  # changed in place: never used
-    with pytest.raises(RecordedFileError, match=r"w\.pth has changed since the index was built.*give the original file with --weights"):
+    with pytest.raises(
+        RecordedFileError, match=r"w\.pth has changed since the index was built.*give the original file with --weights"
+    ):
         verified_file("weights", str(good), sha, None, "--weights")
     good.unlink()
-    with pytest.raises(RecordedFileError, match=r"w\.pth, recorded in the index, does not exist; give the same file with --weights"):
+    with pytest.raises(
+        RecordedFileError, match=r"w\.pth, recorded in the index, does not exist; give the same file with --weights"
+    ):
         verified_file("weights", str(good), sha, None, "--weights")
     # The same bytes installed elsewhere (a package on another machine) are the recorded file.
     assert verified_file("weights", str(good), sha, None, "--weights", packaged=copy) == copy
@@ -64,25 +71,33 @@ def test_default_weights_recorded_on_another_machine_are_found_in_the_package():
     packaged = resolve_package_file(get_model_config(DEFAULT_MODEL).weights)
     info = {"weights": "/elsewhere/site-packages/lite0.pth", "weights_sha256": file_sha256(packaged)}
     assert model_weights(info, DEFAULT_MODEL, None, "--weights", "idx") == packaged
-    with pytest.raises(RecordedFileError, match="lite0.pth, recorded in the index, does not exist"):
+    with pytest.raises(RecordedFileError, match=r"lite0\.pth, recorded in the index, does not exist"):
         model_weights({**info, "weights_sha256": "0" * 64}, DEFAULT_MODEL, None, "--weights", "idx")
 
 
 def test_local_files_check_itq_and_detector(tmp_path):
-    from embed.registry import LITE0_ITQ
-    from embed.registry import resolve_package_file
+    from embed.registry import LITE0_ITQ, resolve_package_file
 
     itq = resolve_package_file(LITE0_ITQ)
     det = _file(tmp_path / "det.pt", b"detector")
-    info = {"config": {"kind": "sift", "itq": str(tmp_path / "itq.npz"), "detector_weights": None},
-            "itq": str(tmp_path / "itq.npz"), "itq_sha256": file_sha256(itq)}
-    with pytest.raises(RecordedFileError, match=r"ITQ projection .*itq\.npz, recorded in the index, does not exist.*--itq"):
+    info = {
+        "config": {"kind": "sift", "itq": str(tmp_path / "itq.npz"), "detector_weights": None},
+        "itq": str(tmp_path / "itq.npz"),
+        "itq_sha256": file_sha256(itq),
+    }
+    with pytest.raises(
+        RecordedFileError, match=r"ITQ projection .*itq\.npz, recorded in the index, does not exist.*--itq"
+    ):
         local_files(info, QueryFiles(), "idx")
     assert local_files(info, QueryFiles(itq=str(itq)), "idx")["itq"] == str(itq)
     packaged = {**info, "config": {**info["config"], "itq": LITE0_ITQ}}  # recorded from the package elsewhere
     assert local_files(packaged, QueryFiles(), "idx")["itq"] == str(itq)
-    vit = {"config": {"kind": "vit_ames", "model": "m", "itq": None, "detector_weights": str(det)}, "weights": "random",
-           "itq": None, "detector_weights_sha256": file_sha256(det)}
+    vit = {
+        "config": {"kind": "vit_ames", "model": "m", "itq": None, "detector_weights": str(det)},
+        "weights": "random",
+        "itq": None,
+        "detector_weights_sha256": file_sha256(det),
+    }
     assert local_files(vit, QueryFiles(), "idx") == {"weights": "random", "itq": None, "detector_weights": str(det)}
     det.write_bytes(b"other detector")
     with pytest.raises(RecordedFileError, match=r"AMES detector weights: .*det\.pt has changed.*--detector-weights"):
@@ -95,13 +110,16 @@ def test_local_files_check_itq_and_detector(tmp_path):
 def small_index(tmp_path, photos, extractor):
     """A flat index of the default model (packaged weights), built through an adapter."""
     from embed.adapt import LinearAdapter, save_adapter
-    from index.build import IndexConfig, main as build
+    from index.build import IndexConfig
+    from index.build import main as build
     from ingest.pipeline import process_shard
 
     names = list(photos)[:4]
     shard = write_tar(tmp_path / "000000.tar", [(f"{n}.jpg", jpeg_bytes(photos[n])) for n in names])
     process_shard(str(shard), 0, tmp_path / "desc", [extractor])
-    (tmp_path / "desc" / "ingest_info.json").write_text(json.dumps({"schema_version": 1, "extractors": [extractor.info()]}))
+    (tmp_path / "desc" / "ingest_info.json").write_text(
+        json.dumps({"schema_version": 1, "extractors": [extractor.info()]})
+    )
     dim = extractor.dim
     adapter = LinearAdapter(dim, dim)
     with torch.no_grad():  # identity: each query matches its own image
@@ -178,7 +196,7 @@ def test_random_initialisation_is_recorded_and_rebuilt_identically(tmp_path, pho
     assert info["weights"] == "random" and info["weights_sha256"] is None
 
     class Index:
-        infos = {"extractors": [info]}
+        infos: ClassVar[dict] = {"extractors": [info]}
         path = "idx"
 
     again = query_extractor(Index())

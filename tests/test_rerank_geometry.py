@@ -8,12 +8,18 @@ import pytest
 import torch
 
 from core.errors import NeedleInputError
+from core.tokens import CODE_BITS, LocalTokens, TokenBatch, hamming
 from rerank.chamfer import chamfer_from_nearest, chamfer_similarity
 from rerank.matching import (
-    MatchConfig, Matches, RerankInputError, match_pair, match_tokens, matches_from_nearest, nearest_tokens,
+    MatchConfig,
+    Matches,
+    RerankInputError,
+    match_pair,
+    match_tokens,
+    matches_from_nearest,
+    nearest_tokens,
 )
 from rerank.spatial import SpatialConfig, fit_affine, normalized_inliers, verify, verify_pair
-from core.tokens import CODE_BITS, LocalTokens, TokenBatch, hamming
 
 SCALES = np.array([0.707, 1.0, 1.414], np.float32)
 
@@ -27,11 +33,15 @@ def flip_bits(codes: np.ndarray, n_bits: np.ndarray | int, rng: np.random.Genera
     return np.packbits(bits, axis=-1)
 
 
-def tokens(codes: np.ndarray, rng: np.random.Generator, xy: np.ndarray | None = None, scale: np.ndarray | None = None) -> LocalTokens:
+def tokens(
+    codes: np.ndarray, rng: np.random.Generator, xy: np.ndarray | None = None, scale: np.ndarray | None = None
+) -> LocalTokens:
     n = len(codes)
     return LocalTokens(
-        codes, rng.uniform(0, 400, (n, 2)).astype(np.float32) if xy is None else xy.astype(np.float32),
-        rng.choice(SCALES, n) if scale is None else scale.astype(np.float32), np.ones(n, np.float32),
+        codes,
+        rng.uniform(0, 400, (n, 2)).astype(np.float32) if xy is None else xy.astype(np.float32),
+        rng.choice(SCALES, n) if scale is None else scale.astype(np.float32),
+        np.ones(n, np.float32),
     )
 
 
@@ -72,15 +82,25 @@ def loop_matches(query: LocalTokens, candidates: list[LocalTokens], config: Matc
 
 
 def batched_as_list(matches: Matches) -> list[np.ndarray]:
-    return [np.concatenate([matches.pairs(c), matches.distance[c, matches.mask[c], None]], 1) for c in range(len(matches))]
+    return [
+        np.concatenate([matches.pairs(c), matches.distance[c, matches.mask[c], None]], 1) for c in range(len(matches))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
 # matching
 
 
-@pytest.mark.parametrize("config", [MatchConfig(), MatchConfig(mutual=False), MatchConfig(max_distance=0),
-                                    MatchConfig(max_distance=45, mutual=False), MatchConfig(max_distance=CODE_BITS)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        MatchConfig(),
+        MatchConfig(mutual=False),
+        MatchConfig(max_distance=0),
+        MatchConfig(max_distance=45, mutual=False),
+        MatchConfig(max_distance=CODE_BITS),
+    ],
+)
 def test_batched_matching_equals_loop(config: MatchConfig) -> None:
     rng = np.random.default_rng(0)
     query = query_with_duplicates(rng)
@@ -90,7 +110,9 @@ def test_batched_matching_equals_loop(config: MatchConfig) -> None:
     assert sum(len(w) for w in want) >= 10  # the data does produce matches
     # one chunk for all (few pairs per token row: rows gathered) and one candidate per chunk (many: all rows reduced)
     for block_values in (10**9, 1):
-        nearest = nearest_tokens(query.codes, batch, within=config.max_distance, mutual=config.mutual, block_values=block_values)
+        nearest = nearest_tokens(
+            query.codes, batch, within=config.max_distance, mutual=config.mutual, block_values=block_values
+        )
         got = batched_as_list(matches_from_nearest(nearest, config))
         assert [len(w) for w in want] == [len(g) for g in got]
         for c, (g, w) in enumerate(zip(got, want)):
@@ -112,7 +134,9 @@ def test_matching_with_mask_holes() -> None:
         pos = np.sort(rng.choice(T, len(cand), replace=False))
         codes[c, pos], mask[c, pos] = cand.codes, True
         positions.append(pos)
-    batch = TokenBatch(codes, np.zeros((8, T, 2), np.float32), np.ones((8, T), np.float32), np.zeros((8, T), np.float32), mask)
+    batch = TokenBatch(
+        codes, np.zeros((8, T, 2), np.float32), np.ones((8, T), np.float32), np.zeros((8, T), np.float32), mask
+    )
     for config in (MatchConfig(), MatchConfig(max_distance=CODE_BITS, mutual=False)):
         got = batched_as_list(match_tokens(query, batch, config))
         for c, w in enumerate(loop_matches(query, candidates, config)):
@@ -191,16 +215,27 @@ def test_matching_rejects_bad_inputs() -> None:
 def test_chamfer_equals_loop() -> None:
     rng = np.random.default_rng(6)
     query = query_with_duplicates(rng)
-    query = LocalTokens(np.concatenate([query.codes, np.zeros((1, 16), np.uint8)]),  # all-zero code: padded
-                        np.zeros((41, 2), np.float32), np.ones(41, np.float32), np.ones(41, np.float32))  # slots must not match it
+    query = LocalTokens(
+        np.concatenate([query.codes, np.zeros((1, 16), np.uint8)]),  # all-zero code: padded
+        np.zeros((41, 2), np.float32),
+        np.ones(41, np.float32),
+        np.ones(41, np.float32),
+    )  # slots must not match it
     candidates = shortlist(rng, query)
     got = chamfer_similarity(query, TokenBatch.stack(candidates, length=40))
     for c, cand in enumerate(candidates):
         if len(cand) == 0:
             want = 0.0
         else:
-            want = np.mean([max(1 - 2 * int(hamming(query.codes[i:i + 1], cand.codes[j:j + 1])[0, 0]) / 128
-                                for j in range(len(cand))) for i in range(len(query))])
+            want = np.mean(
+                [
+                    max(
+                        1 - 2 * int(hamming(query.codes[i : i + 1], cand.codes[j : j + 1])[0, 0]) / 128
+                        for j in range(len(cand))
+                    )
+                    for i in range(len(query))
+                ]
+            )
         assert got[c] == pytest.approx(want, abs=1e-12), c
     assert got[3] == 0.0
     assert chamfer_similarity(LocalTokens.empty(), TokenBatch.stack(candidates)).tolist() == [0.0] * len(candidates)
@@ -225,7 +260,7 @@ def padded_matches(pairs: list[np.ndarray]) -> Matches:
     C, M = len(pairs), max(len(p) for p in pairs)
     q, t, mask = np.zeros((C, M), np.int64), np.zeros((C, M), np.int64), np.zeros((C, M), bool)
     for c, p in enumerate(pairs):
-        q[c, :len(p)], t[c, :len(p)], mask[c, :len(p)] = p[:, 0], p[:, 1], True
+        q[c, : len(p)], t[c, : len(p)], mask[c, : len(p)] = p[:, 0], p[:, 1], True
     return Matches(q, t, np.zeros((C, M), np.int16), mask)
 
 
@@ -234,8 +269,8 @@ def assert_batched_equals_pairs(query, candidates, pairs, batch, matches, config
     for c, (cand, p) in enumerate(zip(candidates, pairs)):
         ref = verify_pair(query, cand, p, config)
         assert result.inliers[c] == ref.inliers, c
-        np.testing.assert_array_equal(result.inlier_mask[c, :len(p)], ref.inlier_mask, err_msg=f"candidate {c}")
-        assert not result.inlier_mask[c, len(p):].any()
+        np.testing.assert_array_equal(result.inlier_mask[c, : len(p)], ref.inlier_mask, err_msg=f"candidate {c}")
+        assert not result.inlier_mask[c, len(p) :].any()
         assert result.refined[c] == ref.refined and result.verified[c] == ref.verified, c
         np.testing.assert_allclose(result.affine[c], ref.affine, rtol=1e-9, atol=1e-7, err_msg=f"candidate {c}")
     return result
@@ -245,16 +280,28 @@ def test_batched_verification_equals_pairs_on_random_matches() -> None:
     """Random correspondences in a small area with a large threshold: hypotheses with many inliers,
     ties between them, scales outside [1/3, 3], affine refinements taken and refused."""
     rng = np.random.default_rng(8)
-    query = tokens(random_codes(80, rng), rng, xy=rng.uniform(0, 200, (80, 2)), scale=rng.choice([0.25, 0.707, 1, 1.414], 80))
+    query = tokens(
+        random_codes(80, rng), rng, xy=rng.uniform(0, 200, (80, 2)), scale=rng.choice([0.25, 0.707, 1, 1.414], 80)
+    )
     candidates, pairs = [], []
-    for c in range(60):
+    for _ in range(60):
         n = int(rng.integers(0, 60))
-        candidates.append(tokens(random_codes(n, rng), rng, xy=rng.uniform(0, 200, (n, 2)),
-                                 scale=rng.choice([0.2, 0.707, 1, 1.414, 4.0], n)))
+        candidates.append(
+            tokens(
+                random_codes(n, rng),
+                rng,
+                xy=rng.uniform(0, 200, (n, 2)),
+                scale=rng.choice([0.2, 0.707, 1, 1.414, 4.0], n),
+            )
+        )
         m = min(n, int(rng.integers(0, 45)))
-        pairs.append(np.stack([np.sort(rng.choice(80, m, replace=False)), rng.choice(n, m, replace=False)], 1).reshape(-1, 2))
+        pairs.append(
+            np.stack([np.sort(rng.choice(80, m, replace=False)), rng.choice(n, m, replace=False)], 1).reshape(-1, 2)
+        )
     config = SpatialConfig(inlier_threshold=40.0, min_inliers=6)
-    result = assert_batched_equals_pairs(query, candidates, pairs, TokenBatch.stack(candidates), padded_matches(pairs), config)
+    result = assert_batched_equals_pairs(
+        query, candidates, pairs, TokenBatch.stack(candidates), padded_matches(pairs), config
+    )
     assert result.refined.sum() >= 5 and (~result.refined & (result.inliers >= 4)).sum() >= 5
     assert 5 <= result.verified.sum() < 60
 
@@ -262,18 +309,26 @@ def test_batched_verification_equals_pairs_on_random_matches() -> None:
     width = 2 * max(len(p) for p in pairs)
     slots = [np.sort(rng.choice(width, len(p), replace=False)) for p in pairs]
     shape = (len(pairs), width)
-    holey = Matches(np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int16), np.zeros(shape, bool))
+    holey = Matches(
+        np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int16), np.zeros(shape, bool)
+    )
     for c, (p, slot) in enumerate(zip(pairs, slots)):
         holey.query[c, slot], holey.token[c, slot], holey.mask[c, slot] = p[:, 0], p[:, 1], True
     spread = verify(query, TokenBatch.stack(candidates), holey, config)
     np.testing.assert_array_equal(spread.inliers, result.inliers)
     for c, slot in enumerate(slots):
-        np.testing.assert_array_equal(spread.inlier_mask[c, slot], result.inlier_mask[c, :len(slot)])
+        np.testing.assert_array_equal(spread.inlier_mask[c, slot], result.inlier_mask[c, : len(slot)])
     assert spread.inlier_mask.sum() == result.inlier_mask.sum()
 
 
-def planted_candidate(rng: np.random.Generator, query: LocalTokens, affine: np.ndarray, scale_ratio: float,
-                      n_inliers: int = 30, n_outliers: int = 30) -> LocalTokens:
+def planted_candidate(
+    rng: np.random.Generator,
+    query: LocalTokens,
+    affine: np.ndarray,
+    scale_ratio: float,
+    n_inliers: int = 30,
+    n_outliers: int = 30,
+) -> LocalTokens:
     """A candidate whose first ``n_inliers`` tokens are the query's (codes with 8 bits flipped) at
     ``affine``-mapped positions plus 1 px noise, then tokens copied from other query tokens at
     random positions (wrong matches), then unrelated tokens."""
@@ -282,7 +337,7 @@ def planted_candidate(rng: np.random.Generator, query: LocalTokens, affine: np.n
     xy = rng.uniform(0, 600, (len(codes), 2))
     xy[:n_inliers] = query.xy[src[:n_inliers]] @ affine[:, :2].T + affine[:, 2] + rng.normal(0, 1, (n_inliers, 2))
     scale = rng.choice(SCALES, len(codes)).astype(np.float64)
-    scale[:len(src)] = query.scale[src] / scale_ratio
+    scale[: len(src)] = query.scale[src] / scale_ratio
     return tokens(codes, rng, xy=xy, scale=scale)
 
 
@@ -330,7 +385,10 @@ def test_hypothesis_ties_go_to_the_lowest_match() -> None:
         first = order[0, 0] < 5
         assert result.inliers[0] == 5
         np.testing.assert_array_equal(result.inlier_mask[0], (order[:, 0] < 5) == first)
-        assert verify_pair(query, cand, order, SpatialConfig(inlier_threshold=1.0)).inlier_mask.tolist() == result.inlier_mask[0].tolist()
+        assert (
+            verify_pair(query, cand, order, SpatialConfig(inlier_threshold=1.0)).inlier_mask.tolist()
+            == result.inlier_mask[0].tolist()
+        )
 
 
 @pytest.mark.parametrize("scale, found", [(3.0, True), (3.01, False), (1 / 3, True), (0.33, False)])
@@ -387,7 +445,9 @@ def test_affine_fit_matches_kornia_and_lstsq() -> None:
         design = np.concatenate([src[b, weight[b]], np.ones((weight[b].sum(), 1))], 1)
         solution = np.linalg.lstsq(design, dst[b, weight[b]], rcond=None)[0]
         np.testing.assert_allclose(fit[b], solution.T, rtol=1e-9, atol=1e-8)
-    exact, _ = fit_affine(src, np.einsum("bij,bnj->bni", true[:, :, :2], src) + true[:, None, :, 2], np.ones((B, n), bool))
+    exact, _ = fit_affine(
+        src, np.einsum("bij,bnj->bni", true[:, :, :2], src) + true[:, None, :, 2], np.ones((B, n), bool)
+    )
     np.testing.assert_allclose(exact, true, atol=1e-9)
 
 
@@ -399,6 +459,8 @@ def test_affine_fit_refuses_collinear_points() -> None:
     dst = src + 5.0
     fit, ok = fit_affine(src, dst, np.ones((1, 10)))
     assert not ok[0] and not fit.any()
-    assert torch.isnan(find_affine(torch.from_numpy(src), torch.from_numpy(dst))[:, :2]).all()  # kornia agrees: degenerate
+    assert torch.isnan(
+        find_affine(torch.from_numpy(src), torch.from_numpy(dst))[:, :2]
+    ).all()  # kornia agrees: degenerate
     _, ok = fit_affine(src, dst, np.zeros((1, 10)))  # no weight at all
     assert not ok[0]

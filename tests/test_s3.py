@@ -58,7 +58,7 @@ def fail_first(client, operation: str, status: int = 500) -> list[str]:
 
 
 def test_injected_s3_failures_are_retried(s3_endpoint, buckets):
-    client, src, dst = buckets
+    _client, _src, dst = buckets
     storage = S3Storage(f"s3://{dst}/x", s3_endpoint)
     calls = fail_first(storage.client, "PutObject", 503)
     storage.write_json("a.json", {"ok": 1})
@@ -66,7 +66,7 @@ def test_injected_s3_failures_are_retried(s3_endpoint, buckets):
 
 
 def test_uncommitted_parts_are_invisible(s3_endpoint, buckets):
-    client, src, dst = buckets
+    client, _src, dst = buckets
     storage = S3Storage(f"s3://{dst}/d", s3_endpoint)
     client.put_object(Bucket=dst, Key="d/000000.parquet", Body=b"half an upload")
     assert storage.committed() == {}
@@ -89,8 +89,13 @@ def test_ingest_s3_to_s3_then_index(s3_endpoint, buckets, ray_local, tmp_path):
     conf = IngestConfig(resolution=160, batch_size=8, cpus_per_worker=1, s3_endpoint_url=s3_endpoint)
     main(conf, f"s3://{src}/shards/*.tar", f"s3://{dst}/desc")
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=dst, Prefix="desc/")["Contents"]}
-    assert {"desc/000000.parquet", "desc/000001.parquet", "desc/000000.parquet.committed",
-            "desc/manifest.json", "desc/ingest_info.json"} <= keys
+    assert {
+        "desc/000000.parquet",
+        "desc/000001.parquet",
+        "desc/000000.parquet.committed",
+        "desc/manifest.json",
+        "desc/ingest_info.json",
+    } <= keys
     rows = []
     for name in ("000000", "000001"):
         body = client.get_object(Bucket=dst, Key=f"desc/{name}.parquet")["Body"].read()
@@ -106,7 +111,7 @@ def test_ingest_s3_to_s3_then_index(s3_endpoint, buckets, ray_local, tmp_path):
     client.put_object(Bucket=dst, Key="desc/999999.parquet", Body=b"an upload without its marker")
     index = load_index(build_index(IndexConfig(s3_endpoint_url=s3_endpoint), f"s3://{dst}/desc", tmp_path / "index"))
     assert index.ntotal == 6 and index.infos["extractors"][0]["resolution"] == 160
-    D, I = index.search(index.vector_of("000001/01002")[None], 1)
+    _D, I = index.search(index.vector_of("000001/01002")[None], 1)
     assert index.keys_of(I)[0] == ["000001/01002"]
     assert not (tmp_path / "index" / "staging").exists()
     # Run again: everything is committed, nothing is redone.
