@@ -8,7 +8,7 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c const
 export HF_HUB_OFFLINE := 1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: install browser demo test test-fast clean
+.PHONY: install browser demo lint format test test-fast clean
 
 install: $(STAMP)
 
@@ -26,7 +26,15 @@ browser:
 demo: install
 	$(BIN)/needle demo --workdir demo_run
 
-test: install browser
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: install browser lint
 	$(BIN)/python -m pytest -m "not gpu" -q
 
 test-fast: install

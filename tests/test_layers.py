@@ -54,6 +54,28 @@ def test_every_package_has_a_floor():
     assert packages <= set(FLOORS), f"packages without a floor in FLOORS: {sorted(packages - set(FLOORS))}"
 
 
+def test_pyproject_installs_every_floor():
+    text = (ROOT / "pyproject.toml").read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("packages = "))
+    assert ast.literal_eval(line.split("=", 1)[1].split("#")[0].strip()) == FLOORS
+
+
+def test_ray_lives_only_in_cluster():
+    """The other packages are plain libraries, usable and testable without a cluster."""
+    users = sorted(
+        f"{p.relative_to(ROOT)}"
+        for floor in FLOORS
+        if floor != "cluster"
+        for p in (ROOT / floor).rglob("*.py")
+        if any(
+            isinstance(n, (ast.Import, ast.ImportFrom))
+            and any((getattr(n, "module", None) or a.name).split(".")[0] == "ray" for a in n.names)
+            for n in ast.walk(ast.parse(p.read_text()))
+        )
+    )
+    assert not users, f"modules outside cluster/ importing ray: {users}"
+
+
 def test_no_package_imports_one_above_it():
     upward = sorted(
         f"{module} imports {target}"
