@@ -17,8 +17,8 @@ Both are the same kind of file as a trained adapter (``x -> L2(W x + b)``, saved
 :func:`embed.adapt.save_adapter`), so ``needle index build --adapt`` and queries take them as they are.
 The regulariser ``r`` is ``eps`` times the mean eigenvalue (the trace over ``d``) of the matrix being
 inverted, so that the same ``eps`` suits descriptors of any dimension and scale. Everything is
-computed in float64; eigenvector signs are fixed (largest entry positive) so that results do not
-depend on the LAPACK build.
+computed in float64; the covariance's eigenpairs and their signs (largest entry positive, so that
+results do not depend on the LAPACK build) come from :func:`embed.pca.eigh_descending`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 import torch
 
 from embed.adapt import AdapterError, LinearAdapter, labelled_descriptors, read_labels, save_adapter
+from embed.pca import eigh_descending
 from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global
 from core.atomic import write_json_atomic
 
@@ -99,16 +100,6 @@ def _symmetric(c: np.ndarray) -> np.ndarray:
     return (c + c.T) / 2
 
 
-def _eigh_descending(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Eigenvalues (descending, negatives from rounding clipped to 0) and eigenvectors (columns),
-    each column's largest-magnitude entry made positive."""
-    values, vectors = np.linalg.eigh(_symmetric(c))
-    order = np.argsort(values)[::-1]
-    values, vectors = np.clip(values[order], 0, None), vectors[:, order]
-    signs = np.sign(vectors[np.abs(vectors).argmax(0), np.arange(vectors.shape[1])])
-    return values, vectors * np.where(signs == 0, 1, signs)
-
-
 def _regulariser(values: np.ndarray, eps: float) -> float:
     if not eps >= 0:
         raise AdapterError(f"eps must be >= 0, got {eps}")
@@ -118,7 +109,7 @@ def _regulariser(values: np.ndarray, eps: float) -> float:
 def _inverse_sqrt(c: np.ndarray, eps: float) -> tuple[np.ndarray, float]:
     """(symmetric ``(C + r I)^-1/2``, r) of a covariance, ``r = eps * trace(C) / d``; raises
     AdapterError when ``C + r I`` is singular (``eps=0`` on rank-deficient data)."""
-    values, vectors = _eigh_descending(c)
+    values, vectors = eigh_descending(c)
     r = _regulariser(values, eps)
     if values[-1] + r <= 0:
         raise AdapterError(f"covariance of shape {c.shape} is singular (rank {int((values > 0).sum())}): give eps > 0")
@@ -138,10 +129,12 @@ def _to_adapter(weight: np.ndarray, bias: np.ndarray) -> LinearAdapter:
 # --- PCA whitening ------------------------------------------------------------------------------------
 
 
-def _fit_pca(n: int, mean: np.ndarray, cov: np.ndarray, out_dim: int, eps: float) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """(W, b, infos) of PCA whitening from the descriptors' moments."""
+def _fit_pca_whitening(n: int, mean: np.ndarray, cov: np.ndarray, out_dim: int,
+                       eps: float) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """(W, b, infos) of PCA whitening from the descriptors' moments (the covariance's eigenpairs:
+    embed/pca.py)."""
     _check_out_dim(out_dim, n, len(mean))
-    values, vectors = _eigh_descending(cov)
+    values, vectors = eigh_descending(cov)
     r = _regulariser(values, eps)
     kept = values[:out_dim]
     if kept[-1] + r <= 0:
@@ -158,7 +151,7 @@ def pca_whitening(x: np.ndarray, out_dim: int, eps: float = DEFAULT_EPS) -> Line
     """PCA whitening of (n, d) descriptors as an adapter: ``W = diag(λ + r)^-1/2 Pᵀ`` (top ``out_dim``
     eigenpairs of the covariance), ``b = -W μ``, so that ``adapter(x) = L2(W (x - μ))``."""
     x = _check_matrix(x)
-    weight, bias, _ = _fit_pca(*_moments([x]), out_dim, eps)
+    weight, bias, _ = _fit_pca_whitening(*_moments([x]), out_dim, eps)
     return _to_adapter(weight, bias)
 
 
@@ -226,7 +219,7 @@ def _fit_learned(x: np.ndarray, labels: np.ndarray, out_dim: int, eps: float, ma
     c_s, n_pairs = pair_difference_covariance(x, labels, max_pairs, seed)
     p1, r = _inverse_sqrt(c_s, eps)
     n, mean, cov = _moments([x])
-    values, vectors = _eigh_descending(p1 @ cov @ p1)  # p1 is symmetric
+    values, vectors = eigh_descending(p1 @ cov @ p1)  # p1 is symmetric
     weight = vectors[:, :out_dim].T @ p1
     infos = {"samples": n, "pairs": n_pairs, "classes_with_pairs": int((sizes >= 2).sum()), "regulariser": r,
              "explained_variance": float(values[:out_dim].sum() / values.sum()) if values.sum() > 0 else 0.0}
@@ -268,7 +261,7 @@ def fit(conf: WhitenConfig, descriptors: Path, labels: Path | None = None) -> tu
         x, y, classes = labelled_descriptors(Path(descriptors), read_labels(Path(labels)))
     if conf.method == "pca":
         moments = _moments([x] if labels is not None else ok_descriptor_blocks(Path(descriptors)))
-        weight, bias, infos = _fit_pca(*moments, conf.out_dim, conf.eps)
+        weight, bias, infos = _fit_pca_whitening(*moments, conf.out_dim, conf.eps)
     else:
         weight, bias, infos = _fit_learned(x, y, conf.out_dim, conf.eps, conf.max_pairs, conf.seed)
         infos["classes"] = len(classes)
