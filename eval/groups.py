@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from core.errors import NeedleInputError
+from eval import kmeans as kmeans_lib
+from eval.kmeans import KMeansConfig
 
 
 class GroupEvalError(NeedleInputError):
@@ -141,50 +143,14 @@ def adjusted_rand_index(truth: Sequence[Any], pred: Sequence[Any]) -> float:
     return (index - expected) / (maximum - expected)
 
 
-def _kmeans_pp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    centres = [x[rng.integers(len(x))]]
-    for _ in range(1, k):
-        d2 = ((x[:, None, :] - np.asarray(centres)[None]) ** 2).sum(-1).min(axis=1)
-        total = d2.sum()
-        # All points on the chosen centres (duplicates): any point will do.
-        probs = d2 / total if total > 0 else np.full(len(x), 1.0 / len(x))
-        centres.append(x[rng.choice(len(x), p=probs)])
-    return np.asarray(centres, dtype=np.float64)
-
-
-def _lloyd(x: np.ndarray, centres: np.ndarray, max_iter: int) -> tuple[np.ndarray, np.ndarray, float]:
-    labels = None
-    for _ in range(max_iter):
-        d2 = ((x[:, None, :] - centres[None]) ** 2).sum(-1)
-        new = d2.argmin(axis=1)
-        if labels is not None and np.array_equal(new, labels):
-            break
-        labels = new
-        for c in range(len(centres)):
-            members = x[labels == c]
-            if len(members):
-                centres[c] = members.mean(axis=0)
-            else:
-                # An empty cluster takes the point farthest from its centre, so K stays K.
-                far = int(d2[np.arange(len(x)), labels].argmax())
-                centres[c] = x[far]
-    d2 = ((x[:, None, :] - centres[None]) ** 2).sum(-1)
-    labels = d2.argmin(axis=1)
-    return labels, centres, float(d2[np.arange(len(x)), labels].sum())
-
-
 def kmeans(x: np.ndarray, k: int, seed: int = 0, restarts: int = 10, max_iter: int = 100) -> tuple[np.ndarray, float]:
-    """Lloyd's k-means with k-means++ seeding: (labels (n,), inertia) of the best of ``restarts``."""
-    x = np.asarray(x, dtype=np.float64)
-    if x.ndim != 2 or len(x) < k or k < 1:
-        raise GroupEvalError(f"k-means with k={k} needs an (n >= k, d) array, got shape {x.shape}")
-    rng = np.random.default_rng(seed)
-    best_labels, best_inertia = None, np.inf
-    for _ in range(restarts):
-        labels, _, inertia = _lloyd(x, _kmeans_pp(x, k, rng), max_iter)
-        if inertia < best_inertia - 1e-12:
-            best_labels, best_inertia = labels, inertia
-    return best_labels, float(best_inertia)
+    """Lloyd's k-means with k-means++ seeding (eval/kmeans.py; exact distances, an emptied
+    cluster's centre moved onto the worst-served point): (labels (n,), inertia) of the best of
+    ``restarts``."""
+    conf = KMeansConfig(restarts=restarts, max_iter=max_iter, distances="direct", empty="move_centre",
+                        coincident_draw="choice")
+    result = kmeans_lib.kmeans(x, k, seed, conf, error=GroupEvalError)
+    return result.labels, result.inertia
 
 
 def group_pairs(labels: Sequence[Any], min_size: int, max_pairs: int, seed: int) -> list[tuple[int, int]]:
