@@ -1,5 +1,5 @@
 """2AFC on realbench: accuracy of each similarity model, majority vote and the context-sensitive
-ensemble (similarity/twoafc.py) on triplets with a known answer; one JSON line last.
+ensemble (similarity/twoafc_*.py) on triplets with a known answer; one JSON line last.
 
 Triplets (``make_triplets``, seed 0): the 56 groups with two or more images are split in half
 (``val`` / ``test``, 28 groups each; the singleton and the 1,518 distractors are split in half too,
@@ -52,34 +52,39 @@ def run(realbench: Path, work: Path) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from similarity import twoafc as t
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(t, Path(realbench), Path(work))
+        return _run(Path(realbench), Path(work))
     finally:
         torch.set_num_threads(threads)  # the other parts of bench/seeds.py run in this process
 
 
-def _run(t, realbench: Path, work: Path) -> dict:
+def _run(realbench: Path, work: Path) -> dict:
+    from similarity.twoafc_config import EnsembleConfig
+    from similarity.twoafc_ensemble import load_ensemble, train_ensemble
+    from similarity.twoafc_evaluation import Evaluation, evaluate_triplets, report
+    from similarity.twoafc_features import FeatureStore
+    from similarity.twoafc_mining import TripletConfig, make_triplets
+    from similarity.twoafc_triplets import read_triplets
+
     start = time.perf_counter()
-    store = t.FeatureStore(work / "features")
-    csv_path = t.make_triplets(t.TripletConfig(**TRIPLETS), realbench, work / "triplets.csv", cache=work / "features")
+    store = FeatureStore(work / "features")
+    csv_path = make_triplets(TripletConfig(**TRIPLETS), realbench, work / "triplets.csv", cache=work / "features")
     made = json.loads(csv_path.with_name(csv_path.name + ".json").read_text())
     parts, folds = [], []
     for train_split, test_split in FOLDS:
-        conf = t.EnsembleConfig(split=train_split)
-        ens_path = t.train_ensemble(conf, csv_path, work / f"ensemble_{train_split}.pt", store=store)
+        conf = EnsembleConfig(split=train_split)
+        ens_path = train_ensemble(conf, csv_path, work / f"ensemble_{train_split}.pt", store=store)
         trained = json.loads(ens_path.with_name(ens_path.name + ".json").read_text())
-        test = t.read_triplets(csv_path, test_split)
-        ev = t.evaluate_triplets(test, conf.models, t.load_ensemble(ens_path), store)
+        test = read_triplets(csv_path, test_split)
+        ev = evaluate_triplets(test, conf.models, load_ensemble(ens_path), store)
         parts.append(ev)
-        fold = t.report(ev)
+        fold = report(ev)
         folds.append({"train": train_split, "test": test_split, "n_train": trained["n"], "n_test": fold["n"],
                       "accuracy_pct": {m: s["accuracy_pct"] for m, s in fold["methods"].items()},
                       "train_accuracy_pct": trained["train_accuracy_pct"], "mean_weights": fold["ensemble_mean_weights"]})
-    pooled = t.report(t.Evaluation.concatenate(parts))
+    pooled = report(Evaluation.concatenate(parts))
     return {
         "triplets": {"n": made["triplets"], "config": made["config"],
                      "splits": {s: {k: made["splits"][s][k] for k in ("triplets", "groups", "kinds")} for s in made["splits"]}},
