@@ -1,5 +1,6 @@
-"""``needle similarity <method> ...``: each method module adds its own subcommands with
-``add_cli(subparsers)``; heavy imports stay inside the handlers (no work at import time)."""
+"""``needle similarity <method> ...``: each method's CLI module (``similarity/<method>_cli.py``) adds
+its own subcommands with ``add_cli(subparsers)``; those modules import no torch, the handlers import
+the heavy modules they run (no work at import time)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import importlib
 METHOD_MODULES = (
     "similarity.afn_cli",  # needle similarity afn ...
     "similarity.adaptors_cli",  # needle similarity adaptors ...
-    "similarity.ffa",  # needle similarity ffa ...
+    "similarity.ffa_cli",  # needle similarity ffa ...
     "similarity.twoafc_cli",  # needle similarity 2afc ...
 )
 

@@ -1,4 +1,4 @@
-"""Foreground feature averaging (similarity/ffa.py) and the grouped evaluation (eval/groups.py):
+"""Foreground feature averaging (similarity/ffa_*.py) and the grouped evaluation (eval/groups.py):
 every vectorised computation against a brute-force reference, ARI against scikit-learn."""
 
 from __future__ import annotations
@@ -26,20 +26,16 @@ from eval.groups import (
     sample_odd_trials,
 )
 from eval.metrics import average_precision_at_k
-from similarity.ffa import (
-    FFAConfig,
-    FFAError,
+from similarity.ffa_config import FFAConfig, FFAError
+from similarity.ffa_descriptors import crop_resized, ffa_descriptors, foreground_box, pool_tokens
+from similarity.ffa_masks import (
     FullMask,
     NormMask,
     PCAMask,
     PixelMaskFn,
     centredness,
-    crop_resized,
-    ffa_descriptors,
     first_component_projection,
-    foreground_box,
     grid_mask_from_pixels,
-    pool_tokens,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -417,7 +413,7 @@ def test_empty_masks_fall_back_and_bad_masks_are_named():
 
 
 def test_mask_choice_follows_the_config():
-    from similarity.ffa import get_mask_fn
+    from similarity.ffa_masks import get_mask_fn
 
     assert get_mask_fn(FFAConfig(mask="pca", pca_threshold=0.5)) == PCAMask(0.5)
     assert get_mask_fn(FFAConfig(mask="norm", norm_fraction=0.3)) == NormMask(0.3)
@@ -440,7 +436,7 @@ def test_config_is_checked():
 def lite0_tokens():
     import torch
 
-    from similarity.ffa import TokenMaps
+    from similarity.ffa_tokens import TokenMaps
 
     torch.set_num_threads(1)
     return TokenMaps()
