@@ -43,8 +43,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 REALBENCH = ROOT.parent / "shared" / "data" / "realbench"
 
-TRIPLETS = dict(seed=0, val_fraction=0.5, max_pairs_per_group=12, random_distractors=1, other_groups=1, hard=1, hard_pool=5,
-                hard_distractors=300, miners=("tiny-32", "lite0-gem-320"))
+TRIPLETS = {
+    "seed": 0,
+    "val_fraction": 0.5,
+    "max_pairs_per_group": 12,
+    "random_distractors": 1,
+    "other_groups": 1,
+    "hard": 1,
+    "hard_pool": 5,
+    "hard_distractors": 300,
+    "miners": ("tiny-32", "lite0-gem-320"),
+}
 FOLDS = (("val", "test"), ("test", "val"))
 
 
@@ -81,13 +90,24 @@ def _run(realbench: Path, work: Path) -> dict:
         ev = evaluate_triplets(test, conf.models, load_ensemble(ens_path), store)
         parts.append(ev)
         fold = report(ev)
-        folds.append({"train": train_split, "test": test_split, "n_train": trained["n"], "n_test": fold["n"],
-                      "accuracy_pct": {m: s["accuracy_pct"] for m, s in fold["methods"].items()},
-                      "train_accuracy_pct": trained["train_accuracy_pct"], "mean_weights": fold["ensemble_mean_weights"]})
+        folds.append(
+            {
+                "train": train_split,
+                "test": test_split,
+                "n_train": trained["n"],
+                "n_test": fold["n"],
+                "accuracy_pct": {m: s["accuracy_pct"] for m, s in fold["methods"].items()},
+                "train_accuracy_pct": trained["train_accuracy_pct"],
+                "mean_weights": fold["ensemble_mean_weights"],
+            }
+        )
     pooled = report(Evaluation.concatenate(parts))
     return {
-        "triplets": {"n": made["triplets"], "config": made["config"],
-                     "splits": {s: {k: made["splits"][s][k] for k in ("triplets", "groups", "kinds")} for s in made["splits"]}},
+        "triplets": {
+            "n": made["triplets"],
+            "config": made["config"],
+            "splits": {s: {k: made["splits"][s][k] for k in ("triplets", "groups", "kinds")} for s in made["splits"]},
+        },
         "pooled_test": pooled,
         "folds": folds,
         "seconds": round(time.perf_counter() - start, 1),
@@ -96,7 +116,9 @@ def _run(realbench: Path, work: Path) -> dict:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="/tmp/needle_seeds_2afc", help="work directory (feature cache, triplets, ensembles)")
+    parser.add_argument(
+        "--work", default="/tmp/needle_seeds_2afc", help="work directory (feature cache, triplets, ensembles)"
+    )
     parser.add_argument("--realbench", default=str(REALBENCH))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -101,7 +101,7 @@ def _measure(realbench: Path, work: Path | None) -> dict:
         "epochs": conf.epochs,
         "features": f"{feature_conf.backbone} {'+'.join(feature_conf.layers)} @{feature_conf.resolution}px",
         "metric": "aR@k x100, mean and 2 std over splits; before_raw: cosine on the concatenated layers, "
-                  "before_pca: on their PCA, sigma=s: after adaptation trained with logits s*cos",
+        "before_pca: on their PCA, sigma=s: after adaptation trained with logits s*cos",
         "gallery_test_pairs": _compact(result["pairs"]),
         "gallery_with_distractors": _compact(result["with_distractors"]),
         "final_train_loss": {k: v["mean"] for k, v in result["final_train_loss"].items()},

@@ -129,10 +129,16 @@ def run(realbench: Path, work: Path) -> dict:
     for pooling in ("avg", "gem"):
         conf = FFAConfig(resolution=RESOLUTION, pooling=pooling)
         result[f"last_{pooling}"], counts = _row(conf, eval_conf, images[:n], labels[:n], last, cache)
-    result["s16_avg"], _ = _row(FFAConfig(resolution=RESOLUTION, feature_stage=4), eval_conf, images[:n], labels[:n], s16, cache)
-    result[f"d{DISTRACTORS}_last_avg"], _ = _row(FFAConfig(resolution=RESOLUTION), eval_conf, images, labels, last, cache)
-    result["counts"] = {**{k: counts[k] for k in ("images", "groups", "queries", "ari_pairs", "odd_trials", "odd_eligible_groups")},
-                        "distractors": DISTRACTORS}
+    result["s16_avg"], _ = _row(
+        FFAConfig(resolution=RESOLUTION, feature_stage=4), eval_conf, images[:n], labels[:n], s16, cache
+    )
+    result[f"d{DISTRACTORS}_last_avg"], _ = _row(
+        FFAConfig(resolution=RESOLUTION), eval_conf, images, labels, last, cache
+    )
+    result["counts"] = {
+        **{k: counts[k] for k in ("images", "groups", "queries", "ari_pairs", "odd_trials", "odd_eligible_groups")},
+        "distractors": DISTRACTORS,
+    }
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 

@@ -34,10 +34,10 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
+from core.atomic import write_json_atomic
 from embed.adapt import AdapterError, LinearAdapter, labelled_descriptors, read_labels, save_adapter
 from embed.pca import eigh_descending
 from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global
-from core.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,9 @@ class WhitenConfig:
     method: str = "pca"  # "pca": unsupervised PCA whitening; "learned": whitening learned from same-label pairs
     out_dim: int = 512  # kept dimensions (at most the descriptor dimension and the number of descriptors - 1)
     eps: float = DEFAULT_EPS  # regulariser added to the eigenvalues, as a fraction of their mean
-    max_pairs: int | None = None  # learned: at most this many positive pairs, a seeded uniform sample; None: all, in closed form
+    max_pairs: int | None = (
+        None  # learned: at most this many positive pairs, a seeded uniform sample; None: all, in closed form
+    )
     seed: int = 0  # learned: which pairs the sample holds when max_pairs caps them
 
 
@@ -69,8 +71,10 @@ def _check_matrix(x: np.ndarray, what: str = "descriptors") -> np.ndarray:
 
 def _check_out_dim(out_dim: int, n: int, d: int) -> None:
     if not 1 <= out_dim <= min(d, n - 1):
-        raise AdapterError(f"out_dim {out_dim} must be between 1 and min(d, n - 1) = {min(d, n - 1)} "
-                           f"for {n} descriptors of dimension {d}")
+        raise AdapterError(
+            f"out_dim {out_dim} must be between 1 and min(d, n - 1) = {min(d, n - 1)} "
+            f"for {n} descriptors of dimension {d}"
+        )
 
 
 def _moments(blocks: Iterable[np.ndarray]) -> tuple[int, np.ndarray, np.ndarray]:
@@ -129,8 +133,9 @@ def _to_adapter(weight: np.ndarray, bias: np.ndarray) -> LinearAdapter:
 # --- PCA whitening ------------------------------------------------------------------------------------
 
 
-def _fit_pca_whitening(n: int, mean: np.ndarray, cov: np.ndarray, out_dim: int,
-                       eps: float) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+def _fit_pca_whitening(
+    n: int, mean: np.ndarray, cov: np.ndarray, out_dim: int, eps: float
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """(W, b, infos) of PCA whitening from the descriptors' moments (the covariance's eigenpairs:
     embed/pca.py)."""
     _check_out_dim(out_dim, n, len(mean))
@@ -138,12 +143,18 @@ def _fit_pca_whitening(n: int, mean: np.ndarray, cov: np.ndarray, out_dim: int,
     r = _regulariser(values, eps)
     kept = values[:out_dim]
     if kept[-1] + r <= 0:
-        raise AdapterError(f"only {int((values > 0).sum())} of the {out_dim} components asked for have variance: "
-                           "give eps > 0 or a smaller out_dim")
+        raise AdapterError(
+            f"only {int((values > 0).sum())} of the {out_dim} components asked for have variance: "
+            "give eps > 0 or a smaller out_dim"
+        )
     weight = vectors[:, :out_dim].T / np.sqrt(kept + r)[:, None]
     total = float(values.sum())
-    infos = {"samples": n, "explained_variance": float(kept.sum() / total) if total > 0 else 0.0,
-             "eigenvalues_kept": [float(kept[0]), float(kept[-1])], "regulariser": r}
+    infos = {
+        "samples": n,
+        "explained_variance": float(kept.sum() / total) if total > 0 else 0.0,
+        "eigenvalues_kept": [float(kept[0]), float(kept[-1])],
+        "regulariser": r,
+    }
     return weight, -weight @ mean, infos
 
 
@@ -165,7 +176,9 @@ def _check_labels(x: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.nda
         raise AdapterError(f"need one label per descriptor: descriptors {x.shape}, labels {labels.shape}")
     _, classes, sizes = np.unique(labels, return_inverse=True, return_counts=True)
     if not (sizes >= 2).any():
-        raise AdapterError(f"no class of the {len(sizes)} labels has 2 descriptors: learned whitening needs matching pairs")
+        raise AdapterError(
+            f"no class of the {len(sizes)} labels has 2 descriptors: learned whitening needs matching pairs"
+        )
     return classes, sizes
 
 
@@ -175,7 +188,9 @@ def positive_pairs(labels: np.ndarray, max_pairs: int, seed: int = 0) -> tuple[n
     _, classes, sizes = np.unique(np.asarray(labels), return_inverse=True, return_counts=True)
     pair_counts = sizes * (sizes - 1) / 2
     if max_pairs < 1 or pair_counts.sum() == 0:
-        raise AdapterError(f"cannot draw {max_pairs} positive pairs from {len(sizes)} classes of sizes up to {sizes.max()}")
+        raise AdapterError(
+            f"cannot draw {max_pairs} positive pairs from {len(sizes)} classes of sizes up to {sizes.max()}"
+        )
     rng = np.random.default_rng(seed)
     members = np.argsort(classes, kind="stable")
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -185,8 +200,9 @@ def positive_pairs(labels: np.ndarray, max_pairs: int, seed: int = 0) -> tuple[n
     return members[starts[cls] + a], members[starts[cls] + b]
 
 
-def pair_difference_covariance(x: np.ndarray, labels: np.ndarray, max_pairs: int | None = None,
-                               seed: int = 0) -> tuple[np.ndarray, int]:
+def pair_difference_covariance(
+    x: np.ndarray, labels: np.ndarray, max_pairs: int | None = None, seed: int = 0
+) -> tuple[np.ndarray, int]:
     """(C_S, number of pairs): the mean of ``(x_i - x_j)(x_i - x_j)ᵀ`` over same-label pairs.
 
     All pairs use the closed form ``Σ_{i<j in c} (x_i - x_j)(x_i - x_j)ᵀ = n_c Σ_{i in c} (x_i - μ_c)(x_i - μ_c)ᵀ``
@@ -210,8 +226,9 @@ def pair_difference_covariance(x: np.ndarray, labels: np.ndarray, max_pairs: int
     return _symmetric(scatter / total_pairs), total_pairs
 
 
-def _fit_learned(x: np.ndarray, labels: np.ndarray, out_dim: int, eps: float, max_pairs: int | None,
-                 seed: int) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+def _fit_learned(
+    x: np.ndarray, labels: np.ndarray, out_dim: int, eps: float, max_pairs: int | None, seed: int
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """(W, b, infos) of learned whitening."""
     x = _check_matrix(x)
     _, sizes = _check_labels(x, labels)
@@ -221,13 +238,24 @@ def _fit_learned(x: np.ndarray, labels: np.ndarray, out_dim: int, eps: float, ma
     n, mean, cov = _moments([x])
     values, vectors = eigh_descending(p1 @ cov @ p1)  # p1 is symmetric
     weight = vectors[:, :out_dim].T @ p1
-    infos = {"samples": n, "pairs": n_pairs, "classes_with_pairs": int((sizes >= 2).sum()), "regulariser": r,
-             "explained_variance": float(values[:out_dim].sum() / values.sum()) if values.sum() > 0 else 0.0}
+    infos = {
+        "samples": n,
+        "pairs": n_pairs,
+        "classes_with_pairs": int((sizes >= 2).sum()),
+        "regulariser": r,
+        "explained_variance": float(values[:out_dim].sum() / values.sum()) if values.sum() > 0 else 0.0,
+    }
     return weight, -weight @ mean, infos
 
 
-def learned_whitening(x: np.ndarray, labels: np.ndarray, out_dim: int, eps: float = DEFAULT_EPS,
-                      max_pairs: int | None = None, seed: int = 0) -> LinearAdapter:
+def learned_whitening(
+    x: np.ndarray,
+    labels: np.ndarray,
+    out_dim: int,
+    eps: float = DEFAULT_EPS,
+    max_pairs: int | None = None,
+    seed: int = 0,
+) -> LinearAdapter:
     """Radenović-style learned whitening of (n, d) descriptors with one label each (any hashable
     values; pairs of equal labels are the matching pairs): ``W = P2ᵀ P1``, ``b = -W m``."""
     weight, bias, _ = _fit_learned(x, labels, out_dim, eps, max_pairs, seed)
@@ -273,9 +301,23 @@ def main(conf: WhitenConfig, descriptors: Path, labels: Path | None, output: Pat
     start = time.perf_counter()
     adapter, infos = fit(conf, Path(descriptors), None if labels is None else Path(labels))
     path = save_adapter(adapter, Path(output))
-    record = {"method": f"whiten-{conf.method}", "config": asdict(conf), "descriptors": str(descriptors),
-              "labels": None if labels is None else str(labels), "in_dim": adapter.in_dim, "out_dim": adapter.out_dim,
-              **infos, "seconds": round(time.perf_counter() - start, 3)}
+    record = {
+        "method": f"whiten-{conf.method}",
+        "config": asdict(conf),
+        "descriptors": str(descriptors),
+        "labels": None if labels is None else str(labels),
+        "in_dim": adapter.in_dim,
+        "out_dim": adapter.out_dim,
+        **infos,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
     write_json_atomic(record, path.with_name(path.name + ".json"))
-    log.info("whitening %s (%s): %d -> %d from %d descriptors", path, conf.method, adapter.in_dim, adapter.out_dim, infos["samples"])
+    log.info(
+        "whitening %s (%s): %d -> %d from %d descriptors",
+        path,
+        conf.method,
+        adapter.in_dim,
+        adapter.out_dim,
+        infos["samples"],
+    )
     return path

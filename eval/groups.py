@@ -51,7 +51,9 @@ class GroupEvalConfig:
 
     def __post_init__(self) -> None:
         if self.max_pairs < 1 or self.kmeans_restarts < 1 or self.kmeans_max_iter < 1 or self.odd_trials < 0:
-            raise GroupEvalError(f"max_pairs, kmeans_restarts, kmeans_max_iter must be >= 1 and odd_trials >= 0: {self}")
+            raise GroupEvalError(
+                f"max_pairs, kmeans_restarts, kmeans_max_iter must be >= 1 and odd_trials >= 0: {self}"
+            )
         if self.min_cluster_group < 1 or self.odd_group_size < 2:
             raise GroupEvalError(f"min_cluster_group must be >= 1 and odd_group_size >= 2: {self}")
 
@@ -109,7 +111,7 @@ def pool_retrieval(sim: np.ndarray, labels: Sequence[Any]) -> dict[str, Any]:
     return {
         "top1": 100.0 * float(hits[:, 0].mean()),
         "map": 100.0 * float(ap.mean()),
-        "queries": int(len(queries)),
+        "queries": len(queries),
         "pool": int(n),
     }
 
@@ -147,8 +149,9 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0, restarts: int = 10, max_iter: i
     """Lloyd's k-means with k-means++ seeding (eval/kmeans.py; exact distances, an emptied
     cluster's centre moved onto the worst-served point): (labels (n,), inertia) of the best of
     ``restarts``."""
-    conf = KMeansConfig(restarts=restarts, max_iter=max_iter, distances="direct", empty="move_centre",
-                        coincident_draw="choice")
+    conf = KMeansConfig(
+        restarts=restarts, max_iter=max_iter, distances="direct", empty="move_centre", coincident_draw="choice"
+    )
     result = kmeans_lib.kmeans(x, k, seed, conf, error=GroupEvalError)
     return result.labels, result.inertia
 
@@ -184,7 +187,9 @@ def pair_clustering_ari(x: np.ndarray, labels: Sequence[Any], conf: GroupEvalCon
 # --- odd-one-out -------------------------------------------------------------------------------
 
 
-def sample_odd_trials(labels: Sequence[Any], trials: int, group_size: int = 3, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def sample_odd_trials(
+    labels: Sequence[Any], trials: int, group_size: int = 3, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """(trials, group_size + 1) image indices in shown order, and each trial's odd position."""
     ids = _label_ids(labels)
     eligible = np.flatnonzero(np.bincount(ids) >= group_size)
@@ -220,8 +225,12 @@ def odd_one_out(sim: np.ndarray, labels: Sequence[Any], conf: GroupEvalConfig) -
     if len(shown) == 0:
         return {"accuracy": None, "trials": 0, "eligible_groups": eligible, "chance": 100.0 / (conf.odd_group_size + 1)}
     correct = odd_one_out_choices(sim, shown) == odd_at
-    return {"accuracy": 100.0 * float(correct.mean()), "trials": int(len(shown)), "eligible_groups": eligible,
-            "chance": 100.0 / (conf.odd_group_size + 1)}
+    return {
+        "accuracy": 100.0 * float(correct.mean()),
+        "trials": len(shown),
+        "eligible_groups": eligible,
+        "chance": 100.0 / (conf.odd_group_size + 1),
+    }
 
 
 def evaluate_groups(x: np.ndarray, labels: Sequence[Any], conf: GroupEvalConfig = GroupEvalConfig()) -> dict[str, Any]:
@@ -239,8 +248,8 @@ def evaluate_groups(x: np.ndarray, labels: Sequence[Any], conf: GroupEvalConfig 
         "ari": ari["ari"],
         "odd_one_out": odd["accuracy"],
         "counts": {
-            "images": int(len(x)),
-            "groups": int(len(np.unique(_label_ids(labels)))),
+            "images": len(x),
+            "groups": len(np.unique(_label_ids(labels))),
             "queries": retrieval["queries"],
             "ari_pairs": ari["pairs"],
             "ari_perfect_splits": ari["perfect_splits"],

@@ -34,8 +34,10 @@ def _imports(path: Path, package_modules: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in package_modules else node.module
-                     for alias in node.names]
+            names = [
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in package_modules else node.module
+                for alias in node.names
+            ]
         else:
             continue
         found.update(name for name in names if name.split(".")[0] in FLOORS)
@@ -53,8 +55,12 @@ def test_every_package_has_a_floor():
 
 
 def test_no_package_imports_one_above_it():
-    upward = sorted(f"{module} imports {target}" for module, targets in _graph().items() for target in targets
-                    if FLOORS.index(target.split(".")[0]) > FLOORS.index(module.split(".")[0]))
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        for target in targets
+        if FLOORS.index(target.split(".")[0]) > FLOORS.index(module.split(".")[0])
+    )
     assert not upward, "upward imports (floors, lowest first: " + " < ".join(FLOORS) + "):\n" + "\n".join(upward)
 
 
@@ -110,11 +116,29 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("module", ["core.errors", "core.atomic", "core.hashing", "core.checkpoint", "core.tokens",
-                                    "embed.registry", "embed.pca", "index.build", "eval.kmeans", "similarity.cli",
-                                    "similarity.afn_cli", "similarity.adaptors_cli", "similarity.ffa_cli",
-                                    "similarity.twoafc_cli", "similarity.twoafc_registry"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "core.errors",
+        "core.atomic",
+        "core.hashing",
+        "core.checkpoint",
+        "core.tokens",
+        "embed.registry",
+        "embed.pca",
+        "index.build",
+        "eval.kmeans",
+        "similarity.cli",
+        "similarity.afn_cli",
+        "similarity.adaptors_cli",
+        "similarity.ffa_cli",
+        "similarity.twoafc_cli",
+        "similarity.twoafc_registry",
+    ],
+)
 def test_light_modules_do_not_import_torch(module):
     code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, f"importing {module} imports torch" + (result.stderr[-2000:] if result.returncode != 1 else "")
+    assert result.returncode == 0, f"importing {module} imports torch" + (
+        result.stderr[-2000:] if result.returncode != 1 else ""
+    )

@@ -59,7 +59,13 @@ def test_credit_and_accuracy_match_a_plain_loop():
     assert metric.credit([1, -1, 0, 0], [0, 1, 0, 1]).tolist() == [1, 1, 0.5, 0.5]
     assert metric.credit([1, -1], [1, 0]).tolist() == [0, 0]
     s = metric.summary([1, 0, -1, 1], [0, 0, 0, 1])
-    assert s == {"accuracy_pct": 37.5, "stderr_pct": round(100 * math.sqrt(0.375 * 0.625 / 4), 2), "n": 4, "credit": 1.5, "ties": 1}
+    assert s == {
+        "accuracy_pct": 37.5,
+        "stderr_pct": round(100 * math.sqrt(0.375 * 0.625 / 4), 2),
+        "n": 4,
+        "credit": 1.5,
+        "ties": 1,
+    }
 
 
 def test_decisions_majority_and_weighted_match_loops():
@@ -107,8 +113,11 @@ def _image(path: Path, seed: int, size: tuple[int, int] = (48, 40)) -> Path:
 def test_our_csv_format_reads_relative_paths_splits_and_soft_labels(tmp_path):
     for name in "rab":
         _image(tmp_path / "img" / f"{name}.jpg", ord(name))
-    rows = ["ref,a,b,label,group,split,kind", "img/r.jpg,img/a.jpg,img/b.jpg,0,g1,val,hard",
-            f"{tmp_path / 'img/r.jpg'},img/b.jpg,img/a.jpg,0.25,g2,test,"]
+    rows = [
+        "ref,a,b,label,group,split,kind",
+        "img/r.jpg,img/a.jpg,img/b.jpg,0,g1,val,hard",
+        f"{tmp_path / 'img/r.jpg'},img/b.jpg,img/a.jpg,0.25,g2,test,",
+    ]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
     all_ = read_triplets(tmp_path / "t.csv")
     assert len(all_) == 2 and all_.ref[0] == tmp_path / "img/r.jpg" and all_.label.tolist() == [0, 0.25]
@@ -122,16 +131,19 @@ def test_our_csv_format_reads_relative_paths_splits_and_soft_labels(tmp_path):
     out = write_triplets(all_, tmp_path / "sub" / "copy.csv")
     again = read_triplets(out)
     assert again.ref == all_.ref and again.b == all_.b and again.label.tolist() == all_.label.tolist()
-    assert not Path(next(csv.DictReader(open(out)))["ref"]).is_absolute()
+    with open(out) as f:
+        assert not Path(next(csv.DictReader(f))["ref"]).is_absolute()
 
 
 def test_nights_format_votes_and_filters(tmp_path):
     for sub in ("ref/000/000.png", "distort/000/000_0.png", "distort/000/000_1.png", "ref/000/001.png"):
         _image(tmp_path / sub, len(sub))
-    rows = ["id,left_vote,right_vote,votes,ref_path,left_path,right_path,split,is_imagenet",
-            "0,0.25,0.75,8,ref/000/000.png,distort/000/000_0.png,distort/000/000_1.png,test,True",
-            "1,2,6,8,ref/000/001.png,distort/000/000_0.png,distort/000/000_1.png,test,False",
-            "2,1.0,0.0,5,ref/000/000.png,distort/000/000_0.png,distort/000/000_1.png,val,True"]
+    rows = [
+        "id,left_vote,right_vote,votes,ref_path,left_path,right_path,split,is_imagenet",
+        "0,0.25,0.75,8,ref/000/000.png,distort/000/000_0.png,distort/000/000_1.png,test,True",
+        "1,2,6,8,ref/000/001.png,distort/000/000_0.png,distort/000/000_1.png,test,False",
+        "2,1.0,0.0,5,ref/000/000.png,distort/000/000_0.png,distort/000/000_1.png,val,True",
+    ]
     (tmp_path / "data.csv").write_text("\n".join(rows) + "\n")
     test = read_triplets(tmp_path / "data.csv", "test")
     assert test.label.tolist() == [0.75, 0.75]  # fractions and counts give the share for the right image
@@ -141,12 +153,15 @@ def test_nights_format_votes_and_filters(tmp_path):
         read_triplets(tmp_path / "data.csv", "val", min_votes=6)
 
 
-@pytest.mark.parametrize("rows, match", [
-    (["x,y,z", "1,2,3"], "neither columns"),
-    (["ref,a,b,label", "r.jpg,a.jpg,b.jpg,2"], "row 1 has label 2"),
-    (["ref,a,b,label", "r.jpg,a.jpg,b.jpg,left"], "non-numeric label"),
-    (["ref,a,b,label", "r.jpg,a.jpg,missing.jpg,0"], "missing.jpg"),
-])
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        (["x,y,z", "1,2,3"], "neither columns"),
+        (["ref,a,b,label", "r.jpg,a.jpg,b.jpg,2"], "row 1 has label 2"),
+        (["ref,a,b,label", "r.jpg,a.jpg,b.jpg,left"], "non-numeric label"),
+        (["ref,a,b,label", "r.jpg,a.jpg,missing.jpg,0"], "missing.jpg"),
+    ],
+)
 def test_bad_triplet_files_name_the_problem(tmp_path, rows, match):
     for name in "rab":
         _image(tmp_path / f"{name}.jpg", 1)
@@ -166,7 +181,7 @@ def test_bad_triplet_files_name_the_problem(tmp_path, rows, match):
 def groups_dir(tmp_path) -> Path:
     """realbench-like: 8 groups of 2-4 noisy copies of one pattern, 2 singletons, 16 distractors."""
     root = tmp_path / "bench"
-    rows, seed = [], 0
+    rows = []
     rng = np.random.default_rng(5)
     for g, size in enumerate([2, 2, 3, 4, 2, 3, 2, 2, 1, 1]):
         base = rng.integers(0, 256, size=(5, 6, 3)).astype(np.int16)
@@ -180,7 +195,6 @@ def groups_dir(tmp_path) -> Path:
     (root / "groups.csv").write_text("key,group,source\n" + "\n".join(rows) + "\n")
     files = []
     for d in range(16):
-        seed += 1
         files.append(_image(root / "distractors" / f"d{d}.jpg", 1000 + d).name)
     (root / "distractors.csv").write_text("file,source,license\n" + "\n".join(f"{f},test,none" for f in files) + "\n")
     return root
@@ -272,7 +286,9 @@ def test_colour_histogram_and_tiny_image_match_brute_force(tmp_path):
     g = tiny.extract(paths)["global"]
     np.testing.assert_allclose(np.linalg.norm(g, axis=1), 1, atol=1e-6)
     np.testing.assert_allclose(g.reshape(4, -1).sum(1), 0, atol=1e-4)
-    np.testing.assert_allclose(tiny.score({"global": g}, ref, cand), [float(g[r] @ g[c]) for r, c in zip(ref, cand)], rtol=1e-6)
+    np.testing.assert_allclose(
+        tiny.score({"global": g}, ref, cand), [float(g[r] @ g[c]) for r, c in zip(ref, cand)], rtol=1e-6
+    )
 
 
 class _Counting:
@@ -301,7 +317,12 @@ def test_feature_store_computes_each_image_once_and_notices_changes(tmp_path):
     assert sum(len(c) for c in m.calls) == 3 and [len(c) for c in m.calls] == [2, 1]
     both = store.features(m, [paths[2], paths[4], paths[0], paths[4]])
     assert sum(len(c) for c in m.calls) == 4  # only paths[4] was new, asked for once
-    assert both["size"].tolist() == [first["size"][2], paths[4].stat().st_size, first["size"][0], paths[4].stat().st_size]
+    assert both["size"].tolist() == [
+        first["size"][2],
+        paths[4].stat().st_size,
+        first["size"][0],
+        paths[4].stat().st_size,
+    ]
     # A new store on the same directory reads the cache; another version of the model recomputes.
     fresh = _Counting("count")
     FeatureStore(tmp_path / "cache").features(fresh, paths[:5:2])
@@ -332,8 +353,8 @@ def test_lite0_models_match_brute_force(photos, tmp_path):
     import torch
     import torch.nn.functional as F
 
-    from embed.extract import GlobalExtractor
     from core.tokens import hamming
+    from embed.extract import GlobalExtractor
 
     paths = []
     for name, image in list(photos.items())[:4]:
@@ -352,7 +373,9 @@ def test_lite0_models_match_brute_force(photos, tmp_path):
     fm = ms.extract(paths)
     net = direct.net
     captured = {}
-    hooks = [net.backbone.blocks[b].register_forward_hook(lambda mod, i, o, b=b: captured.__setitem__(b, o)) for b in (4, 5)]
+    hooks = [
+        net.backbone.blocks[b].register_forward_hook(lambda mod, i, o, b=b: captured.__setitem__(b, o)) for b in (4, 5)
+    ]
     stages = []
     for im in loaded:
         xin = torch.from_numpy(im[None].copy()).permute(0, 3, 1, 2).float().div(255)
@@ -468,11 +491,13 @@ def test_ensemble_decisions_follow_the_documented_formula(tmp_path):
     ctx, fit = context_descriptors("fake-ctx", data, store)
     # The PCA: the leading right singular vectors of the centred training descriptors.
     centred = fit - fit.mean(0)
-    _, s, vt = np.linalg.svd(centred, full_matrices=False)
+    _, _s, vt = np.linalg.svd(centred, full_matrices=False)
     np.testing.assert_allclose(np.abs(ens.pca_components.numpy()), np.abs(vt[:3]), atol=1e-8)
     decisions = ens.decide(margins, ctx)
     for i in range(len(data)):
-        z = torch.from_numpy(((ctx[i] - ens.pca_mean.numpy()) @ ens.pca_components.numpy().T) / ens.pca_scale.item()).float()
+        z = torch.from_numpy(
+            ((ctx[i] - ens.pca_mean.numpy()) @ ens.pca_components.numpy().T) / ens.pca_scale.item()
+        ).float()
         with torch.no_grad():
             p = [torch.sigmoid(reg(z[None]))[0, 0].item() for reg in ens.regressors]
         w = [x / sum(p) for x in p]
@@ -512,21 +537,100 @@ def test_cli_make_train_eval_and_bad_input(groups_dir, tmp_path, capsys):
     from cluster.cli import main
 
     csv_path = tmp_path / "tr.csv"
-    assert main(["similarity", "2afc", "make-triplets", "--groups", str(groups_dir), "--out", str(csv_path),
-                 "--max-pairs-per-group", "2", "--cache", str(tmp_path / "cache")]) == 0
-    assert main(["similarity", "2afc", "eval", "--triplets", str(csv_path), "--models", "colour-hist-8,tiny-32",
-                 "--split", "all"]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "2afc",
+                "make-triplets",
+                "--groups",
+                str(groups_dir),
+                "--out",
+                str(csv_path),
+                "--max-pairs-per-group",
+                "2",
+                "--cache",
+                str(tmp_path / "cache"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "similarity",
+                "2afc",
+                "eval",
+                "--triplets",
+                str(csv_path),
+                "--models",
+                "colour-hist-8,tiny-32",
+                "--split",
+                "all",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(out["methods"]) == {"colour-hist-8", "tiny-32", "majority_vote"} and out["split"] is None
     assert out["n"] == len(read_triplets(csv_path))
-    assert main(["similarity", "2afc", "train-ensemble", "--triplets", str(csv_path), "--out", str(tmp_path / "e.pt"),
-                 "--models", "colour-hist-8,tiny-32", "--context-model", "colour-hist-8", "--epochs", "10",
-                 "--cache", str(tmp_path / "cache")]) == 0
-    assert main(["similarity", "2afc", "eval", "--triplets", str(csv_path), "--ensemble", str(tmp_path / "e.pt"),
-                 "--out", str(tmp_path / "r.json")]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "2afc",
+                "train-ensemble",
+                "--triplets",
+                str(csv_path),
+                "--out",
+                str(tmp_path / "e.pt"),
+                "--models",
+                "colour-hist-8,tiny-32",
+                "--context-model",
+                "colour-hist-8",
+                "--epochs",
+                "10",
+                "--cache",
+                str(tmp_path / "cache"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "similarity",
+                "2afc",
+                "eval",
+                "--triplets",
+                str(csv_path),
+                "--ensemble",
+                str(tmp_path / "e.pt"),
+                "--out",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["split"] == "test" and {"ensemble", "mean_margin", "ensemble_log_odds"} <= set(report["methods"])
     assert main(["similarity", "2afc", "eval", "--triplets", str(tmp_path / "missing.csv")]) == 2
     assert main(["similarity", "2afc", "eval", "--triplets", str(csv_path), "--models", "nope"]) == 2
-    assert main(["similarity", "2afc", "train-ensemble", "--triplets", str(csv_path), "--out", str(tmp_path / "x.pt"),
-                 "--models", "colour-hist-8,tiny-32", "--context-model", "lite0-chamfer-s16-typo"]) == 2
+    assert (
+        main(
+            [
+                "similarity",
+                "2afc",
+                "train-ensemble",
+                "--triplets",
+                str(csv_path),
+                "--out",
+                str(tmp_path / "x.pt"),
+                "--models",
+                "colour-hist-8,tiny-32",
+                "--context-model",
+                "lite0-chamfer-s16-typo",
+            ]
+        )
+        == 2
+    )

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from eval.class_retrieval import class_retrieval_from_embeddings, class_retrieval_per_query, class_retrieval_scores
 from core.errors import NeedleInputError
+from eval.class_retrieval import class_retrieval_from_embeddings, class_retrieval_per_query, class_retrieval_scores
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -154,8 +154,16 @@ def test_nearest_neighbours_brute_force():
 def tiny_vit():
     import timm
 
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
-                             embed_dim=32, depth=3, num_heads=2, num_classes=0).eval()
+    return timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        embed_dim=32,
+        depth=3,
+        num_heads=2,
+        num_classes=0,
+    ).eval()
 
 
 def tiny_lite0():
@@ -217,8 +225,13 @@ def test_fusion_matches_brute_force(kind):
 
     torch.manual_seed(0)
     backbone = tiny_vit() if kind == "vit" else tiny_lite0()
-    net = make_adapted_net(backbone, granularities=(2, 3, 4), pooling="cls" if kind == "vit" else "gem",
-                           stages=(1,) if kind == "vit" else (6,), fusion_dim=8).eval()
+    net = make_adapted_net(
+        backbone,
+        granularities=(2, 3, 4),
+        pooling="cls" if kind == "vit" else "gem",
+        stages=(1,) if kind == "vit" else (6,),
+        fusion_dim=8,
+    ).eval()
     _randomise_adaptors(net)
     slot = next(iter(net.slots.values()))
     h = torch.randn(2, 5, 32) if kind == "vit" else torch.randn(2, 320, 3, 2)
@@ -328,8 +341,20 @@ def test_train_adaptors_is_deterministic_and_round_trips(tmp_path):
     assert [g["k"] for g in record["granularities"]] == [2, 3]
     assert set(record["fusion_mean_weights"]) == {"stage_0", "stage_1", "stage_2"}
 
-    path = save_adaptors(net, conf, {"name": "tiny-vit", "pooling": "cls", "gem_p": 3.0, "weights": None,
-                                     "weights_sha256": None, "mean": [0.5] * 3, "std": [0.5] * 3}, tmp_path / "a.pt")
+    path = save_adaptors(
+        net,
+        conf,
+        {
+            "name": "tiny-vit",
+            "pooling": "cls",
+            "gem_p": 3.0,
+            "weights": None,
+            "weights_sha256": None,
+            "mean": [0.5] * 3,
+            "std": [0.5] * 3,
+        },
+        tmp_path / "a.pt",
+    )
     loaded, conf2, record2 = load_adaptors(path, backbone=vit)
     assert conf2.granularities == (2, 3) and record2["name"] == "tiny-vit"
     with torch.no_grad():
@@ -370,7 +395,10 @@ def test_training_images_of_a_realbench_directory_are_its_distractors_only(tmp_p
     (tmp_path / "groups.csv").write_text("key,group,source\nq1,g,x\nq2,g,x\n")
     (tmp_path / "distractors.csv").write_text("file,source_repo,source_path,license\nd1.jpg,r,p,l\n")
     assert training_images(tmp_path) == [tmp_path / "distractors" / "d1.jpg"]
-    assert sorted(training_images(tmp_path / "images")) == [tmp_path / "images" / "q1.jpg", tmp_path / "images" / "q2.jpg"]
+    assert sorted(training_images(tmp_path / "images")) == [
+        tmp_path / "images" / "q1.jpg",
+        tmp_path / "images" / "q2.jpg",
+    ]
 
 
 def _write_photos(root, photos, names, variants):
@@ -395,14 +423,51 @@ def test_cli_train_and_eval_end_to_end(tmp_path, photos, capsys):
     _write_photos(tmp_path / "unlabelled", photos, ["astronaut", "coffee", "rocket"], 4)
     _write_photos(tmp_path / "classes", photos, ["chelsea", "camera", "coins"], 3)
     out = tmp_path / "adaptors.pt"
-    assert main(["similarity", "adaptors", "train", "--images", str(tmp_path / "unlabelled"), "--out", str(out),
-                 "--granularities", "2,3", "--resolution", "64", "--epochs", "1", "--fusion-epochs", "1",
-                 "--batch-size", "8"]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "adaptors",
+                "train",
+                "--images",
+                str(tmp_path / "unlabelled"),
+                "--out",
+                str(out),
+                "--granularities",
+                "2,3",
+                "--resolution",
+                "64",
+                "--epochs",
+                "1",
+                "--fusion-epochs",
+                "1",
+                "--batch-size",
+                "8",
+            ]
+        )
+        == 0
+    )
     made = json.loads((tmp_path / "adaptors.pt.json").read_text())
     assert made["trained_on"] == 12 and made["stages"] == [5, 6]
     capsys.readouterr()
-    assert main(["similarity", "adaptors", "eval", "--classes", str(tmp_path / "classes"), "--model", str(out),
-                 "--resolution", "64", "--out", str(tmp_path / "m.json")]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "adaptors",
+                "eval",
+                "--classes",
+                str(tmp_path / "classes"),
+                "--model",
+                str(out),
+                "--resolution",
+                "64",
+                "--out",
+                str(tmp_path / "m.json"),
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert set(result["results"]) == {"frozen", "single_k2", "single_k3", "fused"}
     assert result["images"] == 9 and result["groups"] == 3
@@ -417,9 +482,26 @@ def test_cli_train_and_eval_end_to_end(tmp_path, photos, capsys):
 def test_cli_bad_input_exits_2(tmp_path):
     from cluster.cli import main
 
-    assert main(["similarity", "adaptors", "train", "--images", str(tmp_path / "none"), "--out", str(tmp_path / "a.pt")]) == 2
-    assert main(["similarity", "adaptors", "train", "--images", str(tmp_path), "--out", str(tmp_path / "a.pt"),
-                 "--granularities", "8,x"]) == 2
+    assert (
+        main(["similarity", "adaptors", "train", "--images", str(tmp_path / "none"), "--out", str(tmp_path / "a.pt")])
+        == 2
+    )
+    assert (
+        main(
+            [
+                "similarity",
+                "adaptors",
+                "train",
+                "--images",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "a.pt"),
+                "--granularities",
+                "8,x",
+            ]
+        )
+        == 2
+    )
     assert main(["similarity", "adaptors", "eval", "--classes", str(tmp_path / "none")]) == 2
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
+from core.errors import NeedleInputError
 from eval.metrics import rank_by_score
 from eval.pairs import asymmetric_recall, asymmetric_recall_from_scores, cosine_matrix, own_column_ranks
-from core.errors import NeedleInputError
-from similarity.afn_config import MODEL_FORMAT, AdaptationFunctionError, AfnConfig, EvalConfig, FeatureConfig, HEAD
+from similarity.afn_config import HEAD, MODEL_FORMAT, AdaptationFunctionError, AfnConfig, EvalConfig, FeatureConfig
 from similarity.afn_evaluation import evaluate_splits, split_indices
 from similarity.afn_features import build_layer_model, extract_features
 from similarity.afn_model import fit_afn, fit_pca, load_model, save_model
@@ -161,7 +161,9 @@ def test_adaptation_learns_a_pairing_raw_cosine_misses():
 def test_training_lowers_the_loss_and_minibatches_cover_every_pair():
     feats = _hidden_pairs(31)
     for batch in (0, 8):  # 31 = 3 x 8 + 7; the last batch is kept (>= 2 pairs)
-        module, history = train_adaptation(feats.left, feats.right, AfnConfig(hidden_dim=16, epochs=30, lr=1e-2, batch_size=batch))
+        module, history = train_adaptation(
+            feats.left, feats.right, AfnConfig(hidden_dim=16, epochs=30, lr=1e-2, batch_size=batch)
+        )
         assert history[-1] < history[0]
         assert module.weight_matrix.bias is None and module.weight_matrix.weight.shape == (16, 32)
     with pytest.raises(AdaptationFunctionError, match="batch_size"):
@@ -175,14 +177,23 @@ def test_model_round_trip_and_bad_files(tmp_path):
     loaded = load_model(path)
     np.testing.assert_allclose(loaded.embed(feats.left), model.embed(feats.left), rtol=1e-6)
     # embed == ReLU(W (x - mean) P^T), computed the long way.
-    ref = np.maximum((feats.left.astype(np.float64) - model.pca.mean) @ model.pca.components.T @ model.weight.T.astype(np.float64), 0)
+    ref = np.maximum(
+        (feats.left.astype(np.float64) - model.pca.mean) @ model.pca.components.T @ model.weight.T.astype(np.float64), 0
+    )
     np.testing.assert_allclose(model.embed(feats.left), ref, rtol=1e-4, atol=1e-5)
     assert loaded.feature_config == {"toy": 1} and loaded.pca.dim == 8
     (tmp_path / "bad.pt").write_bytes(b"not a model")
-    with pytest.raises(AdaptationFunctionError, match="bad.pt"):
+    with pytest.raises(AdaptationFunctionError, match=r"bad.pt"):
         load_model(tmp_path / "bad.pt")
-    torch.save({"format": MODEL_FORMAT, "pca_mean": torch.zeros(4), "pca_components": torch.zeros(2, 5),
-                "weight": torch.zeros(3, 2)}, tmp_path / "shapes.pt")
+    torch.save(
+        {
+            "format": MODEL_FORMAT,
+            "pca_mean": torch.zeros(4),
+            "pca_components": torch.zeros(2, 5),
+            "weight": torch.zeros(3, 2),
+        },
+        tmp_path / "shapes.pt",
+    )
     with pytest.raises(AdaptationFunctionError, match="inconsistent shapes"):
         load_model(tmp_path / "shapes.pt")
 
@@ -226,16 +237,18 @@ def test_tll_layout_and_csv_pairs(tmp_path):
     pairs = load_pairs(tmp_path / "tll")
     assert pairs.names == ("x.jpg", "y.jpg") and pairs.left[1].parent.name == "left"
     _img(tmp_path / "tll" / "right" / "z.jpg", 3)
-    with pytest.raises(SimilarityDataError, match="only in right/: \\['z.jpg'\\]"):
+    with pytest.raises(SimilarityDataError, match=r"only in right/: \['z.jpg'\]"):
         load_pairs(tmp_path / "tll")
 
     _img(tmp_path / "imgs" / "a.png", 4)
     _img(tmp_path / "imgs" / "b.png", 5)
-    (tmp_path / "pairs.csv").write_text(f"left,right\nimgs/a.png,imgs/b.png\n{tmp_path / 'imgs' / 'b.png'},imgs/a.png\n")
+    (tmp_path / "pairs.csv").write_text(
+        f"left,right\nimgs/a.png,imgs/b.png\n{tmp_path / 'imgs' / 'b.png'},imgs/a.png\n"
+    )
     pairs = load_pairs(tmp_path / "pairs.csv")
     assert pairs.left == (tmp_path / "imgs" / "a.png", tmp_path / "imgs" / "b.png")
     (tmp_path / "bad.csv").write_text("left,right\nimgs/a.png,imgs/missing.png\n")
-    with pytest.raises(SimilarityDataError, match="line 2 column right names 'imgs/missing.png'"):
+    with pytest.raises(SimilarityDataError, match=r"line 2 column right names 'imgs/missing.png'"):
         load_pairs(tmp_path / "bad.csv")
     (tmp_path / "cols.csv").write_text("a,b\n1,2\n")
     with pytest.raises(SimilarityDataError, match="left,right"):
@@ -267,7 +280,10 @@ def test_features_are_per_layer_normalised_spatial_means(tmp_path, lite0_small):
     backbone = net.backbone
     for i, path in enumerate(paths):
         caught = {}
-        hooks = [backbone.blocks[b].register_forward_hook(lambda _m, _i, out, b=b: caught.__setitem__(b, out)) for b in (2, 5)]
+        hooks = [
+            backbone.blocks[b].register_forward_hook(lambda _m, _i, out, b=b, caught=caught: caught.__setitem__(b, out))
+            for b in (2, 5)
+        ]
         x = torch.from_numpy(load_rgb(path, 64).copy()).permute(2, 0, 1)[None].float() / 255.0
         x = (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
         with torch.inference_mode():
@@ -277,7 +293,9 @@ def test_features_are_per_layer_normalised_spatial_means(tmp_path, lite0_small):
         parts = [caught[2], caught[5], head]
         ref = np.concatenate([(p.mean(dim=(2, 3)) / p.mean(dim=(2, 3)).norm()).numpy()[0] for p in parts])
         np.testing.assert_allclose(feats[i], ref, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose([np.linalg.norm(feats[0, a:b]) for a, b in ((0, 40), (40, 232), (232, 1512))], 1, atol=1e-5)
+    np.testing.assert_allclose(
+        [np.linalg.norm(feats[0, a:b]) for a, b in ((0, 40), (40, 232), (232, 1512))], 1, atol=1e-5
+    )
     with pytest.raises(AdaptationFunctionError, match="unknown layer"):
         build_layer_model(FeatureConfig(layers=("blocks.9",)))
 
@@ -293,7 +311,7 @@ def test_cli_features_train_eval(tmp_path, photos, capsys):
         (tmp_path / "tll" / "left").mkdir(parents=True, exist_ok=True)
         (tmp_path / "tll" / "right").mkdir(parents=True, exist_ok=True)
         Image.fromarray(image).save(tmp_path / "tll" / "left" / f"{name}.jpg")
-        h, w = image.shape[:2]
+        h = image.shape[0]
         Image.fromarray(np.ascontiguousarray(image[h // 10 :, ::-1])).save(tmp_path / "tll" / "right" / f"{name}.jpg")
     small = ["--resolution", "64", "--layers", "blocks.4", "head"]
     feats = tmp_path / "feats.npz"
@@ -302,17 +320,68 @@ def test_cli_features_train_eval(tmp_path, photos, capsys):
     assert record["pairs_count"] == 5 and record["dim"] == 112 + 1280
 
     model = tmp_path / "model.pt"
-    assert main(["similarity", "afn", "train", "--pairs", str(feats), "--out", str(model), "--epochs", "5", "--sigma", "1.5"]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "afn",
+                "train",
+                "--pairs",
+                str(feats),
+                "--out",
+                str(model),
+                "--epochs",
+                "5",
+                "--sigma",
+                "1.5",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "model.pt.json").read_text())["pca_dim"] == 9  # 10 images: capped at n - 1
     capsys.readouterr()
     # A model evaluated on raw pairs extracts with the model's own feature settings.
-    assert main(["similarity", "afn", "eval", "--pairs", str(tmp_path / "tll"), "--model", str(model), "--out", str(tmp_path / "r.json")]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "afn",
+                "eval",
+                "--pairs",
+                str(tmp_path / "tll"),
+                "--model",
+                str(model),
+                "--out",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     assert set(printed["pairs"]) == {"before_raw", "before_pca", "after"} and printed["protocol"]["sigma"] == 1.5
     assert json.loads((tmp_path / "r.json").read_text())["pairs"] == printed["pairs"]
 
-    assert main(["similarity", "afn", "eval", "--pairs", str(feats), "--splits", "2", "--epochs", "3", "--sigma", "1", "15",
-                 "--test-fraction", "0.4"]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "afn",
+                "eval",
+                "--pairs",
+                str(feats),
+                "--splits",
+                "2",
+                "--epochs",
+                "3",
+                "--sigma",
+                "1",
+                "15",
+                "--test-fraction",
+                "0.4",
+            ]
+        )
+        == 0
+    )
     split_result = json.loads(capsys.readouterr().out)
     assert set(split_result["pairs"]) == {"before_raw", "before_pca", "sigma=1", "sigma=15"}
     assert split_result["pairs"]["sigma=15"]["aR@20"] == {"mean": 100.0, "two_std": 0.0}  # 2 test pairs
