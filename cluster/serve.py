@@ -80,6 +80,17 @@ def serve_sharded(path: str | Path, cpus_per_shard: float | None = None, actors:
     return RayShardedIndex(**fields, actors=actors)
 
 
+def open_index(path: str | Path, ray_shards: bool = False, address: str | None = None) -> SearchIndex:
+    """The index to search: its shards in Ray actors with ``ray_shards`` (joining ``address``, else
+    $RAY_ADDRESS, else a local instance), else loaded in this process."""
+    if ray_shards:
+        from cluster.ingest_job import connect_ray
+
+        connect_ray(address)
+        return serve_sharded(path)
+    return load_index(path)
+
+
 class QueryService:
     """Turns requests into searches; shared by the app's request threads (its lock guards only the
     lazy loading of the query models: searches run in parallel)."""
