@@ -208,7 +208,7 @@ def test_eval_on_an_ilias_directory_scores_like_the_benchmark(tmp_path, ilias_da
 
     index, query_desc, dataset_dir = ilias_dataset
     k = 3
-    assert main(["eval", "--index", str(index), "--ground-truth", str(dataset_dir), "--query-descriptors", str(query_desc),
+    assert main(["eval", "map", "--index", str(index), "--ground-truth", str(dataset_dir), "--query-descriptors", str(query_desc),
                  "--k", str(k), "--out", str(tmp_path / "report.json"), "--ilias-pickle", str(tmp_path / "r.pkl")]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["n_queries"] == 3 and report["database_size"] == 9
@@ -230,9 +230,9 @@ def test_eval_on_an_ilias_directory_scores_like_the_benchmark(tmp_path, ilias_da
     D, I = loaded.search(np.stack([vectors[q] for q in payload["query_ids"]]), k)
     assert [[payload["db_ids"][r] for r in row] for row in payload["ranks"]] == loaded.keys_of(I)
     # Without --query-descriptors the ILIAS queries are not in the index: a clear error.
-    assert main(["eval", "--index", str(index), "--ground-truth", str(dataset_dir), "--out", str(tmp_path / "x.json")]) == 2
+    assert main(["eval", "map", "--index", str(index), "--ground-truth", str(dataset_dir), "--out", str(tmp_path / "x.json")]) == 2
     # Text queries need a model with a text tower: Lite0 has none.
-    assert main(["eval", "--index", str(index), "--ground-truth", str(dataset_dir), "--query-descriptors", str(query_desc),
+    assert main(["eval", "map", "--index", str(index), "--ground-truth", str(dataset_dir), "--query-descriptors", str(query_desc),
                  "--text-queries", "--out", str(tmp_path / "t.json")]) == 2
 
 

@@ -330,7 +330,7 @@ def test_ames_train_cli_and_ames_reranking(tmp_path, local_descriptors, photos):
     truth = tmp_path / "truth.json"
     truth.write_text(json.dumps({"queries": [{"key": f"000000/00{i:03d}", "positives": [f"000001/01{i:03d}"]} for i in range(3)]}))
     report = tmp_path / "report.json"
-    assert cli(["eval", "--index", str(out), "--ground-truth", str(truth), "--out", str(report), "--k", "5",
+    assert cli(["eval", "map", "--index", str(out), "--ground-truth", str(truth), "--out", str(report), "--k", "5",
                 "--rerank", "ames", "--ames", str(ckpt), "--shortlist", "4"]) == 0
     result = json.loads(report.read_text())
     assert result["config"]["rerank"]["method"] == "ames" and result["n_queries"] == 3

@@ -58,7 +58,7 @@ def test_unknown_key_is_a_clear_error(built_index):
 def test_eval_writes_report(built_index, tmp_path):
     truth = {"queries": [{"key": "000000/k00", "positives": ["000000/k01"]}]}
     (tmp_path / "gt.json").write_text(json.dumps(truth))
-    run = needle("eval", "--index", str(built_index / "index"), "--ground-truth", str(tmp_path / "gt.json"),
+    run = needle("eval", "map", "--index", str(built_index / "index"), "--ground-truth", str(tmp_path / "gt.json"),
                  "--out", str(tmp_path / "report.json"), "--k", "5")
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())

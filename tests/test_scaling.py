@@ -148,6 +148,6 @@ def test_cli_scaling_and_plot_overlay(tmp_path, scaling_data, capsys):
     assert main(["eval", "plot", str(tmp_path / "a" / "scaling.json"), str(tmp_path / "b" / "scaling.json"),
                  "--out", str(tmp_path / "both.png")]) == 0
     assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
-    assert main(["eval", "--index", str(tmp_path)]) == 2  # plain eval without --ground-truth/--out: a named error
+    assert main(["eval", "map", "--index", str(tmp_path)]) == 2  # eval map without --ground-truth/--out: a named error
     assert main(["eval", "scaling", "--descriptors", str(desc), "--ground-truth", str(truth), "--sizes", "1,x",
                  "--out", str(tmp_path / "c")]) == 2
