@@ -13,10 +13,10 @@
    ``--views`` augmented views; never the realbench groups); at 256 and 512 dimensions, with their
    bytes per image.
 5. The ILIAS format check: realbench in the ILIAS layout (the first image of each group is the
-   query, held out of the database; the rest are its positives), evaluated by ``needle eval`` with
+   query, held out of the database; the rest are its positives), evaluated by ``needle eval map`` with
    the query images' own descriptors; the result pickle is scored by the ILIAS benchmark's logic
    (eval/ilias.py, and a second time here with scikit-learn as the benchmark's code does) and must
-   equal ``needle eval``'s mAP.
+   equal ``needle eval map``'s mAP.
 
     python bench/scaling.py [--workdir DIR] [--plot bench/results/scaling_realbench.png]
 """
@@ -198,7 +198,7 @@ def adaptation_study(work: Path, descriptors: Path, truth: list[dict], distracto
 
 
 def ilias_check(work: Path, descriptors: Path, keys: dict[str, list[str]], distractors: list[str]) -> dict:
-    """needle eval on realbench in the ILIAS layout vs the benchmark's scoring of its pickle."""
+    """needle eval map on realbench in the ILIAS layout vs the benchmark's scoring of its pickle."""
     from eval.evaluate import EvalConfig, evaluate, load_truth
     from eval.ilias import evaluate_results, load_ilias, read_results_pickle
     from eval.scaling import scan_keys, write_subset

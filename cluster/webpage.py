@@ -7,7 +7,7 @@
 - ``POST /page/search``           JSON ``{"k", "nprobe"?, "rerank"?, "shortlist"?, one of "key" | "text"}``
 - ``POST /page/search/image?k=&nprobe=&rerank=&shortlist=``  raw image bytes (at most ``max_upload_bytes``)
 - ``GET  /thumb?key=K``           a JPEG thumbnail of the database image, cut from its tar member
-- ``GET  /report``                the configured ``needle eval`` report, per query: AP and the missed positives
+- ``GET  /report``                the configured ``needle eval map`` report, per query: AP and the missed positives
 - ``GET  /report/scaling.png``    the configured scaling plot
 
 Unlike the JSON API, which re-ranks only when the service was started with ``--rerank``, the page
@@ -45,7 +45,7 @@ _WDS_KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset: key = path 
 
 @dataclass(frozen=True)
 class PageConfig:
-    report: str | None = None  # a `needle eval` JSON report shown in the report section; None: no report
+    report: str | None = None  # a `needle eval map` JSON report shown in the report section; None: no report
     scaling_plot: str | None = None  # a scaling PNG (`needle eval plot`) shown beside it; None: none
     max_upload_bytes: int = 16 << 20  # larger uploaded query images are refused (413) before being read whole
     thumbnail_px: int = 256  # longer side of the result thumbnails

@@ -34,11 +34,11 @@ class RecordedFileError(NeedleInputError):
 class QueryFiles:
     """Files given in place of those the index records (each must hash to the recorded SHA-256)."""
 
-    weights: str | None = None  # --weights: the global model's weights
-    local_weights: str | None = None  # --local-weights: the local-token model's weights
-    itq: str | None = None  # --itq: the ITQ projection of the local tokens
-    detector_weights: str | None = None  # --detector-weights: the AMES detector of vit_ames local tokens
-    adapter: str | None = None  # --adapter: the adapter the indexed descriptors went through
+    weights: str | None = None  # the global model's weights
+    local_weights: str | None = None  # the local-token model's weights
+    itq: str | None = None  # the ITQ projection of the local tokens
+    detector_weights: str | None = None  # the AMES detector of vit_ames local tokens
+    adapter: str | None = None  # the adapter the indexed descriptors went through
 
 
 def verified_file(what: str, recorded: str, sha256: str | None, given: str | None, flag: str,
