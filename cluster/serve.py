@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from index.search import SearchIndex, load_index, open_shard
 from core.errors import NeedleInputError
+from index.search import SearchIndex, load_index, open_shard
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors
@@ -37,7 +37,9 @@ class ShardActor:
     def __init__(self, path: str, name: str):
         self.shard = open_shard(path, name)
 
-    def search(self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def search(
+        self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.shard.search(xq, kk, nprobe, refine)
 
     def memory(self) -> dict[str, int]:
@@ -51,13 +53,17 @@ class ShardActor:
 class RayShardedIndex(SearchIndex):
     actors: list[Any] = field(default_factory=list)
 
-    def search_shards(self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def search_shards(
+        self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         import ray
 
         return ray.get([actor.search.remote(xq, kk, nprobe, refine) for actor in self.actors])
 
 
-def serve_sharded(path: str | Path, cpus_per_shard: float | None = None, actors: list[Any] | None = None) -> RayShardedIndex:
+def serve_sharded(
+    path: str | Path, cpus_per_shard: float | None = None, actors: list[Any] | None = None
+) -> RayShardedIndex:
     """Load the index coordinator here and one Ray actor per shard file (Ray must be initialised).
 
     ``cpus_per_shard``: CPUs reserved per actor; None: the cluster's CPUs shared among the shards
@@ -78,6 +84,17 @@ def serve_sharded(path: str | Path, cpus_per_shard: float | None = None, actors:
     ray.get([a.search.remote(np.zeros((1, base.d), np.float32), 1, None, True) for a in actors])  # loaded and ready
     fields = {f: getattr(base, f) for f in ("shards", "ids", "vectors", "infos", "path")}
     return RayShardedIndex(**fields, actors=actors)
+
+
+def open_index(path: str | Path, ray_shards: bool = False, address: str | None = None) -> SearchIndex:
+    """The index to search: its shards in Ray actors with ``ray_shards`` (joining ``address``, else
+    $RAY_ADDRESS, else a local instance), else loaded in this process."""
+    if ray_shards:
+        from cluster.ingest_job import connect_ray
+
+        connect_ray(address)
+        return serve_sharded(path)
+    return load_index(path)
 
 
 class QueryService:
@@ -144,8 +161,16 @@ class QueryService:
             raise NeedleInputError(f"k={k} is larger than the index ({self.index.ntotal} vectors)")
         return k
 
-    def search(self, xq: np.ndarray, k: int, nprobe: int | None, labels: list[dict[str, Any]],
-               refine_factor: int | None = None, tokens: list[Any] | None = None, rerank: Any = None) -> list[dict[str, Any]]:
+    def search(
+        self,
+        xq: np.ndarray,
+        k: int,
+        nprobe: int | None,
+        labels: list[dict[str, Any]],
+        refine_factor: int | None = None,
+        tokens: list[Any] | None = None,
+        rerank: Any = None,
+    ) -> list[dict[str, Any]]:
         """Search, re-ranked where ``tokens`` holds the queries' tokens, with ``rerank`` (default:
         the service's settings)."""
         from query.retrieve import QueryConfig, add_rerank_details, results_json, search
@@ -174,8 +199,9 @@ class QueryService:
                 from query.retrieve import stored_tokens
 
                 tokens = stored_tokens(self.index, keys)
-            return self.search(np.stack([self.index.vector_of(x) for x in keys]), k, nprobe, [{"key": x} for x in keys],
-                               factor, tokens)
+            return self.search(
+                np.stack([self.index.vector_of(x) for x in keys]), k, nprobe, [{"key": x} for x in keys], factor, tokens
+            )
         if "vectors" in body:
             try:
                 xq = np.asarray(body["vectors"], dtype=np.float32)
