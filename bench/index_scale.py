@@ -52,16 +52,19 @@ def write_part(directory: Path, shard_id: int, xb: np.ndarray) -> None:
 
     n, d = xb.shape
     name = f"{shard_id:06d}"
-    table = pa.table({
-        "key": [f"{name}/{i:07d}" for i in range(n)],
-        "shard": [name] * n,
-        "row": pa.array([make_row_id(shard_id, i) for i in range(n)], pa.int64()),
-        "global": fixed_size_list(xb, pa.float16()),
-        "width": pa.array(np.zeros(n, np.int32)),
-        "height": pa.array(np.zeros(n, np.int32)),
-        "status": ["ok"] * n,
-        "error": [""] * n,
-    }, schema=descriptor_schema(d))
+    table = pa.table(
+        {
+            "key": [f"{name}/{i:07d}" for i in range(n)],
+            "shard": [name] * n,
+            "row": pa.array([make_row_id(shard_id, i) for i in range(n)], pa.int64()),
+            "global": fixed_size_list(xb, pa.float16()),
+            "width": pa.array(np.zeros(n, np.int32)),
+            "height": pa.array(np.zeros(n, np.int32)),
+            "status": ["ok"] * n,
+            "error": [""] * n,
+        },
+        schema=descriptor_schema(d),
+    )
     write_parquet_atomic(table, directory / f"{name}.parquet")
 
 
@@ -85,15 +88,27 @@ def measure(index, xq, gt: list[set[int]], k: int, nprobe: int, refine_factor: i
     start = time.perf_counter()
     index.search(xq, k, nprobe, refine_factor=refine_factor)
     batch_s = time.perf_counter() - start
-    return {"nprobe": nprobe, "refine_factor": refine_factor, "recall_at_1000": round(found / (k * len(xq)), 4),
-            "p50_ms": round(1000 * float(np.median(latencies)), 2),
-            "p90_ms": round(1000 * float(np.percentile(latencies, 90)), 2), "qps": round(len(xq) / batch_s, 1)}
+    return {
+        "nprobe": nprobe,
+        "refine_factor": refine_factor,
+        "recall_at_1000": round(found / (k * len(xq)), 4),
+        "p50_ms": round(1000 * float(np.median(latencies)), 2),
+        "p90_ms": round(1000 * float(np.percentile(latencies, 90)), 2),
+        "qps": round(len(xq) / batch_s, 1),
+    }
 
 
 def generate(args, work: Path) -> tuple[np.ndarray, np.ndarray, float]:
     """Parquet parts of N vectors in ``work/desc`` and the exact top-k of the queries; reused when
     ``work/ground_truth.npz`` was made with the same parameters."""
-    meta = {"n": args.n, "d": args.d, "seed": args.seed, "queries": args.queries, "k": args.k, "per_file": args.per_file}
+    meta = {
+        "n": args.n,
+        "d": args.d,
+        "seed": args.seed,
+        "queries": args.queries,
+        "k": args.k,
+        "per_file": args.per_file,
+    }
     saved = work / "ground_truth.npz"
     if saved.is_file():
         data = np.load(saved)
@@ -123,8 +138,14 @@ def generate(args, work: Path) -> tuple[np.ndarray, np.ndarray, float]:
 def build(args, work: Path) -> dict:
     """``needle index build`` in a child process; its time and peak RSS (reused like the data)."""
     out = work / "sharded"
-    params = ["--memory-budget", args.memory_budget, "--shards", str(args.shards),
-              "--points-per-list", str(args.points_per_list)]
+    params = [
+        "--memory-budget",
+        args.memory_budget,
+        "--shards",
+        str(args.shards),
+        "--points-per-list",
+        str(args.points_per_list),
+    ]
     record = work / "build.json"
     if not args.rebuild and record.is_file() and (out / "index_infos.json").is_file():
         built = json.loads(record.read_text())
@@ -132,12 +153,26 @@ def build(args, work: Path) -> dict:
             logging.info("reusing the index in %s", out)
             return built
     shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, "-m", "cluster.cli", "index", "build", "--descriptors", str(work / "desc"), "--out", str(out), *params]
+    command = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "index",
+        "build",
+        "--descriptors",
+        str(work / "desc"),
+        "--out",
+        str(out),
+        *params,
+    ]
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=ROOT)
-    built = {"params": params, "build_s": round(time.perf_counter() - start, 1),
-             # ru_maxrss of waited-for children: the build is the only child so far
-             "build_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)}
+    built = {
+        "params": params,
+        "build_s": round(time.perf_counter() - start, 1),
+        # ru_maxrss of waited-for children: the build is the only child so far
+        "build_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2),
+    }
     record.write_text(json.dumps(built))
     return built
 
@@ -188,8 +223,10 @@ def main() -> None:
     for nprobe, factor in sweep_points:
         sweep.append({"index": "sharded_ray", **measure(service, xq, gt, args.k, nprobe, factor)})
         logging.info("%s", sweep[-1])
-    memories = [process_memory()] + ray.get([actor.memory.remote() for actor in service.actors])
-    serve = {f"serve_{name}_gb": gb(sum(m.get(name, 0) for m in memories)) for name in ("rss", "pss", "pss_anon", "pss_file")}
+    memories = [process_memory(), *ray.get([actor.memory.remote() for actor in service.actors])]
+    serve = {
+        f"serve_{name}_gb": gb(sum(m.get(name, 0) for m in memories)) for name in ("rss", "pss", "pss_anon", "pss_file")
+    }
     del service
     ray.shutdown()
 
@@ -200,21 +237,34 @@ def main() -> None:
         merge_parts([str(work / "sharded" / name) for name in infos["index_files"]], single / INDEX_FILE)
         for name in (IDS_FILE, VECTORS_FILE):
             os.link(work / "sharded" / name, single / name)
-        (single / INFOS_FILE).write_text(json.dumps({**infos, "index_files": [INDEX_FILE], "config": {**infos["config"], "shards": 1}}))
+        (single / INFOS_FILE).write_text(
+            json.dumps({**infos, "index_files": [INDEX_FILE], "config": {**infos["config"], "shards": 1}})
+        )
         single_index = load_index(single)
         for nprobe, factor in sweep_points:
             sweep.append({"index": "single", **measure(single_index, xq, gt, args.k, nprobe, factor)})
             logging.info("%s", sweep[-1])
 
     result = {
-        "n": args.n, "d": args.d, "memory_budget": args.memory_budget, "factory": infos["factory"],
-        "reasons": infos["reasons"], "shards": args.shards, "n_train": infos["n_train"],
-        "nlist": infos["nlist"], "code_bytes": infos["code_bytes"], "quantizer_ef": infos.get("quantizer_ef"),
-        "generate_s": round(generate_s, 1), "build_s": built["build_s"], "build_timings": infos.get("timings"),
+        "n": args.n,
+        "d": args.d,
+        "memory_budget": args.memory_budget,
+        "factory": infos["factory"],
+        "reasons": infos["reasons"],
+        "shards": args.shards,
+        "n_train": infos["n_train"],
+        "nlist": infos["nlist"],
+        "code_bytes": infos["code_bytes"],
+        "quantizer_ef": infos.get("quantizer_ef"),
+        "generate_s": round(generate_s, 1),
+        "build_s": built["build_s"],
+        "build_timings": infos.get("timings"),
         "build_memory": {name.replace("_bytes", "_gb"): gb(value) for name, value in infos.get("memory", {}).items()},
-        "build_peak_rss_gb": built["build_peak_rss_gb"], **serve,
+        "build_peak_rss_gb": built["build_peak_rss_gb"],
+        **serve,
         "peak_rss_gb": max(built["build_peak_rss_gb"], serve["serve_rss_gb"]),
-        "bytes_per_vector": round(index_bytes / args.n, 1), "refine_bytes_per_vector": 2 * args.d,
+        "bytes_per_vector": round(index_bytes / args.n, 1),
+        "refine_bytes_per_vector": 2 * args.d,
         "sweep": sweep,
     }
     if not args.workdir:

@@ -48,7 +48,11 @@ def _load_realbench():
 
 _realbench = _load_realbench()
 GROUPED_SHARD, REALBENCH, pack_realbench, row_queries = (
-    _realbench.GROUPED_SHARD, _realbench.REALBENCH, _realbench.pack_realbench, _realbench.row_queries)
+    _realbench.GROUPED_SHARD,
+    _realbench.REALBENCH,
+    _realbench.pack_realbench,
+    _realbench.row_queries,
+)
 
 K = 1000
 SHORTLIST = 1000
@@ -82,10 +86,16 @@ def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool) -> str | 
             distractor_shards = sorted(str(p) for p in (work / "shards").glob("*.tar") if p.stem != GROUPED_SHARD)
             ingest(sample, distractor_shards, work / "desc_itq")
             itq = str(train_itq(TrainITQConfig(), work / "desc_itq", work / "itq_distractors.npz"))
-        ingest(IngestConfig(locals="lite0-s16", local_top_k=db_tokens, local_itq=itq, overwrite=True),
-               str(work / "shards" / "*.tar"), work / "desc")
-        ingest(IngestConfig(locals="lite0-s16-query", local_itq=itq, overwrite=True),
-               str(work / "shards" / f"{GROUPED_SHARD}.tar"), work / "desc_q")
+        ingest(
+            IngestConfig(locals="lite0-s16", local_top_k=db_tokens, local_itq=itq, overwrite=True),
+            str(work / "shards" / "*.tar"),
+            work / "desc",
+        )
+        ingest(
+            IngestConfig(locals="lite0-s16-query", local_itq=itq, overwrite=True),
+            str(work / "shards" / f"{GROUPED_SHARD}.tar"),
+            work / "desc_q",
+        )
     finally:
         ray.shutdown()
     return itq
@@ -104,12 +114,21 @@ def shortlists(index, queries: list[dict]) -> tuple[list[dict], float]:
         rows, scores = I[0][keep][:K], D[0][keep][:K]
         keys = index.keys_of(rows[None])[0]
         positives = set(q["positives"])
-        out.append({"key": q["key"], "rows": rows, "s_global": scores.astype(np.float64),
-                    "positive": np.array([k in positives for k in keys]), "n_positives": len(positives)})
+        out.append(
+            {
+                "key": q["key"],
+                "rows": rows,
+                "s_global": scores.astype(np.float64),
+                "positive": np.array([k in positives for k in keys]),
+                "n_positives": len(positives),
+            }
+        )
     return out, 1000.0 * seconds / len(queries)
 
 
-def local_scores(index, reranker, lists: list[dict], query_tokens: dict, db_tokens: int, shortlist: int = SHORTLIST) -> tuple[list[np.ndarray], float]:
+def local_scores(
+    index, reranker, lists: list[dict], query_tokens: dict, db_tokens: int, shortlist: int = SHORTLIST
+) -> tuple[list[np.ndarray], float]:
     """Raw local scores of every query's shortlist, and the mean time per query (ms) of gathering
     the candidates' tokens and scoring them."""
     raws, seconds = [], 0.0
@@ -165,8 +184,13 @@ def train_ames(work: Path, epochs: int, itq: str | None) -> Path:
 
     extractor = make_local_extractor(IngestConfig(locals="lite0-s16", local_itq=itq))
     conf = TrainConfig(pairs=1500, epochs=epochs, batch_size=32)
-    return train(conf, REALBENCH / "distractors", work / "ames.pt", describe=extractor.tokens_of_any_size,
-                 projection=extractor.itq.proj)
+    return train(
+        conf,
+        REALBENCH / "distractors",
+        work / "ames.pt",
+        describe=extractor.tokens_of_any_size,
+        projection=extractor.itq.proj,
+    )
 
 
 def main() -> None:
@@ -174,11 +198,16 @@ def main() -> None:
     parser.add_argument("--workdir", help="keep tars, descriptors, index and AMES here (default: a temp dir)")
     parser.add_argument("--db-tokens", type=int, default=max(TOKEN_CURVE), help="tokens stored per database image")
     parser.add_argument("--ames-epochs", type=int, default=10)
-    parser.add_argument("--ames-shortlist", type=int, default=100, help="AMES re-ranks this many (its CPU cost is per pair)")
+    parser.add_argument(
+        "--ames-shortlist", type=int, default=100, help="AMES re-ranks this many (its CPU cost is per pair)"
+    )
     parser.add_argument("--skip-ames", action="store_true")
     parser.add_argument("--reuse", action="store_true", help="reuse descriptors/index/AMES already in --workdir")
-    parser.add_argument("--shipped-itq", action="store_true",
-                        help="binarise with the shipped ITQ projection instead of one learned from the distractors")
+    parser.add_argument(
+        "--shipped-itq",
+        action="store_true",
+        help="binarise with the shipped ITQ projection instead of one learned from the distractors",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -189,7 +218,7 @@ def main() -> None:
     from index.build import main as build_index
     from index.search import load_index
     from rerank.matching import MatchConfig
-    from rerank.rerank import Reranker, RerankConfig
+    from rerank.rerank import RerankConfig, Reranker
     from rerank.spatial import SpatialConfig
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -210,16 +239,24 @@ def main() -> None:
 
     global_map = 100.0 * float(np.mean([ap_of_order(e["positive"], e["n_positives"], K) for e in lists]))
     oracle = 100.0 * float(np.mean([min(K, int(e["positive"].sum())) / min(K, e["n_positives"]) for e in lists]))
-    log.info("global mAP@1k %.2f (oracle of the top-%d: %.2f), global search %.2f ms/query", global_map, K, oracle, global_ms)
+    log.info(
+        "global mAP@1k %.2f (oracle of the top-%d: %.2f), global search %.2f ms/query", global_map, K, oracle, global_ms
+    )
 
-    result: dict = {"map_at_1k": {"global": round(global_map, 2)}, "n_queries": len(lists), "oracle_top1k": round(oracle, 2)}
+    result: dict = {
+        "map_at_1k": {"global": round(global_map, 2)},
+        "n_queries": len(lists),
+        "oracle_top1k": round(oracle, 2),
+    }
     settings: dict = {}
 
     # SP: the Hamming threshold and LO refinement chosen on validation queries too (per fold).
     sp_runs = {}
     for max_hamming in SP_MAX_HAMMING:
         for lo in SP_LO_ITERATIONS:
-            conf = RerankConfig(method="sp", match=MatchConfig(max_distance=max_hamming), spatial=SpatialConfig(lo_iterations=lo))
+            conf = RerankConfig(
+                method="sp", match=MatchConfig(max_distance=max_hamming), spatial=SpatialConfig(lo_iterations=lo)
+            )
             raws, ms = local_scores(index, Reranker(conf), lists, query_tokens, TIMED_TOKENS)
             sp_runs[f"max_hamming={max_hamming},lo_iterations={lo}"] = (validation_queries(lists, raws, SHORTLIST), ms)
     sp_map, sp_chosen = _cv_over_settings(sp_runs, folds, "sp")
@@ -241,7 +278,14 @@ def main() -> None:
             continue
         raws, ms = local_scores(index, best_sp, lists, query_tokens, n)
         value, _ = cross_validated_map(validation_queries(lists, raws, SHORTLIST), folds, "sp")
-        curve.append({"tokens": n, "bytes_per_image": n * 23 + 8, "map_at_1k_sp": round(value, 2), "rerank_ms_per_query": round(ms, 1)})
+        curve.append(
+            {
+                "tokens": n,
+                "bytes_per_image": n * 23 + 8,
+                "map_at_1k_sp": round(value, 2),
+                "rerank_ms_per_query": round(ms, 1),
+            }
+        )
 
     if not args.skip_ames:
         ckpt = work / "ames.pt"
@@ -251,8 +295,9 @@ def main() -> None:
         # AMES was trained on single-scale database tokens: the query uses its stored ones too.
         stored = {e["key"]: index.local_store.tokens(index.position_of(e["key"])) for e in lists}
         raws, ames_ms = local_scores(index, ames, lists, stored, TIMED_TOKENS, args.ames_shortlist)
-        ames_map, settings["ames"] = cross_validated_map(validation_queries(lists, raws, args.ames_shortlist), folds, "ames",
-                                                         gammas=(0.1, 0.25, 0.5, 1.0, 2.0))
+        ames_map, settings["ames"] = cross_validated_map(
+            validation_queries(lists, raws, args.ames_shortlist), folds, "ames", gammas=(0.1, 0.25, 0.5, 1.0, 2.0)
+        )
         result["map_at_1k"]["ames"] = round(ames_map, 2)
         result["ames_ms_per_query"] = round(ames_ms, 1)
         result["ames_shortlist"] = args.ames_shortlist
@@ -260,20 +305,25 @@ def main() -> None:
 
     best = max((m for m in result["map_at_1k"] if m != "global"), key=lambda m: result["map_at_1k"][m])
     result["map_at_1k"]["best"] = result["map_at_1k"][best]
-    result.update({
-        "best_method": best,
-        "gain": round(result["map_at_1k"][best] - global_map, 2),
-        "rerank_ms_per_query": round(rerank_ms, 1),
-        "rerank_setting": f"SP on {SHORTLIST} candidates x {TIMED_TOKENS} binary tokens, query {len(next(iter(query_tokens.values())))} tokens",
-        "global_search_ms_per_query": round(global_ms, 2),
-        "chamfer_ms_per_query": round(chamfer_ms, 1),
-        "local_bytes_per_image": TIMED_TOKENS * 23 + 8,
-        "itq": "learned on the distractors' tokens" if itq else "shipped (demo photos)",
-        "store_bytes_per_image": index.infos["locals"]["bytes_per_image"],
-        "chosen_on_validation": settings,
-        "curve": curve,
-        "targets": {"gain": 10.0, "rerank_ms_per_query": 100.0, "local_bytes_per_image": 2500},
-    })
+    result.update(
+        {
+            "best_method": best,
+            "gain": round(result["map_at_1k"][best] - global_map, 2),
+            "rerank_ms_per_query": round(rerank_ms, 1),
+            "rerank_setting": (
+                f"SP on {SHORTLIST} candidates x {TIMED_TOKENS} binary tokens, "
+                f"query {len(next(iter(query_tokens.values())))} tokens"
+            ),
+            "global_search_ms_per_query": round(global_ms, 2),
+            "chamfer_ms_per_query": round(chamfer_ms, 1),
+            "local_bytes_per_image": TIMED_TOKENS * 23 + 8,
+            "itq": "learned on the distractors' tokens" if itq else "shipped (demo photos)",
+            "store_bytes_per_image": index.infos["locals"]["bytes_per_image"],
+            "chosen_on_validation": settings,
+            "curve": curve,
+            "targets": {"gain": 10.0, "rerank_ms_per_query": 100.0, "local_bytes_per_image": 2500},
+        }
+    )
     if tmp is not None:
         tmp.cleanup()
     print(json.dumps(result))
