@@ -39,6 +39,7 @@ from core.errors import NeedleInputError
 from core.hashing import file_sha256
 from index.factory import IndexPlan, parse_bytes, plan_index
 from index.gpu import assignment_quantizer, faiss_gpus
+from index.keys import KEY_FILES, write_key_files
 from index.locals import SegmentInfo, locals_infos, write_segment
 from index.memory import peak_rss_bytes, process_memory
 from ingest.descriptors import (
@@ -163,6 +164,13 @@ def scan(files: list[Path], ids_path: Path) -> tuple[list[FileInfo], int, int]:
     if offset == 0:
         raise DescriptorFileError(f"no rows in {files[0].parent}")
     return infos, int(dim), n_ok
+
+
+def write_keys_of_ids(ids_path: Path, directory: Path) -> int:
+    """The key lookup files (index/keys.py) for the key column of the id table, streamed from its map."""
+    with pa.memory_map(str(ids_path)) as source:
+        keys = pa.ipc.open_file(source).read_all()["key"]
+        return write_key_files(keys.chunks, directory, sort_keys=keys)
 
 
 def read_valid(path: str, dim: int, adapter: Any = None) -> tuple[np.ndarray, np.ndarray, int]:
@@ -401,6 +409,7 @@ def main(
     info_path = files[0].parent / "ingest_info.json"  # how the descriptors were made
     ingest = json.loads(info_path.read_text()) if info_path.is_file() else {}
     infos, dim, n_ok = scan(files, output / IDS_FILE)
+    write_keys_of_ids(output / IDS_FILE, output)
     adapter = _load_adapter(conf.adapt)
     if adapter is not None and adapter.in_dim != dim:
         raise DescriptorFileError(f"adapter {conf.adapt} takes d={adapter.in_dim}, the descriptors have d={dim}")
@@ -484,6 +493,7 @@ def main(
         "dim": index_dim,
         "adapt": _adapt_infos(conf.adapt, adapter),
         "index_files": index_files,
+        "key_files": list(KEY_FILES),
         "nprobe": conf.nprobe,
         "refine_factor": conf.refine_factor,
         "quantizer_ef": conf.quantizer_ef if "HNSW" in plan.factory else None,

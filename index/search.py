@@ -23,6 +23,7 @@ overrides the choice; "cuda" scans on the GPU at any size.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -36,8 +37,11 @@ import pyarrow.ipc
 from core.errors import NeedleInputError
 from index.build import DEFAULT_QUANTIZER_EF, IDS_FILE, INFOS_FILE, VECTORS_FILE, hnsw_quantizer
 from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available
+from index.keys import KeyStore, has_key_files
 from index.locals import LocalStore, open_local_store
 from ingest.descriptors import ROW_SHARD_SHIFT, STATUS_OK
+
+log = logging.getLogger(__name__)
 
 # A flat shard scans on the GPU from this many vectors and queries on ("auto"). Below them the
 # CPU's FAISS scan is cheap (the auto plan is flat only below 100k vectors), and a batch of few
@@ -226,6 +230,7 @@ class SearchIndex:
     vectors: np.ndarray  # (N, d) float16, memory-mapped
     infos: dict[str, Any]  # index_infos.json
     path: Path
+    keys: KeyStore | None = None  # the key lookup files; None for an index built before them (scans instead)
 
     @property
     def d(self) -> int:
@@ -305,9 +310,9 @@ class SearchIndex:
         return self.ids["row"].to_numpy()
 
     def position_of(self, key: str) -> int:
-        # A scan of the mapped key column (~0.1 s per 10M keys) rather than a dict of every key,
-        # which would cost gigabytes at 100M rows.
-        position = pc.index(self.ids["key"], key).as_py()
+        # The key files answer in O(log n) pages; an index built before them scans the mapped key
+        # column (~0.1 s per 10M keys).
+        position = self.keys.position_of(key) if self.keys is not None else pc.index(self.ids["key"], key).as_py()
         if position < 0:
             raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
         return position
@@ -326,10 +331,12 @@ class SearchIndex:
         """Row ids (nq, k) -> keys, None for the -1 padding."""
         I = np.atleast_2d(I)
         positions = self.positions_of_rows(I)
-        keys = self.ids["key"].take(pa.array(positions.clip(0).reshape(-1))).to_pylist()
-        flat_valid = (positions >= 0).reshape(-1)
-        out = [k if v else None for k, v in zip(keys, flat_valid)]
-        return [out[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
+        if self.keys is not None:
+            flat = self.keys.keys_at(positions)
+        else:  # an index built before the key files: a take over the whole chunked column
+            keys = self.ids["key"].take(pa.array(positions.clip(0).reshape(-1))).to_pylist()
+            flat = [k if v else None for k, v in zip(keys, (positions >= 0).reshape(-1))]
+        return [flat[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
 
 
 def map_vectors(path: Path) -> np.ndarray:
@@ -388,7 +395,16 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True, de
     if vectors.ndim != 2 or vectors.shape[1] != infos.get("dim") or any(s.d != vectors.shape[1] for s in faiss_indexes):
         raise IndexFileError(f"index {path}: {VECTORS_FILE} has shape {vectors.shape}, the index d={infos.get('dim')}")
     shards = [make_shard(index, vectors, infos, device) for index in faiss_indexes]
-    return SearchIndex(shards, ids, vectors, infos, path)
+    keys = KeyStore(path) if has_key_files(path) else None
+    if keys is not None and len(keys) != rows:
+        raise IndexFileError(f"index {path} is inconsistent: {len(keys)} keys in its key files, {rows} in {IDS_FILE}")
+    if keys is None:
+        log.warning(
+            "index %s has no key files (built before them): key lookups scan the key column; rebuild "
+            "the index to answer them in O(log n)",
+            path,
+        )
+    return SearchIndex(shards, ids, vectors, infos, path, keys)
 
 
 def make_shard(index: Any, vectors: np.ndarray, infos: dict[str, Any], device: str = "auto") -> Shard:
