@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -91,6 +92,21 @@ class FileInfo:
     rows: int
     shard_id: int
     offset: int  # position of the file's first row in ids.arrow / vectors.f16.npy
+
+
+# "s3://b/x" as a Path is "s3:/b/x": both spellings of a URL name no local directory.
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
+
+
+def local_output(output: Path | str) -> Path:
+    """``output`` as a local directory; a URL (``s3://...``) is refused rather than written to a
+    local directory named ``s3:``."""
+    if _URL.match(str(output)):
+        raise NeedleInputError(
+            f"index output {output} is a URL: needle index build writes to a local directory "
+            "(build there, then copy it to object storage)"
+        )
+    return Path(output)
 
 
 def descriptor_files(
@@ -403,7 +419,7 @@ def main(
     import faiss
 
     start = time.perf_counter()
-    output = Path(output)
+    output = local_output(output)
     output.mkdir(parents=True, exist_ok=True)
     files = descriptor_files(descriptors, output / "staging", conf.s3_endpoint_url)
     info_path = files[0].parent / "ingest_info.json"  # how the descriptors were made

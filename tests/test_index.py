@@ -225,3 +225,12 @@ def test_process_memory_reads_linux_accounting():
     memory = process_memory()
     assert memory["rss"] > 10 * 2**20 and 0 < memory["pss_anon"] <= memory["pss"] <= memory["rss"]
     assert process_memory(pid=2**22 + 7) == {}  # no such process
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/idx", "s3:/bucket/idx", "gs://bucket/idx"])
+def test_url_output_is_refused_not_written_to_a_local_directory(tmp_path, collection, url, monkeypatch):
+    desc, _ = collection
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NeedleInputError, match="is a URL"):
+        main(IndexConfig(), desc, url)
+    assert not any(tmp_path.glob("*:*"))  # no local directory named "s3:" or "gs:"
