@@ -3,7 +3,7 @@
 import numpy as np
 import pyarrow as pa
 import pytest
-from helpers_index import clustered_unit_vectors, write_descriptor_file
+from helpers_index import clustered_unit_vectors, to_old_layout, write_descriptor_file
 
 from index.build import IndexConfig, main
 from index.keys import KEY_FILES, KEY_OFFSETS_FILE, KEYS_FILE, KeyFileError, KeyStore, write_key_files
@@ -84,9 +84,8 @@ def test_index_answers_keys_from_its_key_files_like_the_id_table(tmp_path):
     _, I = index.search(xq, 30)
     I[:, -3:] = -1  # FAISS's padding
     keys = index.keys_of(I)
-    for name in KEY_FILES:  # an index built before the key files: the id table answers
-        (out / name).unlink()
-    old = load_index(out)
+    old = load_index(to_old_layout(out, tmp_path / "old", key_files=False))  # built before the key files
+    assert old.layout is None
     assert old.keys is None
     assert old.keys_of(I) == keys
     all_keys = old.ids["key"].to_pylist()
