@@ -31,6 +31,7 @@ import json
 import logging
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -61,6 +62,8 @@ from ingest.descriptors import (
     list_descriptor_files,
     read_global,
 )
+from ingest.storage import MARKER_SUFFIX as MARKER
+from ingest.storage import s3_client, split_s3
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,7 @@ class FileInfo:
     rows: int
     shard_id: int
     offset: int  # position of the file's first row in its shard's ids.arrow / vectors.f16.npy
+    source: str | None = None  # the s3:// object it was staged from (a task on another node fetches it)
 
 
 def shard_name(number: int) -> str:
@@ -113,30 +117,40 @@ def shard_name(number: int) -> str:
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
 
 
-def local_output(output: Path | str) -> Path:
-    """``output`` as a local directory; a URL (``s3://...``) is refused rather than written to a
-    local directory named ``s3:``."""
-    if _URL.match(str(output)):
+def output_location(output: Path | str) -> tuple[Path | None, str | None]:
+    """(local directory, None) or (None, ``s3://bucket/prefix``); any other URL is refused rather
+    than written to a local directory named ``gs:`` (or ``s3:``, for a mangled ``s3:/b/x``)."""
+    text = str(output)
+    if text.startswith("s3://"):
+        return None, text.rstrip("/")
+    if _URL.match(text):
         raise NeedleInputError(
-            f"index output {output} is a URL: needle index build writes to a local directory "
-            "(build there, then copy it to object storage)"
+            f"index output {output} is a URL needle index build cannot write: give a local directory or an "
+            "s3://bucket/prefix"
         )
-    return Path(output)
+    return Path(output), None
 
 
 def descriptor_files(
-    descriptors: Path | str | Sequence[Path | str], staging: Path | None = None, s3_endpoint_url: str | None = None
+    descriptors: Path | str | Sequence[Path | str],
+    staging: Path | None = None,
+    s3_endpoint_url: str | None = None,
+    origins: dict[str, str] | None = None,
 ) -> list[Path]:
     """Parquet files of one or several sources: descriptor directories, single files, or
     ``s3://`` prefixes, whose committed parts (those with their marker) are staged one by one
-    into ``staging`` on local disk, with their ``ingest_info.json``."""
+    into ``staging`` on local disk, with their ``ingest_info.json``; ``origins`` (if given)
+    receives each staged file's ``s3://`` object."""
     sources = [descriptors] if isinstance(descriptors, (str, Path)) else list(descriptors)
     files: list[Path] = []
     for i, source in enumerate(sources):
         if str(source).startswith("s3://"):
             if staging is None:
                 raise DescriptorFileError(f"{source}: s3:// sources need a staging directory")
-            files.extend(stage_s3_parts(str(source), staging / f"source_{i:03d}", s3_endpoint_url))
+            staged = stage_s3_parts(str(source), staging / f"source_{i:03d}", s3_endpoint_url)
+            if origins is not None:
+                origins.update({str(path): f"{str(source).rstrip('/')}/{path.name}" for path in staged})
+            files.extend(staged)
         else:
             source = Path(source)
             files.extend([source] if source.is_file() else list_descriptor_files(source))
@@ -492,7 +506,13 @@ def finish_shard(
         "rows": rows,
         "ntotal": ntotal,
         "files": [
-            {"path": f.path, "shard_id": f.shard_id, "rows": f.rows, "offset": f.offset, **_file_stat(f.path)}
+            {
+                "path": f.source or f.path,
+                "shard_id": f.shard_id,
+                "rows": f.rows,
+                "offset": f.offset,
+                **_file_stat(f.path),
+            }
             for f in files
         ],
         "shard_offsets": {str(f.shard_id): f.offset for f in files},  # Parquet shard id -> first position here
@@ -524,26 +544,192 @@ def run_parts_sequentially(tasks: list[PartTask]) -> list[dict[str, Any]]:
     return [build_part(*task) for task in tasks]
 
 
+# --- s3:// output: one task per shard builds it in a local temporary directory and uploads it -----
+# (shard spec: number, parts (lists of FileInfo, shard-local offsets), part_ids, dim, locals, adapt,
+# common, extractor, url, endpoint_url) -> its commit marker {"summary": ..., "stats": [...]}
+ShardRunner = Callable[[bytes, list[dict[str, Any]]], list[dict[str, Any]]]
+
+
+def upload_file(storage: Any, name: str, path: Path, sha256: str | None = None) -> None:
+    """Upload ``path`` as ``name`` under the storage's prefix, with its SHA-256 as object metadata."""
+    extra = {"Metadata": {"sha256": sha256}} if sha256 else None
+    storage.client.upload_file(str(path), storage.bucket, storage._key(name), ExtraArgs=extra)
+
+
+def reuse_trained(storage: Any, factory: str, trained_path: Path) -> dict[str, Any] | None:
+    """A previous run's committed trained index for the same plan, downloaded to ``trained_path``
+    (its marker), or None: shards kept from that run were added to this quantizer."""
+    marker = storage.read_json(TRAINED_FILE + MARKER)
+    if marker is None or marker.get("factory") != factory:
+        return None
+    storage.client.download_file(storage.bucket, storage._key(TRAINED_FILE), str(trained_path))
+    return marker
+
+
+def committed_shard(storage: Any, name: str, files: list[FileInfo], common: dict[str, Any]) -> dict[str, Any] | None:
+    """The commit marker of shard ``name`` when a previous run committed it from the same files,
+    plan and trained index and every file its shard_infos.json lists is there with the recorded
+    size and SHA-256 (object metadata); else None (the shard is built again)."""
+    from botocore.exceptions import ClientError
+
+    marker = storage.read_json(name + MARKER)
+    infos = storage.read_json(f"{name}/{SHARD_INFOS_FILE}") if marker is not None else None
+    if infos is None:
+        return None
+    recorded = [(f["shard_id"], f["rows"], f["offset"]) for f in infos.get("files", [])]
+    if recorded != [(f.shard_id, f.rows, f.offset) for f in files] or any(
+        infos.get(key) != common.get(key) for key in ("factory", "dim", "trained_sha256", "adapt")
+    ):
+        log.info("%s/%s was made from other files or another plan: building it again", storage.url, name)
+        return None
+    for file, checksum in infos.get("checksums", {}).items():
+        try:
+            head = storage.client.head_object(Bucket=storage.bucket, Key=storage._key(f"{name}/{file}"))
+        except ClientError:
+            return None
+        if (
+            head.get("ContentLength") != checksum["bytes"]
+            or head.get("Metadata", {}).get("sha256") != checksum["sha256"]
+        ):
+            log.info("%s/%s/%s does not match its checksum: building the shard again", storage.url, name, file)
+            return None
+    return marker
+
+
+def fetch_source(f: FileInfo, directory: Path, endpoint_url: str | None) -> FileInfo:
+    """``f`` where this node can read it: as it is, or downloaded from its ``s3://`` source."""
+    if Path(f.path).is_file():
+        return f
+    if f.source is None:
+        raise DescriptorFileError(
+            f"{f.path} is not on this node and has no s3:// source: local descriptors need a filesystem "
+            "every node sees (or give an s3:// prefix written by needle ingest)"
+        )
+    bucket, key = split_s3(f.source)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / Path(key).name
+    s3_client(endpoint_url).download_file(bucket, key, str(target))
+    return replace(f, path=str(target))
+
+
+def build_shard_task(trained: bytes, spec: dict[str, Any]) -> dict[str, Any]:
+    """Build one shard in a local temporary directory (its parts one after another, then its
+    files), upload every file, its ``shard_infos.json``, then its commit marker last; returns the
+    marker. Plain function: the Ray job runs one per task (retried where a task dies)."""
+    from ingest.storage import S3Storage
+
+    storage = S3Storage(spec["url"], spec["endpoint_url"])
+    name = shard_name(spec["number"])
+    with tempfile.TemporaryDirectory(prefix=f"needle-{name}-") as scratch:
+        scratch = Path(scratch)
+        trained_path = scratch / TRAINED_FILE
+        trained_path.write_bytes(trained)
+        parts = [[fetch_source(f, scratch / "parquet", spec["endpoint_url"]) for f in part] for part in spec["parts"]]
+        directory = scratch / name
+        directory.mkdir()
+        tasks: list[PartTask] = [
+            (
+                str(trained_path),
+                part,
+                spec["dim"],
+                str(directory / f"part_{i:03d}.vectors.f16.npy"),
+                str(directory / f"part_{i:03d}.faiss"),
+                f"locals_{i:03d}" if spec["locals"] else None,
+                spec["adapt"],
+            )
+            for i, part in zip(spec["part_ids"], parts)
+        ]
+        stats = [build_part(*task) for task in tasks]
+        files = [f for part in parts for f in part]
+        summary = finish_shard(directory, spec["number"], files, tasks, stats, spec["common"], spec["extractor"])
+        infos = json.loads((directory / SHARD_INFOS_FILE).read_text())
+        for file, checksum in infos["checksums"].items():
+            upload_file(storage, f"{name}/{file}", directory / file, checksum["sha256"])
+        upload_file(storage, f"{name}/{SHARD_INFOS_FILE}", directory / SHARD_INFOS_FILE)
+    marker = {"summary": summary, "stats": stats}
+    storage.write_json(name + MARKER, marker)
+    return marker
+
+
+def run_shards_sequentially(trained: bytes, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [build_shard_task(trained, spec) for spec in specs]
+
+
+def build_on_s3(
+    storage: Any,
+    trained_path: Path,
+    ranges: list[list[FileInfo]],
+    groups: list[list[int]],
+    dim: int,
+    with_locals: bool,
+    adapt: str | None,
+    common: dict[str, Any],
+    extractor: dict[str, Any] | None,
+    run_shards: ShardRunner,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run the shard tasks an S3 build still needs (a shard committed by an earlier run from the
+    same files, plan and trained index is kept); returns the shards' summaries and their parts' stats."""
+    kept: dict[int, dict[str, Any]] = {}
+    specs = []
+    for number, group in enumerate(groups):
+        base = ranges[group[0]][0].offset
+        parts = [[replace(f, offset=f.offset - base) for f in ranges[i]] for i in group]
+        marker = committed_shard(storage, shard_name(number), [f for part in parts for f in part], common)
+        if marker is not None:
+            log.info("%s/%s is committed: kept", storage.url, shard_name(number))
+            kept[number] = marker
+            continue
+        specs.append(
+            {
+                "number": number,
+                "parts": parts,
+                "part_ids": [int(i) for i in group],
+                "dim": dim,
+                "locals": with_locals,
+                "adapt": adapt,
+                "common": common,
+                "extractor": extractor,
+                "url": storage.url,
+                "endpoint_url": storage.endpoint_url,
+            }
+        )
+    markers = {**kept, **{spec["number"]: m for spec, m in zip(specs, run_shards(trained_path.read_bytes(), specs))}}
+    summaries = [markers[n]["summary"] for n in range(len(groups))]
+    return summaries, [stat for n in range(len(groups)) for stat in markers[n]["stats"]]
+
+
 def main(
     conf: IndexConfig,
     descriptors: Path | str | Sequence[Path | str],
-    output: Path,
+    output: Path | str,
     run_parts: PartRunner = run_parts_sequentially,
-) -> Path:
-    """Build the index of ``descriptors`` into ``output``; returns ``output``.
+    run_shards: ShardRunner = run_shards_sequentially,
+) -> Path | str:
+    """Build the index of ``descriptors`` into ``output`` (a local directory, or an
+    ``s3://bucket/prefix``); returns ``output``.
 
-    ``run_parts`` executes the add tasks (sequentially by default; cluster/index_job.py passes a
-    Ray runner).
+    ``run_parts`` executes the add tasks of a local build, ``run_shards`` the shard tasks of an
+    S3 build (sequentially by default; cluster/index_job.py passes Ray runners).
     """
     import faiss
 
     start = time.perf_counter()
-    output = local_output(output)
+    local, url = output_location(output)
+    storage = None
+    if url is not None:
+        from ingest.storage import S3Storage
+
+        storage = S3Storage(url, conf.s3_endpoint_url)
+        output = Path(tempfile.mkdtemp(prefix="needle-index-"))  # the driver's scratch: staging, training
+    else:
+        output = local
     output.mkdir(parents=True, exist_ok=True)
-    files = descriptor_files(descriptors, output / "staging", conf.s3_endpoint_url)
+    origins: dict[str, str] = {}
+    files = descriptor_files(descriptors, output / "staging", conf.s3_endpoint_url, origins)
     info_path = files[0].parent / "ingest_info.json"  # how the descriptors were made
     ingest = json.loads(info_path.read_text()) if info_path.is_file() else {}
     infos, dim, n_ok = scan(files)
+    infos = [replace(f, source=origins.get(f.path)) for f in infos]
     adapter = _load_adapter(conf.adapt)
     if adapter is not None and adapter.in_dim != dim:
         raise DescriptorFileError(f"adapter {conf.adapt} takes d={adapter.in_dim}, the descriptors have d={dim}")
@@ -564,18 +750,26 @@ def main(
     )
     log.info("index plan: %s (%s)", plan.factory, "; ".join(plan.reasons))
 
-    xt = (
-        training_sample(infos, dim, plan.n_train, conf.seed, adapter)
-        if plan.kind == "ivfpq"
-        else np.zeros((1, index_dim), np.float32)
-    )
-    timings["sample_s"] = time.perf_counter() - start - sum(timings.values())
-    trained = train(plan, xt, conf.quantizer_ef)
     trained_path = output / TRAINED_FILE
-    write_atomic(trained_path, lambda tmp: faiss.write_index(trained, str(tmp)))
-    n_train = len(xt) if plan.kind == "ivfpq" else 0
+    reused = reuse_trained(storage, plan.factory, trained_path) if storage is not None else None
+    if reused is None:
+        xt = (
+            training_sample(infos, dim, plan.n_train, conf.seed, adapter)
+            if plan.kind == "ivfpq"
+            else np.zeros((1, index_dim), np.float32)
+        )
+        timings["sample_s"] = time.perf_counter() - start - sum(timings.values())
+        trained = train(plan, xt, conf.quantizer_ef)
+        write_atomic(trained_path, lambda tmp: faiss.write_index(trained, str(tmp)))
+        n_train = len(xt) if plan.kind == "ivfpq" else 0
+        del xt
+        if storage is not None:  # a later run resumes with this quantizer, so its shards agree with the kept ones
+            upload_file(storage, TRAINED_FILE, trained_path)
+            storage.write_json(TRAINED_FILE + MARKER, {"factory": plan.factory, "n_train": n_train})
+    else:
+        n_train = reused["n_train"]
+        log.info("resuming with the trained index already at %s", url)
     timings["train_s"] = time.perf_counter() - start - sum(timings.values())
-    del xt
     training_peak = peak_rss_bytes()
     shards = max(1, conf.shards)
     ranges = split_ranges(infos, max(shards, conf.parts or shards))
@@ -586,35 +780,6 @@ def main(
         raise DescriptorFileError(
             "some descriptor files carry local tokens and others do not: ingest them alike, or build with locals off"
         )
-    # Contiguous parts grouped into `shards` shards; positions inside a shard count from its first row.
-    groups = [list(g) for g in np.array_split(np.arange(len(ranges)), shards)]
-    tasks: list[PartTask] = []
-    shard_parts: list[list[int]] = []
-    shard_files: list[list[FileInfo]] = []
-    for number, group in enumerate(groups):
-        directory = output / shard_name(number)
-        directory.mkdir(parents=True, exist_ok=True)
-        base = ranges[group[0]][0].offset
-        shard_files.append([])
-        shard_parts.append([])
-        for i in group:
-            local = [replace(f, offset=f.offset - base) for f in ranges[i]]
-            shard_files[-1].extend(local)
-            shard_parts[-1].append(len(tasks))
-            tasks.append(
-                (
-                    str(trained_path),
-                    local,
-                    dim,
-                    str(directory / f"part_{i:03d}.vectors.f16.npy"),
-                    str(directory / f"part_{i:03d}.faiss"),
-                    f"locals_{i:03d}" if with_locals else None,
-                    conf.adapt,
-                )
-            )
-    stats = run_parts(tasks)
-    timings["add_s"] = time.perf_counter() - start - sum(timings.values())
-
     common = {
         "kind": plan.kind,
         "factory": plan.factory,
@@ -625,23 +790,61 @@ def main(
         "quantizer_ef": conf.quantizer_ef if "HNSW" in plan.factory else None,
         "adapt": _adapt_infos(conf.adapt, adapter),
         "faiss_version": faiss.__version__,
+        "trained_sha256": file_sha256(trained_path),
     }
     extractor = _local_extractor(ingest)
-    summaries = [
-        finish_shard(
-            output / shard_name(number),
-            number,
-            files_of_shard,
-            [tasks[t] for t in parts],
-            [stats[t] for t in parts],
-            common,
-            extractor,
+    # Contiguous parts grouped into `shards` shards; positions inside a shard count from its first row.
+    groups = [list(g) for g in np.array_split(np.arange(len(ranges)), shards)]
+    if storage is not None:  # one task per shard: built on its node, uploaded, committed
+        summaries, stats = build_on_s3(
+            storage, trained_path, ranges, groups, dim, with_locals, conf.adapt, common, extractor, run_shards
         )
-        for number, (files_of_shard, parts) in enumerate(zip(shard_files, shard_parts))
-    ]
+        timings["add_s"] = time.perf_counter() - start - sum(timings.values())
+    else:
+        tasks: list[PartTask] = []
+        shard_parts: list[list[int]] = []
+        shard_files: list[list[FileInfo]] = []
+        for number, group in enumerate(groups):
+            directory = output / shard_name(number)
+            directory.mkdir(parents=True, exist_ok=True)
+            base = ranges[group[0]][0].offset
+            shard_files.append([])
+            shard_parts.append([])
+            for i in group:
+                local = [replace(f, offset=f.offset - base) for f in ranges[i]]
+                shard_files[-1].extend(local)
+                shard_parts[-1].append(len(tasks))
+                tasks.append(
+                    (
+                        str(trained_path),
+                        local,
+                        dim,
+                        str(directory / f"part_{i:03d}.vectors.f16.npy"),
+                        str(directory / f"part_{i:03d}.faiss"),
+                        f"locals_{i:03d}" if with_locals else None,
+                        conf.adapt,
+                    )
+                )
+        stats = run_parts(tasks)
+        timings["add_s"] = time.perf_counter() - start - sum(timings.values())
+
+        summaries = [
+            finish_shard(
+                output / shard_name(number),
+                number,
+                files_of_shard,
+                [tasks[t] for t in parts],
+                [stats[t] for t in parts],
+                common,
+                extractor,
+            )
+            for number, (files_of_shard, parts) in enumerate(zip(shard_files, shard_parts))
+        ]
     ntotal = sum(s["ntotal"] for s in summaries)
     trained_path.unlink(missing_ok=True)
     shutil.rmtree(output / "staging", ignore_errors=True)
+    if storage is not None:
+        shutil.rmtree(output, ignore_errors=True)
     timings["merge_s"] = time.perf_counter() - start - sum(timings.values())
     segments = [SegmentInfo(**s["locals"]) for s in stats] if with_locals else []
     locals_summary = locals_infos(segments, extractor, n_rows) if with_locals else None
@@ -683,6 +886,10 @@ def main(
         },
         "faiss_version": faiss.__version__,
     }
-    write_json_atomic(index_infos, output / INFOS_FILE)
+    if storage is not None:  # last: the index is complete once its infos are there
+        storage.write_json(INFOS_FILE, index_infos)
+        output = url
+    else:
+        write_json_atomic(index_infos, output / INFOS_FILE)
     log.info("index %s: %d vectors, d=%d, %s in %d shards", output, ntotal, dim, plan.factory, len(summaries))
     return output
