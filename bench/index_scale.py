@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import resource
 import shutil
 import subprocess
@@ -200,9 +199,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from index.build import IDS_FILE, INDEX_FILE, INFOS_FILE, VECTORS_FILE, merge_parts
+    from index.build import IDS_FILE, INDEX_FILE, INFOS_FILE, VECTORS_FILE, concatenate_vectors, merge_parts
     from index.memory import process_memory
-    from index.search import load_index
+    from index.search import index_file_paths, load_index
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="needle-index-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -210,7 +209,8 @@ def main() -> None:
     gt = [set(row.tolist()) for row in I_gt]
     built = build(args, work)
     infos = json.loads((work / "sharded" / INFOS_FILE).read_text())
-    index_bytes = sum((work / "sharded" / name).stat().st_size for name in infos["index_files"])
+    index_paths = index_file_paths(work / "sharded", infos)
+    index_bytes = sum(path.stat().st_size for path in index_paths)
     sweep_points = [(int(p), int(r)) for p in args.nprobe.split(",") for r in args.refine_factor.split(",")]
 
     import ray
@@ -230,16 +230,29 @@ def main() -> None:
     del service
     ray.shutdown()
 
-    if not args.no_single:  # the shards merged (same trained quantizer, same codes)
+    if not args.no_single:  # the shards merged (same trained quantizer, same codes), in one directory
+        import pyarrow as pa
+        import pyarrow.ipc
+
+        from index.search import read_ids
+
         single = work / "single"
         shutil.rmtree(single, ignore_errors=True)
         single.mkdir()
-        merge_parts([str(work / "sharded" / name) for name in infos["index_files"]], single / INDEX_FILE)
-        for name in (IDS_FILE, VECTORS_FILE):
-            os.link(work / "sharded" / name, single / name)
-        (single / INFOS_FILE).write_text(
-            json.dumps({**infos, "index_files": [INDEX_FILE], "config": {**infos["config"], "shards": 1}})
-        )
+        merge_parts([str(path) for path in index_paths], single / INDEX_FILE)
+        shard_dirs = [path.parent for path in index_paths]
+        concatenate_vectors([d / VECTORS_FILE for d in shard_dirs], single / VECTORS_FILE, infos["dim"])
+        ids = pa.concat_tables([read_ids(d / IDS_FILE) for d in shard_dirs])
+        with pa.OSFile(str(single / IDS_FILE), "wb") as sink, pa.ipc.new_file(sink, ids.schema) as writer:
+            writer.write_table(ids)
+        offsets, base = {}, 0  # the layout built before shard directories: positions over all rows
+        for d in shard_dirs:
+            shard = json.loads((d / "shard_infos.json").read_text())
+            offsets.update({k: base + v for k, v in shard["shard_offsets"].items()})
+            base += shard["rows"]
+        single_infos = {k: v for k, v in infos.items() if k not in ("layout", "shards")}
+        single_infos.update(index_files=[INDEX_FILE], shard_offsets=offsets, config={**infos["config"], "shards": 1})
+        (single / INFOS_FILE).write_text(json.dumps(single_infos))
         single_index = load_index(single)
         for nprobe, factor in sweep_points:
             sweep.append({"index": "single", **measure(single_index, xq, gt, args.k, nprobe, factor)})

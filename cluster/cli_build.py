@@ -78,12 +78,17 @@ def _index_build(args: argparse.Namespace) -> int:
     if args.ray:
         from cluster.index_job import main
 
-        main(conf, args.descriptors, Path(args.out), args.address)
+        main(conf, args.descriptors, _index_out(args.out), args.address)
     else:
         from index.build import main
 
-        main(conf, args.descriptors, Path(args.out))
+        main(conf, args.descriptors, _index_out(args.out))
     return 0
+
+
+def _index_out(out: str) -> Path | str:
+    """An s3:// output as given (a Path would fold its '//'); a local directory as a Path."""
+    return out if out.startswith("s3://") else Path(out)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -163,7 +168,9 @@ def add_build_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--descriptors", required=True, nargs="+", help="directories, files or s3:// prefixes of descriptor Parquet"
     )
-    b.add_argument("--out", required=True, help="index directory to write")
+    b.add_argument(
+        "--out", required=True, help="index directory to write, or an s3:// prefix (one task per shard uploads it)"
+    )
     add_config_flags(
         b,
         "index.build:IndexConfig",

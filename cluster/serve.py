@@ -14,6 +14,7 @@ malformed JSON) is answered 400 with ``{"error": message}``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from core.errors import NeedleInputError
-from index.search import SearchIndex, load_index, open_shard
+from index.search import SearchIndex, load_index, open_shard, shard_names
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors
@@ -74,15 +75,16 @@ def serve_sharded(
     import ray
 
     base = load_index(path, with_shards=False)
+    names = shard_names(base.infos)  # shard directories (or an old directory's FAISS files)
     if actors is None:
         if cpus_per_shard is None:
-            cpus_per_shard = min(1.0, ray.cluster_resources().get("CPU", 1) / len(base.infos["index_files"]))
+            cpus_per_shard = min(1.0, ray.cluster_resources().get("CPU", 1) / len(names))
         actor_cls = ray.remote(num_cpus=cpus_per_shard)(ShardActor)
-        actors = [actor_cls.remote(str(Path(path)), name) for name in base.infos["index_files"]]
-    elif len(actors) != len(base.infos["index_files"]):
-        raise ValueError(f"{len(actors)} shard actors for the {len(base.infos['index_files'])} shards of {path}")
+        actors = [actor_cls.remote(str(Path(path)), name) for name in names]
+    elif len(actors) != len(names):
+        raise ValueError(f"{len(actors)} shard actors for the {len(names)} shards of {path}")
     ray.get([a.search.remote(np.zeros((1, base.d), np.float32), 1, None, True) for a in actors])  # loaded and ready
-    fields = {f: getattr(base, f) for f in ("shards", "ids", "vectors", "infos", "path")}
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(SearchIndex)}  # keys and layout too
     return RayShardedIndex(**fields, actors=actors)
 
 

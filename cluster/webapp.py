@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.serve import MAX_BODY, QueryService
 from core.errors import ImageDecodeError, NeedleInputError
+from index.search import shard_names
 
 if TYPE_CHECKING:
     from cluster.webpage import PageConfig
@@ -117,7 +118,7 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
             {
                 "ntotal": idx.ntotal,
                 "d": idx.d,
-                "shards": len(idx.infos.get("index_files", [])),
+                "shards": len(shard_names(idx.infos)),
                 "kind": idx.infos.get("kind"),
             },
         )

@@ -195,8 +195,10 @@ def write_subset(
 
 def memory_per_image(index_dir: Path, infos: dict[str, Any]) -> dict[str, float]:
     """Bytes per indexed image of a built index: its FAISS files, refine vectors and local store."""
+    from index.search import index_file_paths
+
     n = max(1, infos["ntotal"])
-    index_bytes = sum((index_dir / name).stat().st_size for name in infos["index_files"])
+    index_bytes = sum(path.stat().st_size for path in index_file_paths(index_dir, infos))
     locals_infos = infos.get("locals") or {}
     return {
         "index_bytes_per_image": round(index_bytes / n, 1),  # FAISS codes, ids and (amortised) centroids
