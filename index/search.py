@@ -158,6 +158,19 @@ def sort_by_score(D: np.ndarray, I: np.ndarray, k: int) -> tuple[np.ndarray, np.
     return np.take_along_axis(np.where(I < 0, -np.inf, D), order, 1), np.take_along_axis(I, order, 1)
 
 
+def merge_shortlists(
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], kk: int, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The answer of a sharded search from every shard's ``(D_index, I, D_exact)`` shortlist: the
+    ``kk`` best candidates by index score (the shortlist a single index over all rows would take:
+    every shard's list holds its members), then the top k of their exact scores (ties to the
+    lower row id), so shards and a single index agree. The one merge of the in-process index and
+    of the Ray coordinator (cluster/coordinator.py)."""
+    D_index, I, D_exact = (np.concatenate([part[i] for part in parts], axis=1) for i in range(3))
+    order = top_order(D_index, I, kk)
+    return sort_by_score(np.take_along_axis(D_exact, order, 1), np.take_along_axis(I, order, 1), k)
+
+
 @dataclass
 class Shard:
     """One FAISS index file and the float16 vectors of its rows: searched in this process or in a
@@ -187,6 +200,19 @@ class Shard:
         I = np.atleast_2d(I)
         flat = self.files.keys.keys_at(self.positions_of_rows(I))
         return [flat[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
+
+    def position_of(self, key: str) -> int:
+        """The shard-local position of ``key`` from this shard's own key files (O(log n)), or -1."""
+        if self.files is None:
+            raise IndexFileError("a shard of an index built before shard directories has no key files of its own")
+        return self.files.keys.position_of(key)
+
+    def vector_at(self, position: int) -> np.ndarray | None:
+        """The float32 vector at a shard-local position, or None where its row has no valid descriptor."""
+        if self.files is None:
+            raise IndexFileError("a shard of an index built before shard directories has no id table of its own")
+        vector = np.asarray(self.vectors[position], dtype=np.float32)
+        return vector if is_valid_descriptor(vector, self.files.ids["status"][position].as_py()) else None
 
     @cached_property
     def local_store(self) -> LocalStore | None:
@@ -319,12 +345,7 @@ class SearchIndex:
         xq = self.check_queries(xq, k)
         k = min(k, self.ntotal)
         kk = self.shortlist_size(k, refine, refine_factor)
-        parts = self.search_shards(xq, kk, nprobe, refine)
-        D_index, I, D_exact = (np.concatenate([part[i] for part in parts], axis=1) for i in range(3))
-        # The shortlist a single index over all rows would take (every shard's list holds its
-        # members), then the top k of its exact scores: shards and a single index agree.
-        order = top_order(D_index, I, kk)
-        return sort_by_score(np.take_along_axis(D_exact, order, 1), np.take_along_axis(I, order, 1), k)
+        return merge_shortlists(self.search_shards(xq, kk, nprobe, refine), kk, k)
 
     @cached_property
     def offsets(self) -> tuple[np.ndarray, np.ndarray]:
@@ -360,12 +381,31 @@ class SearchIndex:
     def vector_of(self, key: str) -> np.ndarray:
         position = self.position_of(key)
         vector = np.asarray(self.vectors[position], dtype=np.float32)
-        ok = self.ids["status"][position].as_py() == STATUS_OK
-        if not ok or not np.isfinite(vector).all() or not vector.any():
+        if not is_valid_descriptor(vector, self.ids["status"][position].as_py()):
             raise UnknownKeyError(
                 f"key {key!r} has no valid descriptor in {self.path} (its image failed or was rejected)"
             )
         return vector
+
+    @property
+    def has_locals(self) -> bool:
+        """Whether the index was built with local tokens (re-ranking needs them)."""
+        return bool(self.infos.get("locals"))
+
+    def tokens_of_key(self, key: str) -> Any:
+        """The stored local tokens (core.tokens.LocalTokens) of ``key``."""
+        store = self.local_store
+        if store is None:
+            raise NeedleInputError(
+                f"index {self.path} has no local tokens: ingest with --locals and rebuild it to re-rank"
+            )
+        return store.tokens(self.position_of(key))
+
+    def vectors_of_rows(self, I: np.ndarray) -> np.ndarray:
+        """The float32 vectors of row ids (nq, k) -> (nq, k, d), zeros for the -1 padding."""
+        positions = self.positions_of_rows(np.atleast_2d(I))
+        vectors = np.asarray(self.vectors[positions.clip(0)], dtype=np.float32)
+        return np.where((positions >= 0)[..., None], vectors, 0.0).astype(np.float32)
 
     def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
         """Row ids (nq, k) -> keys, None for the -1 padding."""
@@ -377,6 +417,12 @@ class SearchIndex:
             keys = self.ids["key"].take(pa.array(positions.clip(0).reshape(-1))).to_pylist()
             flat = [k if v else None for k, v in zip(keys, (positions >= 0).reshape(-1))]
         return [flat[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
+
+
+def is_valid_descriptor(vector: np.ndarray, status: str | None) -> bool:
+    """Whether a stored row's vector can be a query: its image was read (``status`` ok) and its
+    descriptor is finite and not all zeros."""
+    return status == STATUS_OK and bool(np.isfinite(vector).all()) and bool(vector.any())
 
 
 def map_vectors(path: Path) -> np.ndarray:

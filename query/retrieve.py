@@ -22,7 +22,7 @@ from core.errors import NeedleInputError
 from core.tokens import LocalTokens
 from index.search import SearchIndex
 from query.recorded import QueryFiles, adapter_file, local_files, model_weights
-from rerank.rerank import RerankConfig, Reranker
+from rerank.rerank import LocalScores, RerankConfig, Reranker
 
 log = logging.getLogger(__name__)
 
@@ -302,13 +302,32 @@ def _read_image(path: Path) -> bytes:
 
 
 def stored_tokens(index: SearchIndex, keys: list[str]) -> list[LocalTokens]:
-    """Database-side tokens of stored keys, from the index's local store."""
+    """Database-side tokens of stored keys, from the index's local store (or the shard that owns
+    each key, for a coordinator of shard actors)."""
+    return [index.tokens_of_key(key) for key in keys]
+
+
+def shortlist_local_scores(
+    index: SearchIndex,
+    reranker: Reranker,
+    shortlists: list[np.ndarray],
+    s_global: list[np.ndarray],
+    tokens: list[LocalTokens],
+    k: int,
+) -> list[LocalScores]:
+    """Each query's local evidence on its shortlist (row ids ``shortlists[q]``, global scores
+    ``s_global[q]``), scored against the rows' stored tokens. An index whose shards live elsewhere
+    (cluster/coordinator.py) has each shard score its members (``score_shortlists``); here the
+    tokens are gathered from the local store."""
+    remote = getattr(index, "score_shortlists", None)
+    if remote is not None:
+        return remote(reranker.conf, shortlists, s_global, tokens, k)
     store = index.local_store
-    if store is None:
-        raise NeedleInputError(
-            f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank"
-        )
-    return [store.tokens(index.position_of(key)) for key in keys]
+    db_tokens = reranker.conf.db_tokens
+    return [
+        reranker.local_scores(query, store.batch(index.positions_of_rows(rows), db_tokens))
+        for rows, query in zip(shortlists, tokens)
+    ]
 
 
 def expand_queries(index: SearchIndex, xq: np.ndarray, conf: QueryConfig) -> np.ndarray:
@@ -318,8 +337,7 @@ def expand_queries(index: SearchIndex, xq: np.ndarray, conf: QueryConfig) -> np.
         raise NeedleInputError(f"qe_top must be >= 0, got {conf.qe_top}")
     xq = index.check_queries(xq, 1)
     D, I = index.search(xq, min(conf.qe_top, index.ntotal), conf.nprobe, refine_factor=conf.refine_factor)
-    positions = index.positions_of_rows(I)
-    neighbours = np.where((positions >= 0)[..., None], index.vectors[positions.clip(0)].astype(np.float32), 0.0)
+    neighbours = index.vectors_of_rows(I)
     weights = np.where(I >= 0, np.maximum(D, 0.0), 0.0)[..., None]
     expanded = xq + (weights * neighbours).sum(1)
     return (expanded / np.linalg.norm(expanded, axis=1, keepdims=True)).astype(np.float32)
@@ -342,8 +360,7 @@ def search(
         return D, I, [{} for _ in range(len(D))]
     if tokens is None or len(tokens) != len(xq):
         raise NeedleInputError(f"re-ranking needs the local tokens of each of the {len(xq)} queries")
-    store = index.local_store
-    if store is None:
+    if not index.has_locals:
         raise NeedleInputError(
             f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank"
         )
@@ -351,16 +368,26 @@ def search(
     k = min(conf.k, index.ntotal)
     D, I = index.search(xq, max(k, conf.rerank.shortlist), conf.nprobe, refine_factor=conf.refine_factor)
     D = D.astype(np.float64)
+    asked = [q for q in range(len(xq)) if tokens[q] is not None]
+    sizes = {q: min(conf.rerank.shortlist, int((I[q] >= 0).sum())) for q in asked}
+    scored = shortlist_local_scores(
+        index,
+        reranker,
+        [I[q, : sizes[q]] for q in asked],
+        [D[q, : sizes[q]] for q in asked],
+        [tokens[q] for q in asked],
+        k,
+    )
+    local_of = dict(zip(asked, scored))
     details = []
     for q in range(len(xq)):
         if tokens[q] is None:
             details.append({})
             continue
-        n = min(conf.rerank.shortlist, int((I[q] >= 0).sum()))
-        rows, s_global = I[q, :n], D[q, :n]
-        candidates = store.batch(index.positions_of_rows(rows), conf.rerank.db_tokens)
-        order, scores, local = reranker.rerank(rows, s_global, tokens[q], candidates)
-        I[q, :n], D[q, :n] = rows[order], scores[order]
+        # copies: the rows below are written back in their new order
+        rows, s_global, local = I[q, : sizes[q]].copy(), D[q, : sizes[q]].copy(), local_of[q]
+        order, scores = reranker.order(rows, s_global, local)
+        I[q, : sizes[q]], D[q, : sizes[q]] = rows[order], scores[order]
         details.append(
             {
                 "global_score": s_global[order],

@@ -101,9 +101,13 @@ class Reranker:
     ) -> tuple[np.ndarray, np.ndarray, LocalScores]:
         """(order of the shortlist, its final scores, the local evidence)."""
         local = self.local_scores(query, candidates)
-        scores = combine(self.conf.method, s_global, local.raw, local.has_locals, self.conf.ensemble)
-        order = rerank_order(scores, rows)
+        order, scores = self.order(rows, s_global, local)
         return order, scores, local
+
+    def order(self, rows: np.ndarray, s_global: np.ndarray, local: LocalScores) -> tuple[np.ndarray, np.ndarray]:
+        """(order of a shortlist, its final scores) from its global scores and local evidence."""
+        scores = combine(self.conf.method, s_global, local.raw, local.has_locals, self.conf.ensemble)
+        return rerank_order(scores, rows), scores
 
 
 def _inlier_evidence(query: LocalTokens, candidates: TokenBatch, matches: Any, result: Any, c: int) -> dict[str, Any]:
