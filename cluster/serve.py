@@ -1,11 +1,15 @@
-"""Serving an index: shards in Ray actors (one per shard, memory-mapped), and the QueryService behind
-the HTTP app (cluster.webapp).
+"""Serving an index: in this process (``load_index``), or its shards in Ray actors across nodes
+(``serve_sharded``: cluster/ray_shards.py places them, cluster/shard_actor.py stages and serves a
+shard, cluster/coordinator.py merges), and the QueryService behind the HTTP app (cluster.webapp).
 
 A query fans out to every shard actor; each takes its shortlist from its index and re-scores it
 exactly from the memory-mapped float16 vectors of its rows; the coordinator keeps the shortlist a
 single index would take and returns the top k of its exact scores: the same computation
-(``index.search.Shard.search``) as searching the directory in one process, and the same answer
-as a single index over the same data.
+(``index.search.Shard.search``, ``merge_shortlists``) as searching the directory in one process,
+and the same answer as a single index over the same data. Re-ranking scores each shortlist member
+on the shard that holds its tokens. A request the shards cannot answer in time is refused
+(``ShardsUnavailable``, HTTP 503), or answered from the shards that answered, marked
+``"partial": true`` with ``"missing_shards"``, where the caller allows it.
 
 ``needle serve --index DIR`` binds 127.0.0.1 by default; its endpoints are in cluster.webapp. Bad
 input (non-image bytes, wrong vector dimension, k larger than the index, empty text, unknown key,
@@ -14,88 +18,70 @@ malformed JSON) is answered 400 with ``{"error": message}``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cluster.coordinator import ShardedIndex
+from cluster.ray_shards import ShardPlacement
+from cluster.staging import StageConfig
 from core.errors import NeedleInputError
-from index.search import SearchIndex, load_index, open_shard, shard_names
+from index.search import SearchIndex, load_index
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors
 
 
-class ShardActor:
-    """One index shard and the float16 vectors of its rows, memory-mapped; wrapped with
-    ``ray.remote`` by :func:`serve_sharded`. It re-scores its own shortlist, so the coordinator
-    only merges (and reads no vectors to answer)."""
+@dataclass(frozen=True)
+class ShardServing:
+    """How ``--ray-shards`` serves an index: its shards' placement, staging and time limits."""
 
-    def __init__(self, path: str, name: str):
-        self.shard = open_shard(path, name)
-
-    def search(
-        self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.shard.search(xq, kk, nprobe, refine)
-
-    def memory(self) -> dict[str, int]:
-        """This actor's process memory (see index.memory)."""
-        from index.memory import process_memory
-
-        return process_memory()
-
-
-@dataclass
-class RayShardedIndex(SearchIndex):
-    actors: list[Any] = field(default_factory=list)
-
-    def search_shards(
-        self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        import ray
-
-        return ray.get([actor.search.remote(xq, kk, nprobe, refine) for actor in self.actors])
+    placement: ShardPlacement = field(default_factory=ShardPlacement)  # replicas, concurrency, CPUs, memory
+    stage: StageConfig = field(default_factory=StageConfig)  # each node's cache dir, the S3 endpoint
+    timeout: float = 10.0  # seconds a request waits for the shards before 503 (or a partial answer)
 
 
 def serve_sharded(
-    path: str | Path, cpus_per_shard: float | None = None, actors: list[Any] | None = None
-) -> RayShardedIndex:
-    """Load the index coordinator here and one Ray actor per shard file (Ray must be initialised).
+    path: str | Path, serving: ShardServing | None = None, actors: list[list[Any]] | None = None
+) -> ShardedIndex:
+    """A coordinator (cluster.coordinator.ShardedIndex) of the index at ``path`` (an ``s3://``
+    prefix or a path every node can read), its shards in Ray actors (Ray must be initialised).
 
-    ``cpus_per_shard``: CPUs reserved per actor; None: the cluster's CPUs shared among the shards
-    (at most 1 each), so that every shard actor can be placed. ``actors``: the shard actors of
-    another coordinator of the same index (``.actors``), shared instead of starting new ones
-    (one set of shard actors behind several Serve replicas).
+    The coordinator reads only the top-level ``index_infos.json``; each actor stages its shard to
+    its node's disk and opens it there. ``actors``: the shard actors of another coordinator of the
+    same index ([shard][replica], ``.backend.actors``), shared instead of starting new ones (one
+    set of shard actors behind several Serve replicas).
     """
-    import ray
+    from cluster.ray_shards import RayShards, start_shard_actors, wait_ready
+    from cluster.staging import read_index_infos, source_url
 
-    base = load_index(path, with_shards=False)
-    names = shard_names(base.infos)  # shard directories (or an old directory's FAISS files)
+    serving = serving or ShardServing()
+    source = source_url(path)
+    infos = read_index_infos(source, serving.stage.endpoint_url)
+    names = [entry["name"] for entry in infos["shards"]]
     if actors is None:
-        if cpus_per_shard is None:
-            cpus_per_shard = min(1.0, ray.cluster_resources().get("CPU", 1) / len(names))
-        actor_cls = ray.remote(num_cpus=cpus_per_shard)(ShardActor)
-        actors = [actor_cls.remote(str(Path(path)), name) for name in names]
+        actors = start_shard_actors(source, infos, serving.stage, serving.placement)
+        wait_ready(actors, names, serving.placement.stage_timeout)
     elif len(actors) != len(names):
         raise ValueError(f"{len(actors)} shard actors for the {len(names)} shards of {path}")
-    ray.get([a.search.remote(np.zeros((1, base.d), np.float32), 1, None, True) for a in actors])  # loaded and ready
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(SearchIndex)}  # keys and layout too
-    return RayShardedIndex(**fields, actors=actors)
+    return ShardedIndex(infos, source, RayShards(actors), serving.timeout)
 
 
-def open_index(path: str | Path, ray_shards: bool = False, address: str | None = None) -> SearchIndex:
+def open_index(
+    path: str | Path, ray_shards: bool = False, address: str | None = None, serving: ShardServing | None = None
+) -> Any:
     """The index to search: its shards in Ray actors with ``ray_shards`` (joining ``address``, else
     $RAY_ADDRESS, else a local instance), else loaded in this process."""
     if ray_shards:
         from cluster.ingest_job import connect_ray
 
         connect_ray(address)
-        return serve_sharded(path)
+        return serve_sharded(path, serving)
     return load_index(path)
 
 
@@ -185,7 +171,26 @@ class QueryService:
             add_rerank_details(res, detail)
         return [{"query": label, "k": k, "results": r} for label, r in zip(labels, results)]
 
-    def search_json(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+    def answering(self, partial: Any, call: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """``call()`` as one request to the shards: where ``partial`` allows it and shards were
+        missing, each query's answer says so (``"partial": true``, ``"missing_shards"``)."""
+        if not isinstance(partial, bool):
+            raise NeedleInputError(f"'partial' must be true or false, got {partial!r}")
+        request = getattr(self.index, "request", None)
+        if request is None:  # one process: every shard is here
+            return call()
+        with request(partial) as state:
+            out = call()
+        if state.missing:
+            for query in out:
+                query.update(partial=True, missing_shards=sorted(state.missing))
+        return out
+
+    def search_json(self, body: dict[str, Any], partial: bool = False) -> list[dict[str, Any]]:
+        """Answer a /search body (``"partial": true`` in it, or ``partial``, allows a partial answer)."""
+        return self.answering(body.get("partial", partial), lambda: self.search_body(body))
+
+    def search_body(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         from query.retrieve import embed_texts
 
         k, nprobe, factor = body.get("k", 10), body.get("nprobe"), body.get("refine_factor")
@@ -219,8 +224,13 @@ class QueryService:
             raise NeedleInputError("'text' must be a non-empty string (or list of them)")
         return self.search(embed_texts(self.index, texts, self.files), k, nprobe, [{"text": t} for t in texts], factor)
 
-    def search_image(self, data: bytes, k: int, nprobe: int | None, rerank: Any = None) -> list[dict[str, Any]]:
+    def search_image(
+        self, data: bytes, k: int, nprobe: int | None, rerank: Any = None, partial: bool = False
+    ) -> list[dict[str, Any]]:
         """Search with an image's bytes, re-ranked with ``rerank`` (default: the service's settings)."""
+        return self.answering(partial, lambda: self.search_image_bytes(data, k, nprobe, rerank))
+
+    def search_image_bytes(self, data: bytes, k: int, nprobe: int | None, rerank: Any = None) -> list[dict[str, Any]]:
         import io
 
         from PIL import Image, UnidentifiedImageError

@@ -22,6 +22,28 @@ class ServeConfig:
     ray: bool = False  # run the app as a Ray Serve deployment (Serve's HTTP proxy on --host:--port)
     replicas: int = 1  # --ray: replicas of the app
     address: str | None = None  # Ray cluster for --ray / --ray-shards (default: $RAY_ADDRESS, else local)
+    shard_replicas: int = 1  # --ray-shards: actors per shard (requests spread over them; one may die)
+    shard_concurrency: int = 4  # --ray-shards: concurrent calls per shard actor
+    shard_timeout: float = 10.0  # --ray-shards: seconds a request waits for the shards, then 503 (or partial)
+    cache_dir: str | None = (
+        None  # --ray-shards: each node's local dir for staged shards ({node}: node id); default <tmp>
+    )
+    s3_endpoint_url: str | None = None  # S3-compatible endpoint for an s3:// --index
+
+
+def shard_serving(conf: ServeConfig) -> Any:
+    """The --ray-shards settings of ``conf`` (cluster.serve.ShardServing)."""
+    from cluster.ray_shards import ShardPlacement
+    from cluster.serve import ShardServing
+    from cluster.staging import StageConfig
+
+    if conf.shard_timeout <= 0:
+        raise NeedleInputError(f"--shard-timeout must be positive, got {conf.shard_timeout}")
+    return ShardServing(
+        ShardPlacement(replicas=conf.shard_replicas, concurrency=conf.shard_concurrency),
+        StageConfig(conf.cache_dir, conf.s3_endpoint_url),
+        conf.shard_timeout,
+    )
 
 
 def run(conf: ServeConfig, index: str | Path, files: Any = None, rerank: Any = None, page: Any = None) -> None:
@@ -35,7 +57,7 @@ def run(conf: ServeConfig, index: str | Path, files: Any = None, rerank: Any = N
     from cluster.serve import QueryService, open_index
     from cluster.webapp import create_app
 
-    search_index = open_index(index, conf.ray_shards, conf.address)
+    search_index = open_index(index, conf.ray_shards, conf.address, shard_serving(conf) if conf.ray_shards else None)
     app = create_app(QueryService(search_index, files, rerank), page)
     log.info(
         "serving %s on http://%s:%d (%d vectors; API docs at /docs)", index, conf.host, conf.port, search_index.ntotal
@@ -63,14 +85,16 @@ def run_ray_serve(
         raise NeedleInputError(f"--replicas must be at least 1, got {conf.replicas}")
     shared_cluster = bool(conf.address or os.environ.get("RAY_ADDRESS"))
     connect_ray(conf.address)
-    actors = None
+    actors, serving = None, None
     if conf.ray_shards:
         from cluster.serve import serve_sharded
 
-        actors = serve_sharded(index).actors
+        serving = shard_serving(conf)
+        actors = serve_sharded(index, serving).backend.actors
     serve.start(http_options={"host": conf.host, "port": conf.port})
+    location = str(index) if str(index).startswith("s3://") else str(Path(index).resolve())
     serve.run(
-        ray_app(str(Path(index).resolve()), files, rerank, page, actors, conf.replicas), name="needle", route_prefix="/"
+        ray_app(location, files, rerank, page, actors, conf.replicas, serving=serving), name="needle", route_prefix="/"
     )
     log.info(
         "serving %s with Ray Serve (%d replicas) on http://%s:%d (API docs at /docs)",

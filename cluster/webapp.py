@@ -1,13 +1,19 @@
 """``needle serve``: one ASGI (FastAPI) app, run by uvicorn or as a Ray Serve deployment.
 
-- ``GET  /health``                       -> ``{"ntotal", "d", "shards", "kind"}``
-- ``POST /search``  JSON ``{"k", "nprobe"?, "refine_factor"?, one of "keys" | "vectors" | "text"}``
-- ``POST /search/image?k=10[&nprobe=N]`` raw image bytes (the request body, at most ``MAX_BODY``)
+- ``GET  /health``                       -> ``{"ntotal", "d", "shards", "kind"}``; with shards in Ray
+  actors also ``"ok"``, ``"unavailable_shards"`` and ``"replicas"`` (each replica's shard, replica
+  number, ``"ready"``/``"unreachable"`` and node), and 503 when a shard has no live replica
+- ``POST /search[?partial=1]``  JSON ``{"k", "nprobe"?, "refine_factor"?, "partial"?, one of "keys" |
+  "vectors" | "text"}``
+- ``POST /search/image?k=10[&nprobe=N][&partial=1]`` raw image bytes (the request body, at most ``MAX_BODY``)
 - ``GET  /docs``                         the OpenAPI page
 - ``/`` and the web page's own routes when a ``PageConfig`` is given (cluster.webpage)
 
 Bad input is answered 400 with ``{"error": message}``, an unknown endpoint 404, a body over
-``MAX_BODY`` 413, a failure 500 (logged with its traceback). The endpoints are plain ``def``
+``MAX_BODY`` 413, a failure 500 (logged with its traceback). Shards that did not answer within the
+shard timeout: 503 with ``{"error", "missing_shards"}``, unless the request allows a partial
+answer (``"partial": true`` / ``?partial=1``): then each query's answer carries ``"partial": true``
+and ``"missing_shards"``. The endpoints are plain ``def``
 functions: FastAPI runs them in its thread pool, so concurrent requests search in parallel (the
 QueryService's lock guards only the lazy loading of its models). Uploaded bytes stay in memory.
 """
@@ -24,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.coordinator import ShardsUnavailable
 from cluster.serve import MAX_BODY, QueryService
 from core.errors import ImageDecodeError, NeedleInputError
 from index.search import shard_names
@@ -39,6 +46,12 @@ SEARCH_BODY_SCHEMA = {
         "k": {"type": "integer", "default": 10, "minimum": 1},
         "nprobe": {"type": "integer", "description": "IVF lists visited (default: the index's)"},
         "refine_factor": {"type": "integer", "description": "shortlist = factor * k, re-scored exactly"},
+        "partial": {
+            "type": "boolean",
+            "default": False,
+            "description": "shards served by Ray actors: answer from the shards that answered in time "
+            "(marked partial, with missing_shards) instead of 503",
+        },
         "keys": {"type": "array", "items": {"type": "string"}, "description": "stored keys to query with"},
         "vectors": {
             "type": "array",
@@ -79,11 +92,15 @@ async def request_body(request: Request) -> bytes:
 
 
 def answer(call: Callable[[], Any]) -> Response:
-    """200 with ``call()``; 400 for bad input; 500 (logged) for anything else."""
+    """200 with ``call()``; 400 for bad input; 503 for shards that did not answer in time; 500
+    (logged) for anything else."""
     try:
         return json_response(200, call())
     except (NeedleInputError, ImageDecodeError) as exc:
         return json_response(400, {"error": str(exc)})
+    except ShardsUnavailable as exc:
+        log.warning("503: %s", exc)
+        return json_response(503, {"error": str(exc), "missing_shards": exc.missing})
     except Exception as exc:  # keep serving; the log has the traceback
         log.exception("request failed")
         return json_response(500, {"error": f"{type(exc).__name__}: {exc}"})
@@ -110,18 +127,15 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
         message = f"no such endpoint {request.url.path}" if exc.status_code == 404 else str(exc.detail)
         return json_response(exc.status_code, {"error": message})
 
-    @app.get("/health", summary="index size, dimension, shards and kind")
+    @app.get("/health", summary="index size, dimension, shards and kind (and each shard replica's state)")
     def health() -> Response:
         idx = service.index
-        return json_response(
-            200,
-            {
-                "ntotal": idx.ntotal,
-                "d": idx.d,
-                "shards": len(shard_names(idx.infos)),
-                "kind": idx.infos.get("kind"),
-            },
-        )
+        out = {"ntotal": idx.ntotal, "d": idx.d, "shards": len(shard_names(idx.infos)), "kind": idx.infos.get("kind")}
+        shards = getattr(idx, "health", None)
+        if shards is None:  # one process: every shard is here
+            return json_response(200, out)
+        out.update(shards())
+        return json_response(200 if out["ok"] else 503, out)
 
     @app.post(
         "/search",
@@ -130,7 +144,10 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
             "requestBody": {"required": True, "content": {"application/json": {"schema": SEARCH_BODY_SCHEMA}}}
         },
     )
-    def search(data: bytes = Depends(request_body)) -> Response:
+    def search(
+        partial: bool = Query(False, description="allow an answer from the shards that answered in time"),
+        data: bytes = Depends(request_body),
+    ) -> Response:
         def run() -> Any:
             try:
                 body = json.loads(data or b"null")
@@ -138,6 +155,8 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
                 raise NeedleInputError(f"request body is not JSON: {exc}") from exc
             if not isinstance(body, dict):
                 raise NeedleInputError("request body must be a JSON object")
+            if partial:
+                body.setdefault("partial", True)
             return service.search_json(body)
 
         return answer(run)
@@ -158,12 +177,13 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
     def search_image(
         k: int = Query(10, description="results"),
         nprobe: int | None = Query(None, description="IVF lists visited (default: the index's)"),
+        partial: bool = Query(False, description="allow an answer from the shards that answered in time"),
         data: bytes = Depends(request_body),
     ) -> Response:
         def run() -> Any:
             if not data:
                 raise NeedleInputError("empty request body: send the image bytes")
-            return service.search_image(data, k, nprobe)
+            return service.search_image(data, k, nprobe, **({"partial": True} if partial else {}))
 
         return answer(run)
 
@@ -184,29 +204,40 @@ def ray_app(
     files: Any = None,
     rerank: Any = None,
     page: PageConfig | None = None,
-    shard_actors: list[Any] | None = None,
+    shard_actors: list[list[Any]] | None = None,
     replicas: int = 1,
     replica_cpus: float = REPLICA_CPUS,
+    serving: Any = None,
 ):
     """The app as a bound Ray Serve deployment (``serve.run(ray_app(...))``; Ray must be initialised).
 
     Each replica opens the index itself; with ``shard_actors`` (from ``serve_sharded``) every replica
-    is a coordinator in front of the same shard actors, which hold the index.
+    is a coordinator in front of the same shard actors, which hold the index (``serving``: their
+    cluster.serve.ShardServing, for the request timeout). A replica's ``check_health`` fails while
+    a shard has no live replica.
     """
     from ray import serve
 
     @serve.deployment(name="needle", num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus})
     @serve.ingress()
     class NeedleDeployment:
-        def __init__(self, index_path: str, files: Any, rerank: Any, page: Any, shard_actors: Any):
+        def __init__(self, index_path: str, files: Any, rerank: Any, page: Any, shard_actors: Any, serving: Any):
             from cluster.serve import serve_sharded
             from index.search import load_index
 
-            index = serve_sharded(index_path, actors=shard_actors) if shard_actors else load_index(index_path)
+            index = serve_sharded(index_path, serving, actors=shard_actors) if shard_actors else load_index(index_path)
             self.service = QueryService(index, files, rerank)
             self.page = page
 
         def __serve_build_asgi_app__(self) -> FastAPI:
             return create_app(self.service, self.page)
 
-    return NeedleDeployment.bind(str(index_path), files, rerank, page, shard_actors)
+        def check_health(self) -> None:
+            """Serve's health probe: raises while a shard has no live replica."""
+            health = getattr(self.service.index, "health", None)
+            if health is not None:
+                state = health()
+                if not state["ok"]:
+                    raise ShardsUnavailable(state["unavailable_shards"], "the health check")
+
+    return NeedleDeployment.bind(str(index_path), files, rerank, page, shard_actors, serving)

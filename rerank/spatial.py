@@ -114,7 +114,8 @@ def verify(
     inlier_mask = np.zeros((C, M), bool)
     refined = np.zeros(C, bool)
     # a candidate's matches span its first ``extent`` slots (``match_tokens`` packs them to the left)
-    extent = np.where(matches.mask.any(1), M - matches.mask[:, ::-1].argmax(1), 0)
+    # (no match slots at all, M = 0: every candidate has none; argmax of an empty row would fail)
+    extent = np.where(matches.mask.any(1), M - matches.mask[:, ::-1].argmax(1), 0) if M else np.zeros(C, np.int64)
     for group in _groups(extent, GROUP_VALUES):
         m = int(extent[group].max())
         g = _verify_group(query, candidates, matches, group, m, config)

@@ -73,3 +73,55 @@ def to_old_layout(out: Path, target: Path, key_files: bool = True) -> Path:
         old["locals"] = {**infos["locals"], "segments": segments}
     (target / INFOS_FILE).write_text(json.dumps(old))
     return target
+
+
+def write_descriptors_with_tokens(directory: Path, sizes: dict[int, int], d: int, seed: int = 0) -> np.ndarray:
+    """Parquet files (Parquet shard id -> rows) with global vectors and 0-12 random local tokens
+    per row (codes from a pool of 256, so that rows share some); the first vectors of the first
+    shard repeated in the second (exact ties across index shards). Returns the vectors in row
+    order (float32)."""
+    from core.tokens import CODE_BYTES
+    from ingest.descriptors import list_column
+
+    rng = np.random.default_rng(seed)
+    fields = [
+        pa.field("local_codes", pa.list_(pa.binary(CODE_BYTES))),
+        pa.field("local_x", pa.list_(pa.int16())),
+        pa.field("local_y", pa.list_(pa.int16())),
+        pa.field("local_scale", pa.list_(pa.uint8())),
+        pa.field("local_weight", pa.list_(pa.float16())),
+    ]
+    ids = sorted(sizes)
+    vectors = {s: clustered_unit_vectors(sizes[s], d, seed=seed + s) for s in ids}
+    if len(ids) > 1:
+        n = min(10, sizes[ids[0]], sizes[ids[1]])
+        vectors[ids[1]][:n] = vectors[ids[0]][:n]
+    for s in ids:
+        n = sizes[s]
+        tokens = [int(t) for t in rng.integers(0, 13, n)]
+        codes = rng.integers(0, 256, (256, CODE_BYTES), dtype=np.uint8)
+        table = pa.table(
+            {
+                "key": [f"{s:06d}/{i:05d}" for i in range(n)],
+                "shard": [f"{s:06d}"] * n,
+                "row": pa.array([make_row_id(s, i) for i in range(n)], pa.int64()),
+                "global": fixed_size_list(vectors[s], pa.float16()),
+                "width": pa.array([100] * n, pa.int32()),
+                "height": pa.array([80] * n, pa.int32()),
+                "status": ["ok"] * n,
+                "error": [""] * n,
+                "local_codes": list_column(
+                    [codes[rng.choice(256, t, replace=False)] for t in tokens], pa.list_(pa.binary(CODE_BYTES))
+                ),
+                "local_x": list_column([rng.integers(0, 99, t) for t in tokens], pa.list_(pa.int16())),
+                "local_y": list_column([rng.integers(0, 79, t) for t in tokens], pa.list_(pa.int16())),
+                "local_scale": list_column([rng.integers(0, 2, t) for t in tokens], pa.list_(pa.uint8())),
+                "local_weight": list_column([rng.random(t) for t in tokens], pa.list_(pa.float16())),
+            },
+            schema=descriptor_schema(d, fields),
+        )
+        write_parquet_atomic(table, Path(directory) / f"{s:06d}.parquet")
+    (Path(directory) / "ingest_info.json").write_text(
+        json.dumps({"extractors": [{"extractor": "local", "scales": [1.0, 0.5]}]})
+    )
+    return np.concatenate([vectors[s] for s in ids]).astype(np.float32)

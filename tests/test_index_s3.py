@@ -3,7 +3,6 @@ per shard uploads its shard directory and commits it last; the driver writes the
 last; a run that lost a task resumes, keeping the committed shards."""
 
 import json
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,19 +17,6 @@ from ingest.storage import MARKER_SUFFIX, s3_client
 pytestmark = [pytest.mark.s3]
 
 IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=4, points_per_list=20, nprobe=4, refine_factor=2)
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 @pytest.fixture(scope="module")

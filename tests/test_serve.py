@@ -34,7 +34,7 @@ def test_ray_sharded_service_equals_single_index(built, ray_local):
 
     single = load_index(built / "single")
     service = serve_sharded(built / "sharded")
-    assert len(service.actors) == 4 and service.ntotal == single.ntotal == 480
+    assert len(service.backend.actors) == 4 and service.ntotal == single.ntotal == 480
     xq = np.asarray(single.vectors[::13], dtype=np.float32)
     for nprobe, factor in ((1, None), (4, None), (8, None), (8, 1)):
         D1, I1 = single.search(xq, 25, nprobe, refine_factor=factor)

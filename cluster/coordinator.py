@@ -1,0 +1,403 @@
+"""The coordinator of an index whose shards are served elsewhere (Ray actors on other nodes): it
+holds the top-level ``index_infos.json`` and the shards' handles, nothing that grows with the
+rows (no id table, vectors, key files or local store), and answers like ``SearchIndex``:
+
+- ``search``: every shard returns its shortlist with its keys; the merge is
+  ``index.search.merge_shortlists``, the single index's own, so D and I (ties included) are
+  identical to ``load_index`` over the same data;
+- ``keys_of``, ``position_of``, ``vector_of``, ``tokens_of_key``, ``vectors_of_rows``: routed to
+  the shard that owns a row (by its Parquet shard id, from the top-level infos), or asked of
+  every shard's O(log n) key lookup for a key;
+- ``score_shortlists`` (query.retrieve's re-ranking hook): each shard gets its members of the
+  global shortlist and the query's tokens once, and returns raw local scores; retrieve.search
+  combines and orders the whole shortlist as in one process.
+
+Faults. A call goes to one replica of each shard (round robin); a replica that died is replaced
+by the next one; what has not answered within ``timeout`` seconds is missing. Inside
+``request(partial=True)`` the answer is made from the shards that answered and the missing ones
+are recorded (``RequestState.missing``); otherwise ``ShardsUnavailable`` names them (HTTP 503).
+The calls go through a ``ShardBackend``: Ray actors (cluster/ray_shards.py) or, in tests,
+ShardActor objects in this process (``LocalShards``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from index.search import SearchIndex, UnknownKeyError, merge_shortlists
+from ingest.descriptors import ROW_SHARD_SHIFT
+
+log = logging.getLogger(__name__)
+
+
+class ShardsUnavailable(RuntimeError):
+    """Shards that did not answer in time (no live replica, or slower than the timeout)."""
+
+    def __init__(self, missing: list[str], what: str = "the request"):
+        self.missing = sorted(missing)
+        super().__init__(f"shards {', '.join(self.missing)} did not answer {what} in time")
+
+
+class ReplicaFailed(RuntimeError):
+    """A replica that cannot answer (its actor died or is restarting)."""
+
+
+class ShardBackend(Protocol):
+    """Calls to shard replicas: ``submit`` returns a handle, ``wait`` the handles done within
+    ``timeout`` seconds, ``result`` a done handle's value (ReplicaFailed where the replica died)."""
+
+    replicas: list[int]  # replicas of each shard
+
+    def submit(self, shard: int, replica: int, method: str, *args: Any) -> Any: ...
+    def wait(self, handles: list[Any], timeout: float) -> list[Any]: ...
+    def result(self, handle: Any) -> Any: ...
+
+
+@dataclass
+class RequestState:
+    """One request's view of the shards: whether a partial answer is allowed, the shards that
+    were missing, and the keys of the rows its searches returned (so ``keys_of`` asks no shard
+    again for them)."""
+
+    partial: bool = False
+    missing: set[str] = field(default_factory=set)
+    keys: dict[int, str | None] = field(default_factory=dict)
+
+
+_REQUEST: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar("needle_shard_request", default=None)
+
+
+@dataclass
+class Traffic:
+    """Pickled bytes sent to and received from shards (counted only when ``count`` is set)."""
+
+    count: bool = False
+    sent: int = 0
+    received: int = 0
+    calls: int = 0
+
+
+class ShardedIndex:
+    """A ``SearchIndex``-like coordinator over shards served by ``backend``."""
+
+    def __init__(self, infos: dict[str, Any], path: str, backend: ShardBackend, timeout: float = 10.0):
+        self.infos = infos  # the top-level index_infos.json
+        self.path = path  # the index location (s3:// URL or path), for messages
+        self.backend = backend
+        self.timeout = timeout  # seconds a request waits for the shards
+        self.names = [entry["name"] for entry in infos["shards"]]
+        self.bases = np.cumsum([0] + [int(e["rows"]) for e in infos["shards"][:-1]]).astype(np.int64)
+        # Parquet shard id -> index shard: one entry per Parquet file, never per row.
+        self.owner = {int(p): s for s, e in enumerate(infos["shards"]) for p in e.get("parquet_shard_ids", [])}
+        self._turn = [itertools.count() for _ in self.names]
+        self.traffic = Traffic()
+        self._traffic_lock = threading.Lock()
+
+    # --- what SearchIndex offers ------------------------------------------------------------
+    @property
+    def d(self) -> int:
+        return int(self.infos["dim"])
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.infos["ntotal"])
+
+    @property
+    def is_exact(self) -> bool:
+        return self.infos.get("kind") == "flat"
+
+    @property
+    def has_locals(self) -> bool:
+        return bool(self.infos.get("locals"))
+
+    # The same checks and shortlist size as the single index (SearchIndex's own code, which reads
+    # only d, infos, ntotal and is_exact).
+    check_queries = SearchIndex.check_queries
+    shortlist_size = SearchIndex.shortlist_size
+
+    # --- requests and calls ----------------------------------------------------------------
+    @contextmanager
+    def request(self, partial: bool = False) -> Iterator[RequestState]:
+        """The scope of one request: ``partial`` allows answers from the shards that answered."""
+        state = RequestState(partial)
+        token = _REQUEST.set(state)
+        try:
+            yield state
+        finally:
+            _REQUEST.reset(token)
+
+    def state(self) -> RequestState:
+        return _REQUEST.get() or RequestState()
+
+    def call(self, method: str, args: dict[int, tuple], what: str = "the request") -> dict[int, Any]:
+        """``method(*args[s])`` on a replica of each shard ``s``; {shard: result} of those that
+        answered within the timeout. Missing shards raise ShardsUnavailable, or with a partial
+        request are recorded and left out."""
+        deadline = time.monotonic() + self.timeout
+        pending: dict[Any, tuple[int, int]] = {}
+        tried: dict[int, set[int]] = {s: set() for s in args}
+        results: dict[int, Any] = {}
+
+        def submit(s: int) -> bool:
+            untried = [r for r in range(self.backend.replicas[s]) if r not in tried[s]]
+            if not untried:
+                return False
+            turn = next(self._turn[s])
+            replica = untried[turn % len(untried)]
+            tried[s].add(replica)
+            pending[self.backend.submit(s, replica, method, *args[s])] = (s, replica)
+            return True
+
+        for s in args:
+            submit(s)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            done = self.backend.wait(list(pending), left)
+            if not done:
+                break
+            for handle in done:
+                s, replica = pending.pop(handle)
+                try:
+                    results[s] = self.backend.result(handle)
+                except ReplicaFailed as exc:
+                    log.warning("shard %s replica %d failed: %s", self.names[s], replica, exc)
+                    submit(s)  # the next replica, where there is one
+        if self.traffic.count:
+            self.count_traffic(args, results)
+        missing = [self.names[s] for s in args if s not in results]
+        if missing:
+            state = self.state()
+            if not state.partial or not results:
+                raise ShardsUnavailable(missing, what)
+            state.missing.update(missing)
+        return results
+
+    def count_traffic(self, args: dict[int, tuple], results: dict[int, Any]) -> None:
+        sent = sum(len(pickle.dumps(a, protocol=5)) for a in args.values())
+        received = sum(len(pickle.dumps(r, protocol=5)) for r in results.values())
+        with self._traffic_lock:
+            self.traffic.sent += sent
+            self.traffic.received += received
+            self.traffic.calls += len(args)
+
+    def every_shard(self, *args: Any) -> dict[int, tuple]:
+        return dict.fromkeys(range(len(self.names)), args)
+
+    def shard_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The index shard of each row id (-1 for the padding)."""
+        parquet = np.asarray(rows, np.int64) >> ROW_SHARD_SHIFT
+        return np.array([self.owner.get(int(p), -1) if r >= 0 else -1 for p, r in zip(parquet, rows)], np.int64)
+
+    # --- search ----------------------------------------------------------------------------
+    def search(
+        self, xq: np.ndarray, k: int, nprobe: int | None = None, refine: bool = True, refine_factor: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(D, I) as ``SearchIndex.search``: every shard's shortlist, merged by the same code."""
+        xq = self.check_queries(xq, k)
+        k = min(k, self.ntotal)
+        kk = self.shortlist_size(k, refine, refine_factor)
+        parts = self.call("search", self.every_shard(xq, kk, nprobe, refine), "the search")
+        keys = self.state().keys
+        for s in sorted(parts):
+            _, I, _, shard_keys = parts[s]
+            for row_ids, row_keys in zip(I, shard_keys):
+                keys.update((int(i), key) for i, key in zip(row_ids, row_keys) if i >= 0)
+        return merge_shortlists([parts[s][:3] for s in sorted(parts)], kk, k)
+
+    def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
+        """Row ids (nq, k) -> keys (None for the padding, and for rows of a shard missing from a
+        partial request): those this request's searches returned, the others from their shards."""
+        I = np.atleast_2d(I)
+        known = self.state().keys
+        flat = I.reshape(-1)
+        wanted = np.unique(flat[(flat >= 0) & ~np.isin(flat, np.fromiter(known, np.int64, len(known)))])
+        found = dict(known)
+        if len(wanted):
+            owners = self.shard_of_rows(wanted)
+            args = {int(s): (wanted[owners == s],) for s in np.unique(owners[owners >= 0])}
+            for s, keys in self.call("keys_of", args, "the key lookup").items():
+                found.update(zip((int(r) for r in args[s][0]), keys))
+        return [[found.get(int(i)) if i >= 0 else None for i in row] for row in I]
+
+    def find_key(self, key: str) -> tuple[int, dict[str, Any]]:
+        """(the shard holding ``key``, its find_key answer), from every shard's O(log n) lookup."""
+        found = {s: out for s, out in self.call("find_key", self.every_shard(key), "the key lookup").items() if out}
+        if not found:
+            if self.state().missing:  # a partial request: the key may be on a missing shard
+                raise ShardsUnavailable(sorted(self.state().missing), f"the lookup of key {key!r}")
+            raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
+        s = min(found)
+        return s, found[s]
+
+    def position_of(self, key: str) -> int:
+        s, out = self.find_key(key)
+        return int(self.bases[s]) + int(out["position"])
+
+    def vector_of(self, key: str) -> np.ndarray:
+        _, out = self.find_key(key)
+        if out["vector"] is None:
+            raise UnknownKeyError(
+                f"key {key!r} has no valid descriptor in {self.path} (its image failed or was rejected)"
+            )
+        return out["vector"]
+
+    def tokens_of_key(self, key: str) -> Any:
+        from core.errors import NeedleInputError
+
+        if not self.has_locals:
+            raise NeedleInputError(
+                f"index {self.path} has no local tokens: ingest with --locals and rebuild it to re-rank"
+            )
+        s, _ = self.find_key(key)
+        return self.call("tokens_of_key", {s: (key,)}, "the token lookup")[s]
+
+    def vectors_of_rows(self, I: np.ndarray) -> np.ndarray:
+        I = np.atleast_2d(I)
+        flat = I.reshape(-1)
+        out = np.zeros((len(flat), self.d), np.float32)
+        owners = self.shard_of_rows(flat)
+        args = {int(s): (flat[owners == s],) for s in np.unique(owners[owners >= 0])}
+        for s, vectors in self.call("vectors_of_rows", args, "the vector lookup").items():
+            out[owners == s] = vectors
+        return out.reshape((*I.shape, self.d))
+
+    # --- re-ranking: scored where the tokens are --------------------------------------------
+    def score_shortlists(
+        self, conf: Any, shortlists: list[np.ndarray], s_global: list[np.ndarray], tokens: list[Any], k: int
+    ) -> list[Any]:
+        """Per query, LocalScores of its shortlist, each member scored by the shard that owns it
+        (query.retrieve.shortlist_local_scores). Members of a shard missing from a partial
+        request keep their global score (no local evidence)."""
+        from rerank.rerank import LocalScores
+
+        owners = [self.shard_of_rows(rows) for rows in shortlists]
+        # a query without tokens matches nothing: no shard is asked (as Reranker.local_scores)
+        asked = [t is not None and len(t) > 0 for t in tokens]
+        args = {}
+        for s in range(len(self.names)):
+            members = [np.flatnonzero(o == s) if a else np.zeros(0, np.int64) for o, a in zip(owners, asked)]
+            if any(len(m) for m in members):
+                args[s] = (
+                    conf,
+                    [rows[m] for rows, m in zip(shortlists, members)],
+                    [g[m] for g, m in zip(s_global, members)],
+                    [t if len(m) else None for t, m in zip(tokens, members)],  # once per query per shard
+                    k,
+                )
+        answers = self.call("score_shortlists", args, "the re-ranking") if args else {}
+        out = []
+        for q, rows in enumerate(shortlists):
+            if not asked[q]:
+                out.append(LocalScores(np.zeros(len(rows)), np.zeros(len(rows), bool)))
+                continue
+            raw = np.zeros(len(rows), np.float64)
+            has_locals = np.zeros(len(rows), bool)
+            inliers = np.zeros(len(rows), np.int64) if conf.method == "sp" else None
+            evidence: dict[int, Any] = {}
+            for s, answer in answers.items():
+                part = answer[q]
+                if part is None:
+                    continue
+                members = np.flatnonzero(owners[q] == s)
+                raw[members] = part["raw"]
+                has_locals[members] = part["has_locals"]
+                if inliers is not None and part["inliers"] is not None:
+                    inliers[members] = part["inliers"]
+                if part["evidence"] is not None:
+                    evidence.update((int(members[i]), ev) for i, ev in part["evidence"].items())
+            fetch = self.evidence_fetcher(conf, rows, owners[q], tokens[q], evidence, set(answers))
+            out.append(LocalScores(raw, has_locals, inliers, fetch if conf.method == "sp" else None))
+        return out
+
+    def evidence_fetcher(
+        self, conf: Any, rows: np.ndarray, owners: np.ndarray, query: Any, evidence: dict[int, Any], reached: set[int]
+    ) -> Any:
+        """Member -> its match evidence: sent with the scores, or asked of its shard (rare: a
+        member in the final top k past its shard's own top k + margin)."""
+
+        def evidence_of(c: int) -> Any:
+            if c not in evidence:
+                s = int(owners[c])
+                if s not in reached:
+                    return {"inliers": 0, "query_xy": [], "db_xy": []}
+                evidence[c] = self.call("evidence_of", {s: (conf, rows[c : c + 1], query)}, "the evidence")[s][0]
+            return evidence[c]
+
+        return evidence_of
+
+    # --- health ----------------------------------------------------------------------------
+    def health(self, timeout: float | None = None) -> dict[str, Any]:
+        """Every replica's state (ready with its node, or unreachable within ``timeout``) and
+        ``ok``: whether every shard has a live replica."""
+        timeout = min(self.timeout, 5.0) if timeout is None else timeout
+        handles = {
+            self.backend.submit(s, r, "info"): (s, r)
+            for s in range(len(self.names))
+            for r in range(self.backend.replicas[s])
+        }
+        deadline, done = time.monotonic() + timeout, set()
+        while len(done) < len(handles) and time.monotonic() < deadline:
+            finished = self.backend.wait([h for h in handles if h not in done], deadline - time.monotonic())
+            if not finished:
+                break
+            done.update(finished)
+        replicas = []
+        for handle, (s, r) in handles.items():
+            entry = {"shard": self.names[s], "replica": r, "status": "unreachable", "node": None}
+            if handle in done:
+                try:
+                    info = self.backend.result(handle)
+                    entry.update(status="ready", node=info["node"])
+                except ReplicaFailed:
+                    pass
+            replicas.append(entry)
+        live = {e["shard"] for e in replicas if e["status"] == "ready"}
+        unavailable = [name for name in self.names if name not in live]
+        return {"ok": not unavailable, "unavailable_shards": unavailable, "replicas": replicas}
+
+
+class LocalShards:
+    """A ShardBackend over ShardActor objects in this process (tests, and an index searched
+    without Ray): each call runs in a thread pool; ``down`` marks replicas as dead."""
+
+    def __init__(self, actors: list[list[Any]], workers: int = 8):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.actors = actors  # [shard][replica]
+        self.replicas = [len(a) for a in actors]
+        self.down: set[tuple[int, int]] = set()  # (shard, replica) that fail like a dead actor
+        self.slow: dict[tuple[int, int], float] = {}  # (shard, replica) -> seconds each call hangs first
+        self.pool = ThreadPoolExecutor(workers)
+
+    def submit(self, shard: int, replica: int, method: str, *args: Any) -> Any:
+        def run() -> Any:
+            if (shard, replica) in self.slow:
+                time.sleep(self.slow[shard, replica])
+            if (shard, replica) in self.down:
+                raise ReplicaFailed(f"replica {replica} of shard {shard} is down")
+            return getattr(self.actors[shard][replica], method)(*args)
+
+        return self.pool.submit(run)
+
+    def wait(self, handles: list[Any], timeout: float) -> list[Any]:
+        from concurrent.futures import FIRST_COMPLETED
+        from concurrent.futures import wait as wait_futures
+
+        done, _ = wait_futures(handles, timeout, return_when=FIRST_COMPLETED)
+        return list(done)
+
+    def result(self, handle: Any) -> Any:
+        return handle.result()

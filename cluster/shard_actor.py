@@ -1,0 +1,163 @@
+"""One index shard served where its data is: a Ray actor (cluster/ray_shards.py wraps this class
+with ``ray.remote``) that stages its shard directory to its node's disk (cluster/staging.py),
+opens it by itself (``index.search.open_shard``) and answers everything about its rows:
+
+- ``search``: its shortlist (index scores, row ids, exact scores) and the shortlist's keys;
+- ``keys_of``, ``find_key``, ``tokens_of_key``, ``vectors_of_rows``: lookups in its own files
+  (keys in O(log n) through its key files, rows by their Parquet shard id);
+- ``score_shortlists``: its members of each query's global re-ranking shortlist scored against
+  its own stored local tokens; the raw local scores travel back, with the match evidence of the
+  members that can be among the query's final top k (the coordinator combines and orders).
+
+Every method only reads, so a call may be retried on a restarted actor or another replica. The
+class is plain Python: tests run it in-process (cluster/coordinator.py's ``LocalShards``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from cluster.staging import StageConfig, stage_shard
+from index.search import open_shard
+
+log = logging.getLogger(__name__)
+
+EVIDENCE_MARGIN = 8  # match evidence sent for this many members past a shard's own top k
+
+
+def current_node() -> str:
+    """This process's Ray node id (its host name outside a Ray worker)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # not a Ray worker: the host names the node
+        pass
+    import socket
+
+    return socket.gethostname()
+
+
+class ShardActor:
+    """Shard ``name`` of the index at ``source``, staged to this node and memory-mapped."""
+
+    def __init__(
+        self, source: str, name: str, stage: StageConfig, replica: int = 0, entry: dict[str, Any] | None = None
+    ):
+        self.name = name
+        self.replica = replica
+        self.node = current_node()
+        self.staged = stage_shard(source, name, stage, self.node, entry)
+        self.shard = open_shard(self.staged.directory.parent, name)
+        # One search before reporting ready: the first loads what it needs (torch for re-scoring:
+        # seconds), which would otherwise count against the first request's timeout.
+        self.shard.search(np.zeros((1, self.shard.index.d), np.float32), 1, None, True)
+        self._lock = threading.Lock()
+        self._rerankers: dict[str, Any] = {}
+
+    def info(self) -> dict[str, Any]:
+        """Where this replica runs and what it staged (a cheap liveness probe)."""
+        return {
+            "shard": self.name,
+            "replica": self.replica,
+            "node": self.node,
+            "pid": os.getpid(),
+            "directory": str(self.staged.directory),
+            "fetched": self.staged.fetched,
+            "reused": self.staged.reused,
+        }
+
+    def search(
+        self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[str | None]]]:
+        """(index scores, row ids, exact scores, keys) of this shard's shortlist (``Shard.search``)."""
+        D, I, exact = self.shard.search(xq, kk, nprobe, refine)
+        return D, I, exact, self.shard.keys_of(I)
+
+    def keys_of(self, rows: np.ndarray) -> list[str | None]:
+        return self.shard.keys_of(np.asarray(rows, np.int64)[None])[0]
+
+    def find_key(self, key: str) -> dict[str, Any] | None:
+        """``{"position": shard-local position, "vector": float32 vector or None (no valid
+        descriptor)}`` of ``key``, or None where this shard does not hold it."""
+        position = self.shard.position_of(key)
+        if position < 0:
+            return None
+        return {"position": position, "vector": self.shard.vector_at(position)}
+
+    def tokens_of_key(self, key: str) -> Any:
+        """The stored LocalTokens of ``key`` (None where this shard does not hold it)."""
+        position = self.shard.position_of(key)
+        if position < 0:
+            return None
+        return self.store().tokens(position)
+
+    def vectors_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        positions = self.shard.positions_of_rows(np.asarray(rows, np.int64))
+        return np.asarray(self.shard.vectors[positions], dtype=np.float32)
+
+    def store(self) -> Any:
+        from core.errors import NeedleInputError
+
+        store = self.shard.local_store
+        if store is None:
+            raise NeedleInputError(f"index shard {self.name} has no local tokens: rebuild with --locals to re-rank")
+        return store
+
+    def reranker(self, conf: Any) -> Any:
+        from rerank.rerank import Reranker
+
+        with self._lock:
+            if repr(conf) not in self._rerankers:
+                self._rerankers[repr(conf)] = Reranker(conf)
+            return self._rerankers[repr(conf)]
+
+    def score_shortlists(
+        self,
+        conf: Any,
+        shortlists: list[np.ndarray],
+        s_global: list[np.ndarray],
+        tokens: list[Any],
+        k: int,
+    ) -> list[dict[str, Any] | None]:
+        """Per query, this shard's members of its shortlist (row ids, global scores) scored against
+        their stored tokens with the query's ``tokens`` and RerankConfig ``conf``: ``{"raw",
+        "has_locals", "inliers", "evidence": {member: evidence}}`` (evidence of the members
+        among this shard's top k + EVIDENCE_MARGIN by final score); None where it has none."""
+        from rerank.ensemble import combine, rerank_order
+
+        reranker = self.reranker(conf)
+        out: list[dict[str, Any] | None] = []
+        for rows, scores, query in zip(shortlists, s_global, tokens):
+            if query is None or not len(rows):
+                out.append(None)
+                continue
+            candidates = self.store().batch(self.shard.positions_of_rows(np.asarray(rows, np.int64)), conf.db_tokens)
+            local = reranker.local_scores(query, candidates)
+            evidence = None
+            if local.evidence is not None:
+                final = combine(conf.method, scores, local.raw, local.has_locals, conf.ensemble)
+                evidence = {int(i): local.evidence(int(i)) for i in rerank_order(final, rows)[: k + EVIDENCE_MARGIN]}
+            out.append(
+                {"raw": local.raw, "has_locals": local.has_locals, "inliers": local.inliers, "evidence": evidence}
+            )
+        return out
+
+    def evidence_of(self, conf: Any, rows: np.ndarray, query: Any) -> list[dict[str, Any] | None]:
+        """The match evidence of each of ``rows`` (scored again, alone: a member the coordinator
+        placed in the top k without its evidence)."""
+        candidates = self.store().batch(self.shard.positions_of_rows(np.asarray(rows, np.int64)), conf.db_tokens)
+        local = self.reranker(conf).local_scores(query, candidates)
+        return [local.evidence(i) if local.evidence is not None else None for i in range(len(rows))]
+
+    def memory(self) -> dict[str, int]:
+        """This actor's process memory (see index.memory)."""
+        from index.memory import process_memory
+
+        return process_memory()

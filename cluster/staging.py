@@ -1,0 +1,190 @@
+"""Staging a shard directory onto this node's local disk before a shard actor serves it, and
+reading an index's top-level infos from an ``s3://`` prefix or a path.
+
+A shard actor never reads its shard where it was built: it copies every file its
+``shard_infos.json`` lists from the source (``s3://bucket/prefix/shard_NNN/...`` or a path this
+node can read) into a cache directory on its own disk, checks each file's size and SHA-256
+against ``shard_infos.json``, and writes ``shard_infos.json`` there last. A cached copy whose files
+match their checksums is reused file by file (a restarted actor landing on a node that staged the
+shard before fetches nothing). The cache directory (``{node}`` in it becomes the Ray node id) is
+``<tmp>/needle-shard-cache`` by default; each source gets its own subdirectory (a hash of its
+URL), so two indexes with the same shard names never share files. A lock file serialises the
+replicas of one shard staging on the same node.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.atomic import atomic_path, write_json_atomic
+from core.hashing import file_sha256
+from index.build import INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE
+from index.search import IndexFileError
+from ingest.storage import is_s3, s3_client, split_s3
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE = "needle-shard-cache"  # under the node's temporary directory
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    cache_dir: str | None = (
+        None  # local directory for staged shards ("{node}": this node's id); None: <tmp>/needle-shard-cache
+    )
+    endpoint_url: str | None = None  # S3-compatible endpoint for s3:// sources (None: AWS)
+
+
+def source_url(source: str | Path) -> str:
+    """An index location as every node names it: an ``s3://`` URL as given (no trailing slash),
+    a path made absolute."""
+    text = str(source)
+    return text.rstrip("/") if is_s3(text) else str(Path(text).resolve())
+
+
+def read_source_bytes(source: str, relative: str, endpoint_url: str | None) -> bytes:
+    """The bytes of ``relative`` under an index location, or IndexFileError naming it."""
+    if is_s3(source):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        bucket, prefix = split_s3(source)
+        key = f"{prefix}/{relative}" if prefix else relative
+        try:
+            return s3_client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read()
+        except (ClientError, BotoCoreError) as exc:
+            raise IndexFileError(f"cannot read {source}/{relative}: {exc}") from exc
+    try:
+        return (Path(source) / relative).read_bytes()
+    except OSError as exc:
+        raise IndexFileError(f"cannot read {Path(source) / relative}: {exc}") from exc
+
+
+def read_json(source: str, relative: str, endpoint_url: str | None) -> dict[str, Any]:
+    data = read_source_bytes(source, relative, endpoint_url)
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise IndexFileError(f"{source}/{relative} is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise IndexFileError(f"{source}/{relative} is not a JSON object")
+    return value
+
+
+def read_index_infos(source: str | Path, endpoint_url: str | None = None) -> dict[str, Any]:
+    """The top-level ``index_infos.json`` of an index of shard directories (all a coordinator
+    reads), checked to list its shards with their rows, vectors and bytes."""
+    url = source_url(source)
+    infos = read_json(url, INFOS_FILE, endpoint_url)
+    if infos.get("layout") != LAYOUT_SHARDS:
+        raise IndexFileError(
+            f"index {url} was built before shard directories: serving it across nodes needs an index of "
+            "self-contained shard directories (rebuild it)"
+        )
+    entries = infos.get("shards") or []
+    if not entries or any(not {"name", "rows", "ntotal", "bytes"} <= set(e) for e in entries):
+        raise IndexFileError(f"index {url}: {INFOS_FILE} lists no shards, or shards without rows/ntotal/bytes")
+    if sum(e["rows"] for e in entries) != infos.get("rows") or sum(e["ntotal"] for e in entries) != infos.get("ntotal"):
+        raise IndexFileError(f"index {url}: its shards' rows and vectors do not add up to those of {INFOS_FILE}")
+    return infos
+
+
+def cache_root(cache_dir: str | None, node: str) -> Path:
+    """This node's cache directory (``{node}`` replaced by the node's id)."""
+    if cache_dir is None:
+        return Path(tempfile.gettempdir()) / DEFAULT_CACHE
+    return Path(cache_dir.replace("{node}", node))
+
+
+def source_directory(root: Path, source: str) -> Path:
+    """The cache subdirectory of one index location."""
+    return root / hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+@contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` (replicas of one shard on one node stage in turn)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def fetch_file(source: str, relative: str, target: Path, endpoint_url: str | None) -> None:
+    """Copy ``relative`` under an index location to ``target`` (atomically: never half a file)."""
+    with atomic_path(target) as tmp:
+        if is_s3(source):
+            bucket, prefix = split_s3(source)
+            key = f"{prefix}/{relative}" if prefix else relative
+            s3_client(endpoint_url).download_file(bucket, key, str(tmp))
+        else:
+            shutil.copyfile(Path(source) / relative, tmp)
+
+
+def matches(path: Path, recorded: dict[str, Any]) -> bool:
+    return (
+        path.is_file() and path.stat().st_size == recorded.get("bytes") and file_sha256(path) == recorded.get("sha256")
+    )
+
+
+@dataclass(frozen=True)
+class Staged:
+    directory: Path  # the staged shard directory on this node
+    fetched: int  # files copied from the source
+    reused: int  # files already in the cache with matching checksums
+    bytes_fetched: int
+
+
+def stage_shard(
+    source: str, name: str, conf: StageConfig, node: str = "local", entry: dict[str, Any] | None = None
+) -> Staged:
+    """Copy shard directory ``name`` of the index at ``source`` to this node's cache (files whose
+    cached copy matches its checksum are kept), verify every file's SHA-256 against the source's
+    ``shard_infos.json``, and write that last; ``entry``: the top-level infos' record of the
+    shard, which must agree. IndexFileError naming the shard and file on any mismatch."""
+    source = source_url(source)
+    infos = read_json(source, f"{name}/{SHARD_INFOS_FILE}", conf.endpoint_url)
+    checksums = infos.get("checksums")
+    if not isinstance(checksums, dict) or not checksums:
+        raise IndexFileError(f"index shard {name} of {source}: {SHARD_INFOS_FILE} lists no files with checksums")
+    if entry is not None and (entry.get("rows"), entry.get("ntotal")) != (infos.get("rows"), infos.get("ntotal")):
+        raise IndexFileError(
+            f"index shard {name} of {source}: {SHARD_INFOS_FILE} says {infos.get('rows')} rows, "
+            f"{infos.get('ntotal')} vectors; {INFOS_FILE} says {entry.get('rows')}, {entry.get('ntotal')}"
+        )
+    directory = source_directory(cache_root(conf.cache_dir, node), source) / name
+    fetched = reused = nbytes = 0
+    with locked(directory):
+        cached = directory / SHARD_INFOS_FILE
+        if cached.is_file() and json.loads(cached.read_text()) != infos:
+            cached.unlink()  # another build of the index: its files are checked one by one below
+        for file, recorded in sorted(checksums.items()):
+            target = directory / file
+            if matches(target, recorded):
+                reused += 1
+                continue
+            fetch_file(source, f"{name}/{file}", target, conf.endpoint_url)
+            if not matches(target, recorded):
+                target.unlink(missing_ok=True)
+                raise IndexFileError(
+                    f"index shard {name} of {source}: {file} does not match its size and SHA-256 in {SHARD_INFOS_FILE}"
+                )
+            fetched += 1
+            nbytes += int(recorded["bytes"])
+        write_json_atomic(infos, cached)
+    log.info(
+        "staged %s/%s in %s: %d files fetched (%d bytes), %d reused", source, name, directory, fetched, nbytes, reused
+    )
+    return Staged(directory, fetched, reused, nbytes)

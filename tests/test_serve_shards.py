@@ -1,0 +1,227 @@
+"""The coordinator of shards served elsewhere, without Ray: ShardActor objects in this process
+behind ``LocalShards``. It merges, routes and re-ranks exactly like the single-process index
+(ties included), stages shards with their checksums, and answers 503 or partial, bounded in
+time, when shards do not answer."""
+
+import json
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from helpers_index import write_descriptors_with_tokens
+
+from cluster.coordinator import LocalShards, ShardedIndex, ShardsUnavailable
+from cluster.shard_actor import ShardActor
+from cluster.staging import StageConfig, read_index_infos, stage_shard
+from index.build import SHARD_INFOS_FILE, IndexConfig, main
+from index.search import IndexFileError, UnknownKeyError, load_index
+from query.retrieve import QueryConfig, search, stored_tokens
+from rerank.rerank import RerankConfig
+
+SIZES = {0: 300, 1: 250, 2: 400, 3: 120, 7: 330}
+D = 24
+IVF = IndexConfig(kind="ivfpq", nlist=16, pq_bytes=8, points_per_list=20, nprobe=4, refine_factor=3, shards=4)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_shards")
+    xb = write_descriptors_with_tokens(root / "desc", SIZES, D, seed=3)
+    out = main(IVF, root / "desc", root / "index")
+    return root, out, xb
+
+
+def coordinator(out, cache, replicas=1, timeout=10.0):
+    infos = read_index_infos(out)
+    actors = [
+        [ShardActor(str(out), e["name"], StageConfig(str(cache)), r, e) for r in range(replicas)]
+        for e in infos["shards"]
+    ]
+    return ShardedIndex(infos, str(out), LocalShards(actors), timeout)
+
+
+@pytest.fixture(scope="module")
+def sharded(built, tmp_path_factory):
+    return coordinator(built[1], tmp_path_factory.mktemp("cache"), replicas=2)
+
+
+def queries(xb):
+    return np.ascontiguousarray(xb[::37], dtype=np.float32)
+
+
+def test_search_and_keys_equal_the_single_index(built, sharded):
+    _, out, xb = built
+    single = load_index(out)
+    xq = queries(xb)
+    for k, nprobe, factor in ((10, None, None), (25, 1, None), (40, 16, 1), (130, 16, 4), (1400, 16, 1)):
+        D1, I1 = single.search(xq, k, nprobe, refine_factor=factor)
+        D2, I2 = sharded.search(xq, k, nprobe, refine_factor=factor)
+        np.testing.assert_array_equal(I1, I2)
+        np.testing.assert_array_equal(D1, D2)
+        assert sharded.keys_of(I2) == single.keys_of(I1)  # routed to the owning shards
+        with sharded.request() as state:  # within a request: the keys came with the candidates
+            _, I3 = sharded.search(xq, k, nprobe, refine_factor=factor)
+            assert state.keys and sharded.keys_of(I3) == single.keys_of(I1)
+    assert sharded.ntotal == single.ntotal and sharded.d == single.d == D
+
+
+def test_key_lookups_are_routed(built, sharded):
+    _, out, _ = built
+    single = load_index(out)
+    for key in ("000000/00000", "000002/00399", "000007/00123", "000003/00005"):
+        assert sharded.position_of(key) == single.position_of(key)
+        np.testing.assert_array_equal(sharded.vector_of(key), single.vector_of(key))
+        a, b = sharded.tokens_of_key(key), single.tokens_of_key(key)
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_array_equal(a.xy, b.xy)
+    with pytest.raises(UnknownKeyError, match="not in the index"):
+        sharded.vector_of("nope")
+    rows = single.search(queries(built[2])[:3], 5)[1]
+    np.testing.assert_array_equal(sharded.vectors_of_rows(rows), single.vectors_of_rows(rows))
+
+
+@pytest.mark.parametrize("method", ["sp", "chamfer"])
+def test_reranking_on_the_shards_equals_the_single_index(built, sharded, method):
+    _, out, _ = built
+    single = load_index(out)
+    keys = [f"{s:06d}/{i:05d}" for s in SIZES for i in (1, 17, 90)]
+    conf = QueryConfig(k=15, rerank=RerankConfig(method=method, shortlist=60))
+    answers = []
+    for index in (single, sharded):
+        xq = np.stack([index.vector_of(k) for k in keys])
+        answers.append(search(index, xq, conf, stored_tokens(index, keys), evidence=True))
+    (D1, I1, d1), (D2, I2, d2) = answers
+    np.testing.assert_array_equal(I1, I2)
+    np.testing.assert_array_equal(D1, D2)
+    assert any((d["local_score"] > 0).any() for d in d1)  # the tokens did match: a real re-ranking
+    for a, b in zip(d1, d2):
+        for name in ("global_score", "local_score"):
+            np.testing.assert_array_equal(a[name], b[name])
+        if method == "sp":
+            np.testing.assert_array_equal(a["inliers"], b["inliers"])
+            assert a["evidence"] == b["evidence"]
+
+
+def test_query_service_answers_like_the_single_index(built, sharded):
+    from cluster.serve import QueryService
+
+    _, out, xb = built
+    rerank = RerankConfig(method="sp", shortlist=40)
+    one, many = QueryService(load_index(out), rerank=rerank), QueryService(sharded, rerank=rerank)
+    for body in ({"keys": ["000001/00007", "000007/00300"], "k": 12}, {"vectors": xb[5:8].tolist(), "k": 9}):
+        assert many.search_json(body) == one.search_json(body)
+    with pytest.raises(Exception, match="'partial' must be true or false"):
+        many.search_json({"keys": ["000001/00007"], "partial": "yes"})
+
+
+def test_staging_verifies_checksums_and_reuses_the_cache(built, tmp_path):
+    _, out, _ = built
+    conf = StageConfig(str(tmp_path / "cache-{node}"))
+    first = stage_shard(str(out), "shard_001", conf, "n1")
+    assert first.fetched > 0 and first.reused == 0 and str(first.directory).startswith(str(tmp_path / "cache-n1"))
+    again = stage_shard(str(out), "shard_001", conf, "n1")
+    assert (again.fetched, again.reused) == (0, first.fetched)
+    (again.directory / "keys.bin").write_bytes(b"changed")  # a damaged cached copy is fetched again
+    assert stage_shard(str(out), "shard_001", conf, "n1").fetched == 1
+    assert stage_shard(str(out), "shard_001", conf, "n2").fetched == first.fetched  # another node: its own copy
+    source = tmp_path / "source"
+    import shutil
+
+    shutil.copytree(out, source)
+    data = bytearray((source / "shard_002" / "keys.bin").read_bytes())
+    data[0] ^= 1  # same size, other bytes
+    (source / "shard_002" / "keys.bin").write_bytes(bytes(data))
+    with pytest.raises(IndexFileError, match=r"shard_002.*keys\.bin does not match"):
+        stage_shard(str(source), "shard_002", conf, "n1")
+    infos = json.loads((out / "index_infos.json").read_text())
+    with pytest.raises(IndexFileError, match="says"):
+        stage_shard(str(out), "shard_001", conf, "n1", {**infos["shards"][1], "rows": 1})
+    assert json.loads((first.directory / SHARD_INFOS_FILE).read_text())["name"] == "shard_001"
+
+
+def test_a_dead_replica_is_replaced_and_a_dead_shard_is_named(built, sharded):
+    _, out, xb = built
+    single = load_index(out)
+    xq = queries(xb)
+    _, I1 = single.search(xq, 20)
+    backend = sharded.backend
+    try:
+        backend.down = {(0, 0), (2, 1)}  # one replica of two shards: the other answers
+        for _ in range(4):
+            np.testing.assert_array_equal(sharded.search(xq, 20)[1], I1)
+        backend.down = {(1, 0), (1, 1)}  # no live replica of shard_001
+        with pytest.raises(ShardsUnavailable, match="shard_001") as caught:
+            sharded.search(xq, 20)
+        assert caught.value.missing == ["shard_001"]
+        with sharded.request(partial=True) as state:
+            D2, I2 = sharded.search(xq, 20)
+        assert state.missing == {"shard_001"}
+        assert (sharded.shard_of_rows(I2.reshape(-1)) != 1).all()  # what it has is from the live shards
+        assert (np.diff(D2, axis=1) <= 0).all() and (I2 >= 0).all()
+    finally:
+        backend.down = set()
+    np.testing.assert_array_equal(sharded.search(xq, 20)[1], I1)  # exact again
+
+
+def test_http_503_partial_and_health(built, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from cluster.serve import QueryService
+    from cluster.webapp import create_app
+
+    _, out, xb = built
+    index = coordinator(out, tmp_path / "cache", replicas=1, timeout=0.5)
+    single = QueryService(load_index(out))
+    body = {"vectors": xb[:2].tolist(), "k": 5}
+    with TestClient(create_app(QueryService(index)), raise_server_exceptions=False) as client:
+        health = client.get("/health")
+        assert health.status_code == 200 and health.json()["ok"] is True
+        assert {r["status"] for r in health.json()["replicas"]} == {"ready"} and len(health.json()["replicas"]) == 4
+        assert client.post("/search", json=body).json() == single.search_json(body)
+        index.backend.slow[(3, 0)] = 3.0  # shard_003 hangs: the request does not
+        start = time.monotonic()
+        response = client.post("/search", json=body)
+        assert time.monotonic() - start < 2.5
+        assert response.status_code == 503 and response.json()["missing_shards"] == ["shard_003"]
+        response = client.post("/search?partial=1", json=body)
+        assert response.status_code == 200
+        out_partial = response.json()
+        assert all(q["partial"] is True and q["missing_shards"] == ["shard_003"] for q in out_partial)
+        assert all(r["key"] is not None for q in out_partial for r in q["results"])
+        response = client.post("/search", json={**body, "partial": True})
+        assert response.status_code == 200 and response.json()[0]["partial"] is True
+        response = client.post("/search", json={"keys": ["000007/00001"], "k": 3})
+        assert response.status_code == 503 and "shard_003" in response.json()["error"]
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["unavailable_shards"] == ["shard_003"]
+        del index.backend.slow[(3, 0)]
+        time.sleep(3.0)  # the hung calls finish
+        assert client.post("/search", json=body).json() == single.search_json(body)
+        assert client.get("/health").status_code == 200
+
+
+def test_old_layout_is_refused_for_serving_across_nodes(built, tmp_path):
+    from helpers_index import to_old_layout
+
+    old = to_old_layout(built[1], tmp_path / "old")
+    with pytest.raises(IndexFileError, match="built before shard directories"):
+        read_index_infos(old)
+
+
+def test_serve_flags_for_shards():
+    from cluster.cli import build_parser
+    from cluster.cli_flags import config_from_args
+    from cluster.serve_run import ServeConfig, shard_serving
+
+    args = build_parser().parse_args(
+        [
+            *("serve", "--index", "s3://b/i", "--ray-shards", "--shard-replicas", "2", "--shard-timeout", "3"),
+            *("--cache-dir", "/data/needle-{node}", "--s3-endpoint-url", "http://127.0.0.1:9000"),
+        ]
+    )
+    serving = shard_serving(config_from_args(ServeConfig, args))
+    assert (serving.placement.replicas, serving.timeout) == (2, 3.0)
+    assert serving.stage == StageConfig("/data/needle-{node}", "http://127.0.0.1:9000")
+    with pytest.raises(Exception, match="shard-timeout"):
+        shard_serving(replace(ServeConfig(), shard_timeout=0))
