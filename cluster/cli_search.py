@@ -132,7 +132,7 @@ def add_search_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_query)
 
     p = sub.add_parser("serve", help="HTTP search app and its OpenAPI page at /docs (127.0.0.1 by default)")
-    p.add_argument("--index", required=True, help="index directory")
+    p.add_argument("--index", required=True, help="index directory (with --ray-shards also an s3://bucket/prefix)")
     add_config_flags(p, "cluster.serve_run:ServeConfig")
     add_file_flags(p)
     g = p.add_argument_group("web page (/)")

@@ -98,8 +98,10 @@ class ShardedIndex:
         self.timeout = timeout  # seconds a request waits for the shards
         self.names = [entry["name"] for entry in infos["shards"]]
         self.bases = np.cumsum([0] + [int(e["rows"]) for e in infos["shards"][:-1]]).astype(np.int64)
-        # Parquet shard id -> index shard: one entry per Parquet file, never per row.
-        self.owner = {int(p): s for s, e in enumerate(infos["shards"]) for p in e.get("parquet_shard_ids", [])}
+        # Parquet shard id -> index shard (sorted ids, their shards): one entry per Parquet file, never per row.
+        owner = sorted((int(p), s) for s, e in enumerate(infos["shards"]) for p in e.get("parquet_shard_ids", []))
+        self.parquet_ids = np.array([p for p, _ in owner], np.int64)
+        self.parquet_owner = np.array([s for _, s in owner], np.int64)
         self._turn = [itertools.count() for _ in self.names]
         self.traffic = Traffic()
         self._traffic_lock = threading.Lock()
@@ -198,8 +200,11 @@ class ShardedIndex:
 
     def shard_of_rows(self, rows: np.ndarray) -> np.ndarray:
         """The index shard of each row id (-1 for the padding)."""
-        parquet = np.asarray(rows, np.int64) >> ROW_SHARD_SHIFT
-        return np.array([self.owner.get(int(p), -1) if r >= 0 else -1 for p, r in zip(parquet, rows)], np.int64)
+        rows = np.asarray(rows, np.int64)
+        parquet = rows >> ROW_SHARD_SHIFT
+        at = np.searchsorted(self.parquet_ids, parquet).clip(0, max(0, len(self.parquet_ids) - 1))
+        known = (rows >= 0) & (len(self.parquet_ids) > 0) & (self.parquet_ids[at] == parquet)
+        return np.where(known, self.parquet_owner[at], -1)
 
     # --- search ----------------------------------------------------------------------------
     def search(

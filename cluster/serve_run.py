@@ -49,6 +49,10 @@ def shard_serving(conf: ServeConfig) -> Any:
 def run(conf: ServeConfig, index: str | Path, files: Any = None, rerank: Any = None, page: Any = None) -> None:
     """Serve ``index`` (with QueryFiles ``files``, RerankConfig ``rerank`` and the web page's
     PageConfig ``page``) until stopped: in this process, or with Ray Serve under ``conf.ray``."""
+    if str(index).startswith("s3://") and not conf.ray_shards:
+        raise NeedleInputError(
+            f"--index {index} is on S3: serve it with --ray-shards (each shard actor stages its shard)"
+        )
     if conf.ray:
         run_ray_serve(conf, index, files, rerank, page)
         return
