@@ -54,8 +54,9 @@ class ReplicaFailed(RuntimeError):
 
 
 class ShardBackend(Protocol):
-    """Calls to shard replicas: ``submit`` returns a handle, ``wait`` the handles done within
-    ``timeout`` seconds, ``result`` a done handle's value (ReplicaFailed where the replica died)."""
+    """Calls to shard replicas: ``submit`` returns a handle, ``wait`` the handles done when all are
+    or ``timeout`` seconds have passed, ``result`` a done handle's value (ReplicaFailed where the
+    replica died)."""
 
     replicas: list[int]  # replicas of each shard
 
@@ -398,10 +399,9 @@ class LocalShards:
         return self.pool.submit(run)
 
     def wait(self, handles: list[Any], timeout: float) -> list[Any]:
-        from concurrent.futures import FIRST_COMPLETED
         from concurrent.futures import wait as wait_futures
 
-        done, _ = wait_futures(handles, timeout, return_when=FIRST_COMPLETED)
+        done, _ = wait_futures(handles, timeout)
         return list(done)
 
     def result(self, handle: Any) -> Any:

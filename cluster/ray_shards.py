@@ -45,10 +45,8 @@ class RayShards:
     def wait(self, handles: list[Any], timeout: float) -> list[Any]:
         import ray
 
-        done, _ = ray.wait(handles, num_returns=1, timeout=timeout)
-        if done:  # everything else already finished too
-            more, _ = ray.wait(handles, num_returns=len(handles), timeout=0)
-            done = list({*done, *more})
+        # one wait for all: a failed call is done at once, so only a hung one holds it to the timeout
+        done, _ = ray.wait(handles, num_returns=len(handles), timeout=timeout)
         return done
 
     def result(self, handle: Any) -> Any:
