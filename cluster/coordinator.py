@@ -74,6 +74,7 @@ class RequestState:
     partial: bool = False
     missing: set[str] = field(default_factory=set)
     keys: dict[int, str | None] = field(default_factory=dict)
+    found: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)  # key -> (its shard, find_key's answer)
 
 
 _REQUEST: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar("needle_shard_request", default=None)
@@ -239,13 +240,18 @@ class ShardedIndex:
         return [[found.get(int(i)) if i >= 0 else None for i in row] for row in I]
 
     def find_key(self, key: str) -> tuple[int, dict[str, Any]]:
-        """(the shard holding ``key``, its find_key answer), from every shard's O(log n) lookup."""
+        """(the shard holding ``key``, its find_key answer), from every shard's O(log n) lookup
+        (once per request: its vector and then its tokens ask every shard once)."""
+        state = self.state()
+        if key in state.found:
+            return state.found[key]
         found = {s: out for s, out in self.call("find_key", self.every_shard(key), "the key lookup").items() if out}
         if not found:
             if self.state().missing:  # a partial request: the key may be on a missing shard
                 raise ShardsUnavailable(sorted(self.state().missing), f"the lookup of key {key!r}")
             raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
         s = min(found)
+        state.found[key] = (s, found[s])
         return s, found[s]
 
     def position_of(self, key: str) -> int:
