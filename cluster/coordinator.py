@@ -13,7 +13,8 @@ rows (no id table, vectors, key files or local store), and answers like ``Search
   combines and orders the whole shortlist as in one process.
 
 Faults. A call goes to one replica of each shard (round robin); a replica that died is replaced
-by the next one; what has not answered within ``timeout`` seconds is missing. Inside
+by the next one, one that hangs (restarting, on a lost node) is hedged on another after
+``HEDGE_FRACTION`` of the timeout; what has not answered within ``timeout`` seconds is missing. Inside
 ``request(partial=True)`` the answer is made from the shards that answered and the missing ones
 are recorded (``RequestState.missing``); otherwise ``ShardsUnavailable`` names them (HTTP 503).
 The calls go through a ``ShardBackend``: Ray actors (cluster/ray_shards.py) or, in tests,
@@ -39,6 +40,10 @@ from index.search import SearchIndex, UnknownKeyError, merge_shortlists
 from ingest.descriptors import ROW_SHARD_SHIFT
 
 log = logging.getLogger(__name__)
+
+HEDGE_FRACTION = 0.3  # a shard's call unanswered after this fraction of the timeout goes to another replica too
+POLL_S = 0.02  # once hedged, how often the calls are checked
+SUSPECT_S = 10.0  # a replica that failed or hung is asked after the others for this long
 
 
 class ShardsUnavailable(RuntimeError):
@@ -105,6 +110,7 @@ class ShardedIndex:
         self.parquet_ids = np.array([p for p, _ in owner], np.int64)
         self.parquet_owner = np.array([s for _, s in owner], np.int64)
         self._turn = [itertools.count() for _ in self.names]
+        self.suspect: dict[tuple[int, int], float] = {}  # (shard, replica) -> when it failed or hung
         self.traffic = Traffic()
         self._traffic_lock = threading.Lock()
 
@@ -146,9 +152,15 @@ class ShardedIndex:
 
     def call(self, method: str, args: dict[int, tuple], what: str = "the request") -> dict[int, Any]:
         """``method(*args[s])`` on a replica of each shard ``s``; {shard: result} of those that
-        answered within the timeout. Missing shards raise ShardsUnavailable, or with a partial
+        answered within the timeout. A replica that fails is replaced by the next one at once; one
+        that has not answered after ``HEDGE_FRACTION`` of the timeout (a restarting actor, a lost
+        node) is asked again on another replica, and both are suspect for ``SUSPECT_S`` seconds
+        (others are asked first). Missing shards raise ShardsUnavailable, or with a partial
         request are recorded and left out."""
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + self.timeout
+        several = any(self.backend.replicas[s] > 1 for s in args)
+        hedge_at = start + self.timeout * HEDGE_FRACTION if several else deadline
         pending: dict[Any, tuple[int, int]] = {}
         tried: dict[int, set[int]] = {s: set() for s in args}
         results: dict[int, Any] = {}
@@ -157,28 +169,39 @@ class ShardedIndex:
             untried = [r for r in range(self.backend.replicas[s]) if r not in tried[s]]
             if not untried:
                 return False
-            turn = next(self._turn[s])
-            replica = untried[turn % len(untried)]
+            trusted = [r for r in untried if not self.is_suspect(s, r)] or untried
+            replica = trusted[next(self._turn[s]) % len(trusted)]
             tried[s].add(replica)
             pending[self.backend.submit(s, replica, method, *args[s])] = (s, replica)
             return True
 
         for s in args:
             submit(s)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
+        hedged = False
+        while pending and len(results) < len(args):
+            now = time.monotonic()
+            if now >= deadline:
                 break
-            done = self.backend.wait(list(pending), left)
-            if not done:
-                break
-            for handle in done:
+            # one wait for all while nothing is wrong; short polls once a hung call was hedged
+            until = min(deadline, now + POLL_S) if hedged else min(deadline, hedge_at)
+            for handle in self.backend.wait(list(pending), until - now):
                 s, replica = pending.pop(handle)
                 try:
-                    results[s] = self.backend.result(handle)
+                    value = self.backend.result(handle)
                 except ReplicaFailed as exc:
                     log.warning("shard %s replica %d failed: %s", self.names[s], replica, exc)
-                    submit(s)  # the next replica, where there is one
+                    self.suspect[s, replica] = time.monotonic()
+                    if s not in results:
+                        submit(s)  # the next replica, where there is one
+                    continue
+                self.suspect.pop((s, replica), None)
+                results.setdefault(s, value)
+            if not hedged and time.monotonic() >= hedge_at:
+                hedged = True
+                for s, replica in list(pending.values()):
+                    if s not in results and submit(s):
+                        log.warning("shard %s replica %d is slow: asking another replica", self.names[s], replica)
+                        self.suspect[s, replica] = time.monotonic()
         if self.traffic.count:
             self.count_traffic(args, results)
         missing = [self.names[s] for s in args if s not in results]
@@ -188,6 +211,10 @@ class ShardedIndex:
                 raise ShardsUnavailable(missing, what)
             state.missing.update(missing)
         return results
+
+    def is_suspect(self, shard: int, replica: int) -> bool:
+        since = self.suspect.get((shard, replica))
+        return since is not None and time.monotonic() - since < SUSPECT_S
 
     def count_traffic(self, args: dict[int, tuple], results: dict[int, Any]) -> None:
         sent = sum(len(pickle.dumps(a, protocol=5)) for a in args.values())

@@ -164,6 +164,27 @@ def test_a_dead_replica_is_replaced_and_a_dead_shard_is_named(built, sharded):
     np.testing.assert_array_equal(sharded.search(xq, 20)[1], I1)  # exact again
 
 
+def test_a_hung_replica_is_hedged_on_another_and_then_avoided(built, tmp_path):
+    _, out, xb = built
+    index = coordinator(out, tmp_path / "cache", replicas=2, timeout=1.0)
+    xq = queries(xb)
+    _, I1 = load_index(out).search(xq, 20)
+    index.backend.slow = {(2, 0): 5.0, (2, 1): 5.0}  # shard_002 hangs on both: 503 within the timeout
+    start = time.monotonic()
+    with pytest.raises(ShardsUnavailable, match="shard_002"):
+        index.search(xq, 20)
+    assert time.monotonic() - start < 1.5
+    index.backend.slow = {(2, 0): 5.0}  # one replica hangs: the other answers after the hedge
+    index.suspect.clear()
+    start = time.monotonic()
+    np.testing.assert_array_equal(index.search(xq, 20)[1], I1)
+    assert 0.25 < time.monotonic() - start < 0.9 and index.is_suspect(2, 0) and not index.is_suspect(2, 1)
+    for _ in range(3):  # then the hung replica is asked after the other: no hedge delay
+        start = time.monotonic()
+        np.testing.assert_array_equal(index.search(xq, 20)[1], I1)
+        assert time.monotonic() - start < 0.25
+
+
 def test_http_503_partial_and_health(built, tmp_path):
     from fastapi.testclient import TestClient
 
