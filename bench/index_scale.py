@@ -215,15 +215,19 @@ def main() -> None:
 
     import ray
 
-    from cluster.serve import serve_sharded
+    from cluster.serve import ShardServing, serve_sharded
+    from cluster.staging import StageConfig
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    service = serve_sharded(work / "sharded")
+    service = serve_sharded(work / "sharded", ShardServing(stage=StageConfig(copy_local=False)))  # mapped in place
     sweep = []
     for nprobe, factor in sweep_points:
         sweep.append({"index": "sharded_ray", **measure(service, xq, gt, args.k, nprobe, factor)})
         logging.info("%s", sweep[-1])
-    memories = [process_memory(), *ray.get([actor.memory.remote() for actor in service.actors])]
+    memories = [
+        process_memory(),
+        *ray.get([a.memory.remote() for replicas in service.backend.actors for a in replicas]),
+    ]
     serve = {
         f"serve_{name}_gb": gb(sum(m.get(name, 0) for m in memories)) for name in ("rss", "pss", "pss_anon", "pss_file")
     }

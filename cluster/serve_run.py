@@ -29,6 +29,9 @@ class ServeConfig:
         None  # --ray-shards: each node's local dir for staged shards ({node}: node id); default <tmp>
     )
     s3_endpoint_url: str | None = None  # S3-compatible endpoint for an s3:// --index
+    stage_local: bool = (
+        True  # --ray-shards: copy a local --index's shards to each node's cache (--no-stage-local: serve it in place)
+    )
 
 
 def shard_serving(conf: ServeConfig) -> Any:
@@ -41,7 +44,7 @@ def shard_serving(conf: ServeConfig) -> Any:
         raise NeedleInputError(f"--shard-timeout must be positive, got {conf.shard_timeout}")
     return ShardServing(
         ShardPlacement(replicas=conf.shard_replicas, concurrency=conf.shard_concurrency),
-        StageConfig(conf.cache_dir, conf.s3_endpoint_url),
+        StageConfig(conf.cache_dir, conf.s3_endpoint_url, conf.stage_local),
         conf.shard_timeout,
     )
 

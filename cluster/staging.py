@@ -9,7 +9,8 @@ match their checksums is reused file by file (a restarted actor landing on a nod
 shard before fetches nothing). The cache directory (``{node}`` in it becomes the Ray node id) is
 ``<tmp>/needle-shard-cache`` by default; each source gets its own subdirectory (a hash of its
 URL), so two indexes with the same shard names never share files. A lock file serialises the
-replicas of one shard staging on the same node.
+replicas of one shard staging on the same node. ``copy_local=False`` serves a path source where it
+lies instead (one machine, or a filesystem every node sees: no copy, sizes checked on opening).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class StageConfig:
         None  # local directory for staged shards ("{node}": this node's id); None: <tmp>/needle-shard-cache
     )
     endpoint_url: str | None = None  # S3-compatible endpoint for s3:// sources (None: AWS)
+    copy_local: bool = (
+        True  # copy a path source to the cache too; False: open it where it lies (a filesystem every node sees)
+    )
 
 
 def source_url(source: str | Path) -> str:
@@ -164,6 +168,8 @@ def stage_shard(
             f"index shard {name} of {source}: {SHARD_INFOS_FILE} says {infos.get('rows')} rows, "
             f"{infos.get('ntotal')} vectors; {INFOS_FILE} says {entry.get('rows')}, {entry.get('ntotal')}"
         )
+    if not conf.copy_local and not is_s3(source):  # served in place: open_shard checks the files' sizes
+        return Staged(Path(source) / name, 0, len(checksums), 0)
     directory = source_directory(cache_root(conf.cache_dir, node), source) / name
     fetched = reused = nbytes = 0
     with locked(directory):

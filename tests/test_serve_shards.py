@@ -138,6 +138,8 @@ def test_staging_verifies_checksums_and_reuses_the_cache(built, tmp_path):
     with pytest.raises(IndexFileError, match="says"):
         stage_shard(str(out), "shard_001", conf, "n1", {**infos["shards"][1], "rows": 1})
     assert json.loads((first.directory / SHARD_INFOS_FILE).read_text())["name"] == "shard_001"
+    in_place = stage_shard(str(out), "shard_001", replace(conf, copy_local=False), "n3")
+    assert (in_place.directory, in_place.fetched) == (out / "shard_001", 0) and not (tmp_path / "cache-n3").exists()
 
 
 def test_a_dead_replica_is_replaced_and_a_dead_shard_is_named(built, sharded):
@@ -244,5 +246,7 @@ def test_serve_flags_for_shards():
     serving = shard_serving(config_from_args(ServeConfig, args))
     assert (serving.placement.replicas, serving.timeout) == (2, 3.0)
     assert serving.stage == StageConfig("/data/needle-{node}", "http://127.0.0.1:9000")
+    args = build_parser().parse_args(["serve", "--index", "idx", "--ray-shards", "--no-stage-local"])
+    assert shard_serving(config_from_args(ServeConfig, args)).stage.copy_local is False
     with pytest.raises(Exception, match="shard-timeout"):
         shard_serving(replace(ServeConfig(), shard_timeout=0))
