@@ -211,6 +211,38 @@ def test_ray_serve_deployment_answers_through_the_proxy(built, ray_local):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+def test_ray_serve_deployment_in_front_of_shard_actors(built, ray_local, tmp_path):
+    """--ray --ray-shards: a Serve replica is a coordinator of the shard actors (reporting them
+    in /health) and answers like the directory loaded in one process."""
+    from ray import serve
+
+    from cluster.serve import QueryService, ShardServing, serve_sharded
+    from cluster.staging import StageConfig
+    from cluster.webapp import ray_app
+
+    serving = ShardServing(stage=StageConfig(str(tmp_path / "cache")), timeout=20.0)
+    actors = serve_sharded(built / "sharded", serving).backend.actors
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(
+            ray_app(str(built / "sharded"), shard_actors=actors, serving=serving), name="needle", route_prefix="/"
+        )
+        url = f"http://127.0.0.1:{port}"
+        status, health = urlopen_json(f"{url}/health")
+        assert status == 200 and health["ok"] and health["shards"] == 4
+        assert [r["status"] for r in health["replicas"]] == ["ready"] * 4
+        one_process = QueryService(load_index(built / "sharded"))
+        for body in ({"keys": ["000002/00005"], "k": 5}, {"keys": ["000001/00100"], "k": 9, "nprobe": 8}):
+            assert urlopen_json(f"{url}/search", body) == (200, one_process.search_json(body))
+    finally:
+        serve.shutdown()
+        for [actor] in actors:
+            ray_local.kill(actor)
+
+
+@pytest.mark.ray
 def test_ray_parallel_build_equals_sequential(built, ray_local, tmp_path):
     from dataclasses import replace
 
