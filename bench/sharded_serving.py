@@ -10,12 +10,17 @@ joins the cluster, starts the shard actors (each stages its shard to its node's 
 the same queries and reports:
 
 - ``p50_ms`` / ``p99_ms``: one query at a time, global k=100 (and re-ranked key queries with
-  spatial verification where the index has local tokens);
+  spatial verification where the index has local tokens), the sharded service and the single
+  index (opened in the same process after the coordinator's memory is taken) taking turns on
+  each query, so that both see the same load;
 - ``coordinator_rss_mb``: the coordinator process's RSS after the queries (it holds the top-level
   infos and the actor handles only); ``coordinator_rss_growth`` compares the smallest and largest n;
 - ``bytes_per_query``: pickled arguments and results between coordinator and shards (Ray's own
   serialisation is of the same order), per global query;
-- ``keys_ms``: the keys of a 1,000-row answer, routed to the owning shards (no cache);
+- ``keys_ms_1000``: the keys of a 1,000-row answer, routed to the owning shards (no cache: a
+  search's own answer gets its keys with the candidates); ``keys_ms_1000_in_shards``: the
+  shards' own work for them (their key files, O(k)), without the transport;
+- ``ray_fanout_floor_p50_ms``: one call to every shard doing nothing (the transport alone);
 - ``identical_to_single``: D and I of every query sample equal to the single index's (and the
   re-ranked ones where measured).
 
@@ -131,30 +136,42 @@ def rerank_keys(index, count: int) -> list[str]:
     return [k for k in index.keys_of(rows[None])[0] if k is not None][:count]
 
 
-def timed_queries(index, xq: np.ndarray, k: int, nprobe: int) -> tuple[list[float], np.ndarray, np.ndarray]:
-    index.search(xq[:5], k, nprobe)  # warm
-    times, Ds, Is = [], [], []
+def timed_queries(
+    indexes: list, xq: np.ndarray, k: int, nprobe: int
+) -> list[tuple[list[float], np.ndarray, np.ndarray]]:
+    """Per index (times, D, I) of the queries one at a time, the indexes taking turns on each
+    query (so that both see the same load on a shared machine)."""
+    for index in indexes:
+        index.search(xq[:5], k, nprobe)  # warm
+    runs = [([], [], []) for _ in indexes]
     for q in range(len(xq)):
-        start = time.perf_counter()
-        D, I = index.search(xq[q : q + 1], k, nprobe)
-        times.append(time.perf_counter() - start)
-        Ds.append(D)
-        Is.append(I)
-    return times, np.concatenate(Ds), np.concatenate(Is)
+        for index, (times, Ds, Is) in zip(indexes, runs):
+            start = time.perf_counter()
+            D, I = index.search(xq[q : q + 1], k, nprobe)
+            times.append(time.perf_counter() - start)
+            Ds.append(D)
+            Is.append(I)
+    return [(times, np.concatenate(Ds), np.concatenate(Is)) for times, Ds, Is in runs]
 
 
-def timed_reranks(index, keys: list[str], k: int, nprobe: int) -> tuple[list[float], list]:
+def timed_reranks(indexes: list, keys: list[str], k: int, nprobe: int) -> list[tuple[list[float], list]]:
+    """Per index (times, [(D, I)]) of re-ranked key queries (spatial verification, shortlist 100),
+    one at a time, the indexes taking turns, each query as one request of the service."""
+    from contextlib import nullcontext
+
     from query.retrieve import QueryConfig, search, stored_tokens
     from rerank.rerank import RerankConfig
 
     conf = QueryConfig(k=k, nprobe=nprobe, rerank=RerankConfig(method="sp", shortlist=100))
-    times, answers = [], []
+    runs = [([], []) for _ in indexes]
     for key in keys:
-        start = time.perf_counter()
-        D, I, _ = search(index, index.vector_of(key)[None], conf, stored_tokens(index, [key]))
-        times.append(time.perf_counter() - start)
-        answers.append((D, I))
-    return times, answers
+        for index, (times, answers) in zip(indexes, runs):
+            start = time.perf_counter()
+            with index.request() if hasattr(index, "request") else nullcontext():
+                D, I, _ = search(index, index.vector_of(key)[None], conf, stored_tokens(index, [key]))
+            times.append(time.perf_counter() - start)
+            answers.append((D, I))
+    return runs
 
 
 def keys_in_shards(single, out: Path, xq: np.ndarray, nprobe: int) -> float:
@@ -176,13 +193,15 @@ def keys_in_shards(single, out: Path, xq: np.ndarray, nprobe: int) -> float:
 
 
 def coordinator_child(args: argparse.Namespace) -> None:
-    """The coordinator alone in this process: serve, query, report (JSON to --result)."""
+    """The coordinator alone in this process (its RSS is taken before the single index is
+    opened here for the comparison): serve, query, report (JSON to --result)."""
     import ray
 
     from cluster.ray_shards import ShardPlacement
     from cluster.serve import ShardServing, serve_sharded
     from cluster.staging import StageConfig
     from index.memory import process_memory
+    from index.search import load_index
 
     ray.init(address=args.address, log_to_driver=False)
     start = time.perf_counter()
@@ -190,7 +209,11 @@ def coordinator_child(args: argparse.Namespace) -> None:
     index = serve_sharded(args.index, serving)
     ready_s = time.perf_counter() - start
     xq = np.load(args.queries)[: args.queries_n]
-    times, D, I = timed_queries(index, xq, args.k, args.nprobe)
+    floor = []
+    for _ in range(100):  # the cost of one fan-out alone: every shard's cheapest call, in parallel
+        t = time.perf_counter()
+        index.call("info", index.every_shard())
+        floor.append(time.perf_counter() - t)
     index.traffic.count = True
     for q in range(min(50, len(xq))):
         index.search(xq[q : q + 1], args.k, args.nprobe)
@@ -202,26 +225,33 @@ def coordinator_child(args: argparse.Namespace) -> None:
         t = time.perf_counter()
         index.keys_of(I1000)
         keys_times.append(time.perf_counter() - t)
-    floor = []
-    for _ in range(100):  # the cost of one fan-out alone: every shard's cheapest call, in parallel
-        t = time.perf_counter()
-        index.call("info", index.every_shard())
-        floor.append(time.perf_counter() - t)
+    if index.has_locals:  # the re-ranking path's modules loaded before the memory is taken
+        keys = json.loads(Path(args.rerank_keys).read_text())
+        timed_reranks([index], keys[:3], args.k, args.nprobe)
+    timed_queries([index], xq, args.k, args.nprobe)
+    rss = process_memory().get("rss", 0)
+    single = load_index(args.index)
+    (times, D, I), (single_times, D1, I1) = timed_queries([index, single], xq, args.k, args.nprobe)
     out = {
         "ready_s": round(ready_s, 1),
+        "coordinator_rss_mb": round(rss / 2**20, 1),
         "ray_fanout_floor_p50_ms": round(float(np.median(floor)) * 1000, 3),
-        **percentiles(times),
+        "single": percentiles(single_times),
+        "sharded": percentiles(times),
         "bytes_per_query": int(per_query),
         "keys_ms_1000": round(float(np.median(keys_times)) * 1000, 3),
-        "nodes": sorted({r["node"][:8] for r in index.health()["replicas"]}),
+        "nodes": len({r["node"] for r in index.health()["replicas"]}),
+        "identical_to_single": bool(np.array_equal(I, I1) and np.array_equal(D, D1)),
     }
     if index.has_locals:
-        keys = json.loads(Path(args.rerank_keys).read_text())
-        rtimes, answers = timed_reranks(index, keys, args.k, args.nprobe)
-        out.update({"rerank_" + name: value for name, value in percentiles(rtimes).items()})
-        np.savez(args.result + ".rerank.npz", D=np.stack([a[0] for a in answers]), I=np.stack([a[1] for a in answers]))
-    out["coordinator_rss_mb"] = round(process_memory().get("rss", 0) / 2**20, 1)
-    np.savez(args.result + ".npz", D=D, I=I)
+        (rtimes, answers), (single_rtimes, single_answers) = timed_reranks([index, single], keys, args.k, args.nprobe)
+        out["sharded"].update({"rerank_" + name: value for name, value in percentiles(rtimes).items()})
+        out["single"].update({"rerank_" + name: value for name, value in percentiles(single_rtimes).items()})
+        out["identical_to_single"] = out["identical_to_single"] and all(
+            np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(answers, single_answers)
+        )
+    else:
+        out["rerank"] = "not measured: no local tokens at this n (generating them here takes too long)"
     Path(args.result).write_text(json.dumps(out))
     ray.shutdown()
 
@@ -231,16 +261,10 @@ def run_size(n: int, args: argparse.Namespace, address: str, work: Path) -> dict
 
     work.mkdir(parents=True, exist_ok=True)
     out, xq, build_s = build(work, n, args)
-    xq = xq[: args.queries]
     single = load_index(out)
-    times, D1, I1 = timed_queries(single, xq, args.k, args.nprobe)
-    result = {"n": n, "build_s": build_s, "single": percentiles(times)}
     if single.has_locals:
-        keys = rerank_keys(single, args.rerank_queries)
-        (work / "rerank_keys.json").write_text(json.dumps(keys))
-        rtimes, answers1 = timed_reranks(single, keys, args.k, args.nprobe)
-        result["single"].update({"rerank_" + k: v for k, v in percentiles(rtimes).items()})
-    result["keys_ms_1000_in_shards"] = keys_in_shards(single, out, xq[:1], args.nprobe)
+        (work / "rerank_keys.json").write_text(json.dumps(rerank_keys(single, args.rerank_queries)))
+    result = {"n": n, "build_s": build_s, "keys_ms_1000_in_shards": keys_in_shards(single, out, xq[:1], args.nprobe)}
     del single
     report = work / "coordinator.json"
     command = [sys.executable, __file__, "--child", "--address", address, "--index", str(out)]
@@ -248,21 +272,8 @@ def run_size(n: int, args: argparse.Namespace, address: str, work: Path) -> dict
     command += ["--k", str(args.k), "--nprobe", str(args.nprobe), "--cache-dir", str(work / "cache-{node}")]
     command += ["--rerank-keys", str(work / "rerank_keys.json")]
     subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    sharded = json.loads(report.read_text())
-    answer = np.load(str(report) + ".npz")
-    identical = bool(np.array_equal(answer["I"], I1) and np.array_equal(answer["D"], D1))
-    if "rerank_p50_ms" in sharded:
-        reranked = np.load(str(report) + ".rerank.npz")
-        identical = identical and all(
-            np.array_equal(reranked["D"][q], a[0]) and np.array_equal(reranked["I"][q], a[1])
-            for q, a in enumerate(answers1)
-        )
-    else:
-        sharded["rerank"] = (
-            f"not measured: no local tokens at n > {args.tokens_max} (generating them takes too long here)"
-        )
-    result.update(sharded=sharded, identical_to_single=identical)
-    result["p50_ratio_vs_single"] = round(sharded["p50_ms"] / result["single"]["p50_ms"], 2)
+    result.update(json.loads(report.read_text()))
+    result["p50_ratio_vs_single"] = round(result["sharded"]["p50_ms"] / result["single"]["p50_ms"], 2)
     return result
 
 
@@ -309,7 +320,7 @@ def main() -> None:
     finally:
         ray.shutdown()
         nodes.shutdown()
-    small, large = sizes[0]["sharded"]["coordinator_rss_mb"], sizes[-1]["sharded"]["coordinator_rss_mb"]
+    small, large = sizes[0]["coordinator_rss_mb"], sizes[-1]["coordinator_rss_mb"]
     summary = {
         "benchmark": "sharded_serving",
         "setup": {
@@ -324,7 +335,8 @@ def main() -> None:
         },
         "sizes": sizes,
         "coordinator_rss_growth": round((large - small) / small, 4),
-        "keys_ms_1000": sizes[-1]["sharded"]["keys_ms_1000"],
+        "keys_ms_1000": sizes[-1]["keys_ms_1000"],
+        "keys_ms_1000_in_shards": sizes[-1]["keys_ms_1000_in_shards"],
         "identical_to_single": all(s["identical_to_single"] for s in sizes),
         "p50_ratio_vs_single": sizes[-1]["p50_ratio_vs_single"],
     }
