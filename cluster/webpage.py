@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from fastapi import Request  # module level: the routes' annotations are resolved in this module's globals
 
+from cluster.coordinator import ShardsUnavailable
 from core.errors import ImageDecodeError, NeedleInputError
 
 log = logging.getLogger(__name__)
@@ -358,6 +359,8 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
             return JSONResponse(await run_in_threadpool(fn, *args))
         except (NeedleInputError, ImageDecodeError) as exc:
             return _error(400, str(exc))
+        except ShardsUnavailable as exc:  # shards served by Ray actors that did not answer in time
+            return _error(503, str(exc))
         except Exception as exc:  # keep serving; the log has the traceback
             log.exception("page request failed")
             return _error(500, f"{type(exc).__name__}: {exc}")
@@ -434,6 +437,8 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
             data = source.image_bytes(key)
         except NeedleInputError as exc:
             return _error(404, str(exc))
+        except ShardsUnavailable as exc:
+            return _error(503, str(exc))
         except (OSError, tarfile.TarError) as exc:
             return _error(404, f"the image of {key!r} cannot be read: {exc}")
         except Exception as exc:  # ShardReadError and the like
