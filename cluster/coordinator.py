@@ -266,20 +266,34 @@ class ShardedIndex:
                 found.update(zip((int(r) for r in args[s][0]), keys))
         return [[found.get(int(i)) if i >= 0 else None for i in row] for row in I]
 
-    def find_key(self, key: str) -> tuple[int, dict[str, Any]]:
-        """(the shard holding ``key``, its find_key answer), from every shard's O(log n) lookup
-        (once per request: its vector and then its tokens ask every shard once)."""
+    def find_keys(self, keys: list[str], with_tokens: bool = False) -> dict[str, tuple[int, dict[str, Any]]]:
+        """{key: (the shard holding it, its find_key answer)} of those of ``keys`` found, from one
+        call to every shard (each an O(log n) lookup per key), kept for the rest of the request
+        (a key's vector and then its tokens ask no shard again); ``with_tokens``: with the stored
+        tokens of each (re-ranking)."""
         state = self.state()
-        if key in state.found:
-            return state.found[key]
-        found = {s: out for s, out in self.call("find_key", self.every_shard(key), "the key lookup").items() if out}
-        if not found:
+        todo = [
+            k
+            for k in dict.fromkeys(keys)
+            if k not in state.found or (with_tokens and "tokens" not in state.found[k][1])
+        ]
+        if todo:
+            answers = self.call("find_keys", self.every_shard(todo, with_tokens), "the key lookup")
+            for i, key in enumerate(todo):
+                hits = {s: answer[i] for s, answer in answers.items() if answer[i] is not None}
+                if hits:
+                    state.found[key] = (min(hits), hits[min(hits)])
+        return {k: state.found[k] for k in keys if k in state.found}
+
+    def find_key(self, key: str, with_tokens: bool = False) -> tuple[int, dict[str, Any]]:
+        """(the shard holding ``key``, its find_key answer); UnknownKeyError where no shard holds
+        it, ShardsUnavailable where a missing shard might (a partial request)."""
+        found = self.find_keys([key], with_tokens)
+        if key not in found:
             if self.state().missing:  # a partial request: the key may be on a missing shard
                 raise ShardsUnavailable(sorted(self.state().missing), f"the lookup of key {key!r}")
             raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
-        s = min(found)
-        state.found[key] = (s, found[s])
-        return s, found[s]
+        return found[key]
 
     def position_of(self, key: str) -> int:
         s, out = self.find_key(key)
@@ -300,7 +314,9 @@ class ShardedIndex:
             raise NeedleInputError(
                 f"index {self.path} has no local tokens: ingest with --locals and rebuild it to re-rank"
             )
-        s, _ = self.find_key(key)
+        s, found = self.find_key(key)
+        if "tokens" in found:
+            return found["tokens"]
         return self.call("tokens_of_key", {s: (key,)}, "the token lookup")[s]
 
     def vectors_of_rows(self, I: np.ndarray) -> np.ndarray:

@@ -201,6 +201,9 @@ class QueryService:
             keys = body["keys"]
             if not isinstance(keys, list) or not keys or not all(isinstance(x, str) for x in keys):
                 raise NeedleInputError("'keys' must be a non-empty list of strings")
+            lookup = getattr(self.index, "find_keys", None)  # shards elsewhere: all keys in one call to each
+            if lookup is not None:
+                lookup(keys, with_tokens=self.rerank is not None)
             tokens = None
             if self.rerank is not None:
                 from query.retrieve import stored_tokens

@@ -83,13 +83,21 @@ class ShardActor:
     def keys_of(self, rows: np.ndarray) -> list[str | None]:
         return self.shard.keys_of(np.asarray(rows, np.int64)[None])[0]
 
-    def find_key(self, key: str) -> dict[str, Any] | None:
+    def find_key(self, key: str, with_tokens: bool = False) -> dict[str, Any] | None:
         """``{"position": shard-local position, "vector": float32 vector or None (no valid
-        descriptor)}`` of ``key``, or None where this shard does not hold it."""
+        descriptor)}`` of ``key`` (and ``"tokens"``, its stored LocalTokens, ``with_tokens``), or
+        None where this shard does not hold it."""
         position = self.shard.position_of(key)
         if position < 0:
             return None
-        return {"position": position, "vector": self.shard.vector_at(position)}
+        found = {"position": position, "vector": self.shard.vector_at(position)}
+        if with_tokens:
+            found["tokens"] = self.store().tokens(position)
+        return found
+
+    def find_keys(self, keys: list[str], with_tokens: bool = False) -> list[dict[str, Any] | None]:
+        """``find_key`` of each of ``keys`` (one call for a request's keys)."""
+        return [self.find_key(key, with_tokens) for key in keys]
 
     def tokens_of_key(self, key: str) -> Any:
         """The stored LocalTokens of ``key`` (None where this shard does not hold it)."""
