@@ -77,6 +77,7 @@ class ShardActor:
         self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[str | None]]]:
         """(index scores, row ids, exact scores, keys) of this shard's shortlist (``Shard.search``)."""
+        xq = np.require(xq, np.float32, ["C", "W"])  # Ray hands arrays over read-only; torch wants them writable
         D, I, exact = self.shard.search(xq, kk, nprobe, refine)
         return D, I, exact, self.shard.keys_of(I)
 
