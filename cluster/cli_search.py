@@ -79,7 +79,13 @@ def _query(args: argparse.Namespace) -> int:
         text_queries=text_queries,
         vectors=args.vectors,
     )
-    index = open_index(args.index, args.ray_shards, args.address)
+    serving = None
+    if args.ray_shards and args.s3_endpoint_url:
+        from cluster.serve import ShardServing
+        from cluster.staging import StageConfig
+
+        serving = ShardServing(stage=StageConfig(endpoint_url=args.s3_endpoint_url))
+    index = open_index(args.index, args.ray_shards, args.address, serving)
     if args.out:
         main(conf, index, inputs, Path(args.out))
     else:
@@ -104,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
 def add_search_parsers(sub: argparse._SubParsersAction) -> None:
     """query, serve."""
     p = sub.add_parser("query", help="top-k keys and scores for images or stored keys, as JSON")
-    p.add_argument("--index", required=True, help="index directory")
+    p.add_argument("--index", required=True, help="index directory (with --ray-shards also an s3://bucket/prefix)")
     p.add_argument("--image", nargs="+", help="query image files")
     p.add_argument("--key", nargs="+", help="stored keys to query with")
     p.add_argument("--text", nargs="+", help="text queries (open_clip models)")
@@ -128,6 +134,7 @@ def add_search_parsers(sub: argparse._SubParsersAction) -> None:
     add_file_flags(p)
     p.add_argument("--ray-shards", action="store_true", help="search the shards in Ray actors")
     p.add_argument("--address", help="Ray cluster for --ray-shards (default: $RAY_ADDRESS, else local)")
+    p.add_argument("--s3-endpoint-url", help="S3-compatible endpoint for an s3:// --index (with --ray-shards)")
     add_rerank_flags(p)
     p.set_defaults(func=_query)
 

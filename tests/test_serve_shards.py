@@ -66,6 +66,15 @@ def test_search_and_keys_equal_the_single_index(built, sharded):
     assert sharded.ntotal == single.ntotal and sharded.d == single.d == D
 
 
+def test_query_expansion_reads_the_neighbours_from_their_shards(built, sharded):
+    _, out, xb = built
+    conf = QueryConfig(k=12, qe_top=5)
+    D1, I1, _ = search(load_index(out), queries(xb), conf)
+    D2, I2, _ = search(sharded, queries(xb), conf)
+    np.testing.assert_array_equal(I1, I2)
+    np.testing.assert_array_equal(D1, D2)
+
+
 def test_key_lookups_are_routed(built, sharded):
     _, out, _ = built
     single = load_index(out)
