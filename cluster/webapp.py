@@ -194,6 +194,16 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
     return app
 
 
+def check_shards(service: QueryService) -> None:
+    """ShardsUnavailable naming the shards without a live replica (shards in Ray actors); nothing
+    for an index in this process."""
+    health = getattr(service.index, "health", None)
+    if health is not None:
+        state = health()
+        if not state["ok"]:
+            raise ShardsUnavailable(state["unavailable_shards"], "the health check")
+
+
 # Ray Serve: replicas of the same app. Replicas reserve no CPU by default: with --ray-shards the
 # shard actors already hold the cluster's CPUs (see cluster.serve.serve_sharded).
 REPLICA_CPUS = 0.0
@@ -234,10 +244,6 @@ def ray_app(
 
         def check_health(self) -> None:
             """Serve's health probe: raises while a shard has no live replica."""
-            health = getattr(self.service.index, "health", None)
-            if health is not None:
-                state = health()
-                if not state["ok"]:
-                    raise ShardsUnavailable(state["unavailable_shards"], "the health check")
+            check_shards(self.service)
 
     return NeedleDeployment.bind(str(index_path), files, rerank, page, shard_actors, serving)

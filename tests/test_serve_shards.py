@@ -200,7 +200,7 @@ def test_http_503_partial_and_health(built, tmp_path):
     from fastapi.testclient import TestClient
 
     from cluster.serve import QueryService
-    from cluster.webapp import create_app
+    from cluster.webapp import check_shards, create_app
 
     _, out, xb = built
     index = coordinator(out, tmp_path / "cache", replicas=1, timeout=0.5)
@@ -227,6 +227,9 @@ def test_http_503_partial_and_health(built, tmp_path):
         assert response.status_code == 503 and "shard_003" in response.json()["error"]
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["unavailable_shards"] == ["shard_003"]
+        with pytest.raises(ShardsUnavailable, match="shard_003"):  # Ray Serve's check_health
+            check_shards(QueryService(index))
+        check_shards(single)  # one process: nothing to check
         del index.backend.slow[(3, 0)]
         time.sleep(3.0)  # the hung calls finish
         assert client.post("/search", json=body).json() == single.search_json(body)
