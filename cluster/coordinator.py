@@ -18,7 +18,7 @@ by the next one, one that hangs (restarting, on a lost node) is hedged on anothe
 ``request(partial=True)`` the answer is made from the shards that answered and the missing ones
 are recorded (``RequestState.missing``); otherwise ``ShardsUnavailable`` names them (HTTP 503).
 The calls go through a ``ShardBackend``: Ray actors (cluster/ray_shards.py) or, in tests,
-ShardActor objects in this process (``LocalShards``).
+ShardActor objects in this process (cluster/local_shards.py).
 """
 
 from __future__ import annotations
@@ -422,36 +422,3 @@ class ShardedIndex:
         live = {e["shard"] for e in replicas if e["status"] == "ready"}
         unavailable = [name for name in self.names if name not in live]
         return {"ok": not unavailable, "unavailable_shards": unavailable, "replicas": replicas}
-
-
-class LocalShards:
-    """A ShardBackend over ShardActor objects in this process (tests, and an index searched
-    without Ray): each call runs in a thread pool; ``down`` marks replicas as dead."""
-
-    def __init__(self, actors: list[list[Any]], workers: int = 8):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.actors = actors  # [shard][replica]
-        self.replicas = [len(a) for a in actors]
-        self.down: set[tuple[int, int]] = set()  # (shard, replica) that fail like a dead actor
-        self.slow: dict[tuple[int, int], float] = {}  # (shard, replica) -> seconds each call hangs first
-        self.pool = ThreadPoolExecutor(workers)
-
-    def submit(self, shard: int, replica: int, method: str, *args: Any) -> Any:
-        def run() -> Any:
-            if (shard, replica) in self.slow:
-                time.sleep(self.slow[shard, replica])
-            if (shard, replica) in self.down:
-                raise ReplicaFailed(f"replica {replica} of shard {shard} is down")
-            return getattr(self.actors[shard][replica], method)(*args)
-
-        return self.pool.submit(run)
-
-    def wait(self, handles: list[Any], timeout: float) -> list[Any]:
-        from concurrent.futures import wait as wait_futures
-
-        done, _ = wait_futures(handles, timeout)
-        return list(done)
-
-    def result(self, handle: Any) -> Any:
-        return handle.result()

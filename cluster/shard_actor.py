@@ -10,7 +10,7 @@ opens it by itself (``index.search.open_shard``) and answers everything about it
   members that can be among the query's final top k (the coordinator combines and orders).
 
 Every method only reads, so a call may be retried on a restarted actor or another replica. The
-class is plain Python: tests run it in-process (cluster/coordinator.py's ``LocalShards``).
+class is plain Python: tests run it in-process (cluster/local_shards.py).
 """
 
 from __future__ import annotations

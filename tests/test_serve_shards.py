@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from helpers_index import write_descriptors_with_tokens
 
-from cluster.coordinator import LocalShards, ShardedIndex, ShardsUnavailable
+from cluster.coordinator import ShardedIndex, ShardsUnavailable
+from cluster.local_shards import LocalShards
 from cluster.shard_actor import ShardActor
 from cluster.staging import StageConfig, read_index_infos, stage_shard
 from index.build import SHARD_INFOS_FILE, IndexConfig, main
