@@ -464,3 +464,26 @@ def test_affine_fit_refuses_collinear_points() -> None:
     ).all()  # kornia agrees: degenerate
     _, ok = fit_affine(src, dst, np.zeros((1, 10)))  # no weight at all
     assert not ok[0]
+
+
+def test_verify_a_batch_without_any_match_slot() -> None:
+    """Candidates none of which matched (a shard's few members of a shortlist): all unverified,
+    no error (the match table has zero columns)."""
+    rng = np.random.default_rng(0)
+    query = LocalTokens(
+        rng.integers(0, 256, (4, 16), dtype=np.uint8),
+        rng.random((4, 2)).astype(np.float32),
+        np.ones(4, np.float32),
+        np.ones(4, np.float32),
+    )
+    C, T = 3, 5
+    batch = TokenBatch(
+        rng.integers(0, 256, (C, T, 16), dtype=np.uint8),
+        rng.random((C, T, 2)).astype(np.float32),
+        np.ones((C, T), np.float32),
+        np.ones((C, T), np.float32),
+        np.ones((C, T), bool),
+    )
+    empty = np.zeros((C, 0), np.int64)
+    result = verify(query, batch, Matches(empty, empty, np.zeros((C, 0), np.int16), np.zeros((C, 0), bool)))
+    assert result.inliers.tolist() == [0, 0, 0] and not result.verified.any()
