@@ -30,9 +30,10 @@ class QueryInputs:
 
 
 def answer(conf: QueryConfig, index: SearchIndex | str | Path, inputs: QueryInputs) -> Any:
-    """The results of ``inputs`` on ``index`` (a directory, or an open index): one result dict per
-    query, or that dict alone for a single query."""
-    if not isinstance(index, SearchIndex):
+    """The results of ``inputs`` on ``index`` (a directory, or an open index: a SearchIndex, or a
+    coordinator of shards served elsewhere): one result dict per query, or that dict alone for a
+    single query."""
+    if isinstance(index, (str, Path)):
         index = load_index(index)
     vectors = load_vectors(Path(inputs.vectors), index.d) if inputs.vectors else None
     results = query(
@@ -57,7 +58,7 @@ def main(conf: QueryConfig, index: SearchIndex | str | Path, inputs: QueryInputs
     ``output``."""
     start = time.perf_counter()
     output = Path(output)
-    index_path = index if not isinstance(index, SearchIndex) else index.path
+    index_path = index if isinstance(index, (str, Path)) else index.path
     result = answer(conf, index, inputs)
     write_json_atomic(result, output)
     write_json_atomic(
