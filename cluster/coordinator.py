@@ -244,27 +244,28 @@ class ShardedIndex:
         k = min(k, self.ntotal)
         kk = self.shortlist_size(k, refine, refine_factor)
         parts = self.call("search", self.every_shard(xq, kk, nprobe, refine), "the search")
-        keys = self.state().keys
-        for s in sorted(parts):
-            _, I, _, shard_keys = parts[s]
-            for row_ids, row_keys in zip(I, shard_keys):
-                keys.update((int(i), key) for i, key in zip(row_ids, row_keys) if i >= 0)
+        request = _REQUEST.get()
+        if request is not None:  # kept for this request's keys_of (-1 padding maps to None, never asked)
+            for s in sorted(parts):
+                _, I, _, shard_keys = parts[s]
+                for row_ids, row_keys in zip(I.tolist(), shard_keys):
+                    request.keys.update(zip(row_ids, row_keys))
         return merge_shortlists([parts[s][:3] for s in sorted(parts)], kk, k)
 
     def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
         """Row ids (nq, k) -> keys (None for the padding, and for rows of a shard missing from a
         partial request): those this request's searches returned, the others from their shards."""
         I = np.atleast_2d(I)
-        known = self.state().keys
-        flat = I.reshape(-1)
-        wanted = np.unique(flat[(flat >= 0) & ~np.isin(flat, np.fromiter(known, np.int64, len(known)))])
-        found = dict(known)
+        known = self.state().keys  # the rows this request's searches returned (touched per row of I only)
+        rows = I.tolist()
+        wanted = np.unique(np.array([i for row in rows for i in row if i >= 0 and i not in known], np.int64))
+        found: dict[int, str | None] = {}
         if len(wanted):
             owners = self.shard_of_rows(wanted)
             args = {int(s): (wanted[owners == s],) for s in np.unique(owners[owners >= 0])}
             for s, keys in self.call("keys_of", args, "the key lookup").items():
-                found.update(zip((int(r) for r in args[s][0]), keys))
-        return [[found.get(int(i)) if i >= 0 else None for i in row] for row in I]
+                found.update(zip(args[s][0].tolist(), keys))
+        return [[(known[i] if i in known else found.get(i)) if i >= 0 else None for i in row] for row in rows]
 
     def find_keys(self, keys: list[str], with_tokens: bool = False) -> dict[str, tuple[int, dict[str, Any]]]:
         """{key: (the shard holding it, its find_key answer)} of those of ``keys`` found, from one
