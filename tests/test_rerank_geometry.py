@@ -3,6 +3,8 @@ each vectorised path held to a plain per-pair loop, the affine fit to kornia and
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -404,6 +406,90 @@ def test_hypothesis_scale_range(scale: float, found: bool) -> None:
     assert verify_pair(query, cand, pairs).inliers == result.inliers[0]
     if found:
         np.testing.assert_allclose(result.affine[0], [[scale, 0, 7], [0, scale, 7]], atol=1e-4)
+
+
+def rotated_candidate(rng: np.random.Generator, query: LocalTokens, degrees: float, ratio: float) -> LocalTokens:
+    """A candidate whose first 30 tokens are the query's first 30 under a similarity rotating by
+    ``degrees`` and scaling by ``ratio`` (1 px noise), then 20 unrelated tokens."""
+    theta = np.radians(degrees)
+    rot = ratio * np.array([[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]])
+    xy = rng.uniform(0, 500, (50, 2))
+    xy[:30] = query.xy[:30] @ rot.T + [60.0, -20.0] + rng.normal(0, 1, (30, 2))
+    scale = np.ones(50)
+    scale[:30] = query.scale[:30] / ratio
+    return tokens(random_codes(50, rng), rng, xy=xy, scale=scale)
+
+
+@pytest.mark.parametrize("degrees", [0.0, 25.0, -60.0, 170.0])
+def test_pair_hypotheses_find_rotations(degrees: float) -> None:
+    """Single-match hypotheses carry no rotation: under 25 degrees or more they find a few inliers
+    near the seed only; two-match hypotheses recover the rotation (within ``max_rotation``)."""
+    rng = np.random.default_rng(12)
+    query = tokens(random_codes(60, rng), rng, xy=rng.uniform(0, 400, (60, 2)), scale=np.ones(60))
+    cand = rotated_candidate(rng, query, degrees, 1.2)
+    pairs = np.stack([np.arange(40), np.arange(40)], 1)  # 30 true matches, 10 wrong ones
+    distance = rng.integers(0, 30, 40).astype(np.int16)
+    matches = Matches(pairs[None, :, 0], pairs[None, :, 1], distance[None], np.ones((1, 40), bool))
+    batch = TokenBatch.stack([cand])
+    plain = verify(query, batch, matches, SpatialConfig(lo_iterations=0))
+    config = SpatialConfig(lo_iterations=0, pair_seeds=8)
+    rotated = verify(query, batch, matches, config)
+    assert rotated.inliers[0] >= 28 and set(np.flatnonzero(rotated.inlier_mask[0])) <= set(range(30))
+    t = np.radians(degrees)
+    np.testing.assert_allclose(
+        rotated.affine[0, :, :2], 1.2 * np.array([[np.cos(t), -np.sin(t)], [np.sin(t), np.cos(t)]]), atol=0.05
+    )
+    if abs(degrees) >= 25:
+        assert plain.inliers[0] < 15
+    ref = verify_pair(query, cand, pairs, config, distance)
+    assert ref.inliers == rotated.inliers[0] and ref.inlier_mask.tolist() == rotated.inlier_mask[0].tolist()
+    np.testing.assert_array_equal(ref.affine, rotated.affine[0])
+    # a rotation limit below the planted angle: no pair hypothesis of the true transform is tried
+    limited = verify(query, batch, matches, SpatialConfig(lo_iterations=0, pair_seeds=8, max_rotation=20.0))
+    assert (limited.inliers[0] >= 28) == (abs(degrees) <= 20)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SpatialConfig(inlier_threshold=40.0, min_inliers=6, pair_seeds=6),
+        SpatialConfig(inlier_threshold=30.0, min_inliers=3, pair_seeds=12, max_rotation=45.0, lo_iterations=0),
+        SpatialConfig(inlier_threshold=60.0, pair_seeds=4, pair_scale_tolerance=1.5, pair_min_span=40.0),
+    ],
+)
+def test_batched_pair_hypotheses_equal_the_loop(config: SpatialConfig) -> None:
+    """Random and rotated correspondences with random Hamming distances (ties included): the
+    batched two-match hypotheses give the loop's inliers, masks and models."""
+    rng = np.random.default_rng(13)
+    query = tokens(random_codes(80, rng), rng, xy=rng.uniform(0, 300, (80, 2)), scale=rng.choice([0.707, 1, 1.414], 80))
+    candidates, pairs, angles = [], [], {}
+    for c in range(50):
+        if c % 5 == 0:
+            angles[c] = float(rng.uniform(-180, 180))
+            cand = rotated_candidate(rng, query, angles[c], float(rng.choice([0.8, 1.0, 1.3])))
+            p = np.stack([np.arange(35), np.arange(35)], 1)
+        else:
+            n = int(rng.integers(0, 50))
+            cand = tokens(random_codes(n, rng), rng, xy=rng.uniform(0, 300, (n, 2)), scale=rng.choice([0.5, 1, 2.0], n))
+            m = min(n, int(rng.integers(0, 40)))
+            p = np.stack([np.sort(rng.choice(80, m, replace=False)), rng.choice(n, m, replace=False)], 1).reshape(-1, 2)
+        candidates.append(cand)
+        pairs.append(p)
+    matches = padded_matches(pairs)
+    distance = rng.integers(0, 6, matches.mask.shape).astype(np.int16) * matches.mask
+    matches = Matches(matches.query, matches.token, distance, matches.mask)
+    result = verify(query, TokenBatch.stack(candidates), matches, config)
+    for c, (cand, p) in enumerate(zip(candidates, pairs)):
+        ref = verify_pair(query, cand, p, config, distance[c, : len(p)])
+        assert result.inliers[c] == ref.inliers, c
+        np.testing.assert_array_equal(result.inlier_mask[c, : len(p)], ref.inlier_mask, err_msg=f"candidate {c}")
+        assert result.refined[c] == ref.refined and result.verified[c] == ref.verified, c
+        np.testing.assert_allclose(result.affine[c], ref.affine, rtol=1e-9, atol=1e-7, err_msg=f"candidate {c}")
+    allowed = [c for c, angle in angles.items() if abs(angle) < config.max_rotation - 1]  # 1 degree of noise
+    assert len(allowed) >= 2 and (result.inliers[allowed] >= 25).all()
+    if config.lo_iterations == 0:  # (refinements start from different models: no order after them)
+        plain = verify(query, TokenBatch.stack(candidates), matches, dataclasses.replace(config, pair_seeds=0))
+        assert (result.inliers >= plain.inliers).all()
 
 
 def test_verification_rejects_bad_inputs() -> None:
