@@ -34,14 +34,14 @@ import torch
 from PIL import Image
 from torch import nn
 
+from core.errors import NeedleInputError
+from core.hashing import file_sha256
+from core.tokens import CODE_BYTES, LocalTokens
 from embed.extract import batches_by_shape
 from embed.itq import ITQ, load_itq
 from embed.models import build_global_model
 from embed.registry import RANDOM, LocalConfig, get_local_preset, get_model_config, resolve_package_file
-from core.hashing import file_sha256
-from core.errors import NeedleInputError
 from ingest.images import RESAMPLE, resized_size
-from core.tokens import CODE_BYTES, LocalTokens
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,9 @@ def resolve_itq(reference: str | None) -> tuple[ITQ | None, Path | None]:
     return load_itq(path), path
 
 
-def build_local_model(conf: LocalConfig, weights: str | Path | None = None) -> tuple[nn.Module, tuple, tuple, Path | None]:
+def build_local_model(
+    conf: LocalConfig, weights: str | Path | None = None
+) -> tuple[nn.Module, tuple, tuple, Path | None]:
     """(dense model or SIFT, mean, std, weights path) for ``conf``, in eval mode."""
     if conf.kind == "cnn":
         net, path = build_global_model(conf.model, weights)
@@ -112,8 +114,14 @@ class _ScaleTokens:
 class LocalExtractor:
     """Local tokens of images, as Parquet list columns (ingestion) or LocalTokens (queries)."""
 
-    def __init__(self, conf: LocalConfig, weights: str | Path | None = None, device: str = "cpu", batch_size: int = 16,
-                 itq: ITQ | None = None):
+    def __init__(
+        self,
+        conf: LocalConfig,
+        weights: str | Path | None = None,
+        device: str = "cpu",
+        batch_size: int = 16,
+        itq: ITQ | None = None,
+    ):
         if batch_size < 1:
             raise NeedleInputError(f"batch_size must be >= 1, got {batch_size}")
         self.conf = conf
@@ -130,7 +138,9 @@ class LocalExtractor:
             )
         self.dim = int(self.net.dim)
         if self.itq is not None and self.itq.dim != self.dim:
-            raise NeedleInputError(f"ITQ projection {self.itq_path} is for d={self.itq.dim}, the local descriptors have d={self.dim}")
+            raise NeedleInputError(
+                f"ITQ projection {self.itq_path} is for d={self.itq.dim}, the local descriptors have d={self.dim}"
+            )
         self._mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
         self._std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
         # Images arrive at the largest scale; smaller scales are resized from them.
@@ -155,7 +165,9 @@ class LocalExtractor:
                 continue
             desc, weight = self._dense(np.stack([scaled[i] for i in idx]))
             for j, i in enumerate(idx):
-                out[i] = _grid_tokens(desc[j], weight[j], images[i].shape[:2], self.resolution / self.conf.resolution, scale_index)
+                out[i] = _grid_tokens(
+                    desc[j], weight[j], images[i].shape[:2], self.resolution / self.conf.resolution, scale_index
+                )
         return out  # type: ignore[return-value]
 
     def _sift_tokens(self, scaled: np.ndarray, original: np.ndarray, scale_index: int) -> _ScaleTokens:
@@ -166,7 +178,9 @@ class LocalExtractor:
     def _select(self, per_scale: list[_ScaleTokens]) -> _ScaleTokens:
         if self.conf.per_scale:
             per_scale = [_top(t, self.conf.top_k) for t in per_scale]
-        merged = _ScaleTokens(*(np.concatenate([getattr(t, f.name) for t in per_scale]) for f in dataclasses.fields(_ScaleTokens)))
+        merged = _ScaleTokens(
+            *(np.concatenate([getattr(t, f.name) for t in per_scale]) for f in dataclasses.fields(_ScaleTokens))
+        )
         return _top(merged, self.conf.max_tokens)
 
     def describe(self, images: list[np.ndarray]) -> list[_ScaleTokens]:
@@ -181,9 +195,16 @@ class LocalExtractor:
             raise NeedleInputError("binary tokens need an ITQ projection (LocalConfig.itq)")
         scales = np.asarray(self.conf.scales, np.float32)
         return [
-            LocalTokens(self.itq.binarize(t.desc), t.xy.astype(np.float32), scales[t.scale_index],
-                        t.weight.astype(np.float32), t.desc)
+            LocalTokens(
+                np.packbits(proj >= 0, axis=1),
+                t.xy.astype(np.float32),
+                scales[t.scale_index],
+                t.weight.astype(np.float32),
+                t.desc,
+                proj,
+            )
             for t in self.describe(images)
+            for proj in (self.itq.project(t.desc),)
         ]
 
     def tokens_of_any_size(self, images: list[np.ndarray]) -> list[LocalTokens]:
@@ -219,8 +240,11 @@ class LocalExtractor:
             "weights_sha256": file_sha256(self.weights_path) if self.weights_path else None,
             "itq": str(self.itq_path) if self.itq_path else None,
             "itq_sha256": file_sha256(self.itq_path) if self.itq_path else None,
-            "detector_weights_sha256": (file_sha256(Path(self.conf.detector_weights))
-                                        if self.conf.detector_weights and self.conf.detector_weights != RANDOM else None),
+            "detector_weights_sha256": (
+                file_sha256(Path(self.conf.detector_weights))
+                if self.conf.detector_weights and self.conf.detector_weights != RANDOM
+                else None
+            ),
             "resolution": self.conf.resolution,
         }
 
@@ -228,8 +252,9 @@ class LocalExtractor:
 NO_ITQ = "none"  # the ``itq`` override that asks for float descriptors only, no codes (e.g. to learn an ITQ)
 
 
-def build_local_extractor(preset: str | LocalConfig, weights: str | Path | None = None, device: str = "cpu",
-                          **overrides: Any) -> LocalExtractor:
+def build_local_extractor(
+    preset: str | LocalConfig, weights: str | Path | None = None, device: str = "cpu", **overrides: Any
+) -> LocalExtractor:
     """The one way every caller builds a local-token extractor: a preset name (embed/registry.py) or
     a config, with ``overrides`` replacing its fields (a None override keeps the preset's value;
     ``itq=NO_ITQ`` removes the ITQ projection). ``weights``: the backbone's file, ``RANDOM`` for a
@@ -264,16 +289,21 @@ def _resize(image: np.ndarray, longer_side: int) -> np.ndarray:
     return np.asarray(Image.fromarray(image).resize(size, RESAMPLE))
 
 
-def _grid_tokens(desc: np.ndarray, weight: np.ndarray, input_hw: tuple[int, int], input_over_base: float,
-                 scale_index: int) -> _ScaleTokens:
+def _grid_tokens(
+    desc: np.ndarray, weight: np.ndarray, input_hw: tuple[int, int], input_over_base: float, scale_index: int
+) -> _ScaleTokens:
     """Every cell of a (d, h, w) map as a token at the centre of its cell, in base pixels (the map
     covers the scaled image evenly, so a cell's centre in input pixels is (j + 0.5) * W / w)."""
     d, h, w = desc.shape
     ys, xs = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
     x = (xs.reshape(-1) + 0.5) * input_hw[1] / w / input_over_base
     y = (ys.reshape(-1) + 0.5) * input_hw[0] / h / input_over_base
-    return _ScaleTokens(desc.reshape(d, -1).T, np.stack([x, y], 1).astype(np.float32), weight.reshape(-1),
-                        np.full(h * w, scale_index, np.uint8))
+    return _ScaleTokens(
+        desc.reshape(d, -1).T,
+        np.stack([x, y], 1).astype(np.float32),
+        weight.reshape(-1),
+        np.full(h * w, scale_index, np.uint8),
+    )
 
 
 def _top(tokens: _ScaleTokens, k: int) -> _ScaleTokens:

@@ -41,6 +41,11 @@ _PAD_BYTE = 256  # row of the sign table that is all zeros: padded tokens
 _REAL_BYTE = 257  # row whose first entry is 1: the offset column of a real token
 _WIDTH = (CODE_BYTES + 1) * 8  # 128 sign columns + the offset column + 7 zero columns
 _OFFSET = float(CODE_BITS)  # added to real tokens' dot products: 128 + dot = 256 - 2 * hamming
+# Asymmetric matching: a query token's 128 ITQ projections become integer bit weights whose absolute
+# values sum to exactly this (largest-remainder rounding). Integers: every weight (|w| < 256) and
+# every product (0..1024) is exact in the float32 accumulation; 512 itself is exact in bfloat16, and
+# the bfloat16 products keep a resolution of half a bit of weighted Hamming distance.
+ASYMMETRIC_TOTAL = 512
 
 
 class RerankInputError(NeedleInputError):
@@ -53,6 +58,10 @@ class MatchConfig:
 
     max_distance: int = 32  # keep a match only within this many differing bits (of 128); 0..128
     mutual: bool = True  # also require the candidate token's nearest query token to be this query token
+    # Score the query's float ITQ projections (where its tokens carry them: image queries) against
+    # the database's binary codes: bits weigh by the query's confidence in them (weighted Hamming
+    # distance, in bits); the database side stays 128 bits.
+    asymmetric: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_distance <= CODE_BITS:
@@ -118,8 +127,33 @@ def _sign_table() -> torch.Tensor:
     return torch.from_numpy(np.concatenate([bits, extra])).to(torch.bfloat16)
 
 
-def _query_matrix(codes: np.ndarray) -> torch.Tensor:
-    """(Q, 136) bfloat16: ±1 bits, then 128 in the offset column (times the candidates' 1 or 0)."""
+def asymmetric_weights(proj: np.ndarray) -> np.ndarray:
+    """(Q, 128) ITQ projections -> (Q, 128) float32 integer bit weights, the sign of each projection
+    (>= 0: +, as the code's bit) times its share of ``ASYMMETRIC_TOTAL``, rounded so that every row's
+    absolute values sum to exactly ``ASYMMETRIC_TOTAL`` (floors, then +1 to the largest remainders,
+    ties to the lower bit). A row of zeros weighs every bit equally."""
+    magnitude = np.abs(np.asarray(proj, np.float64))
+    if magnitude.ndim != 2 or magnitude.shape[1] != CODE_BITS or not np.isfinite(magnitude).all():
+        raise RerankInputError(f"query projections must be finite (Q, {CODE_BITS}), got shape {magnitude.shape}")
+    total = magnitude.sum(1, keepdims=True)
+    magnitude = np.where(total > 0, magnitude, 1.0)
+    share = magnitude * ASYMMETRIC_TOTAL / magnitude.sum(1, keepdims=True)
+    weight = np.floor(share)
+    missing = (ASYMMETRIC_TOTAL - weight.sum(1)).astype(np.int64)  # 0..127
+    by_remainder = np.argsort(-(share - weight), axis=1, kind="stable")
+    bump = np.arange(CODE_BITS)[None, :] < missing[:, None]
+    np.put_along_axis(weight, by_remainder, np.take_along_axis(weight, by_remainder, 1) + bump, 1)
+    return np.where(np.asarray(proj) >= 0, weight, -weight).astype(np.float32)
+
+
+def _query_matrix(codes: np.ndarray, weights: np.ndarray | None = None) -> torch.Tensor:
+    """(Q, 136) bfloat16: ±1 bits (or the asymmetric integer weights), then the offset (128, or
+    ``ASYMMETRIC_TOTAL``) in the offset column (times the candidates' 1 or 0)."""
+    if weights is not None:
+        q = torch.zeros((len(weights), _WIDTH), dtype=torch.bfloat16)
+        q[:, :CODE_BITS] = torch.from_numpy(np.asarray(weights, np.float32))
+        q[:, CODE_BITS] = float(ASYMMETRIC_TOTAL)
+        return q
     rows = np.full((len(codes), CODE_BYTES + 1), _PAD_BYTE, np.int32)
     rows[:, :CODE_BYTES] = codes
     q = F.embedding(torch.from_numpy(rows), _sign_table()).reshape(len(codes), _WIDTH)
@@ -160,14 +194,25 @@ def nearest_tokens(
     within: int = 32,
     mutual: bool = True,
     block_values: int = BLOCK_VALUES,
+    query_weights: np.ndarray | None = None,
 ) -> NearestTokens:
     """Hamming nearest neighbours of each query token in each candidate (all exact).
 
     ``query_codes`` (Q, 16) uint8. Always returns the (C, Q) distances to each candidate's nearest
     token; for the pairs within ``within`` bits (-1: none, for Chamfer alone) also which token is
     nearest and, with ``mutual``, whether that token's nearest query token is this one.
+
+    With ``query_weights`` (Q, 128) from ``asymmetric_weights`` the distances are weighted Hamming
+    distances in bits, ``128 * (weight of the disagreeing bits) / ASYMMETRIC_TOTAL``, read from the
+    bfloat16 products (half-bit resolution) and rounded up to whole bits; nearest means the largest
+    bfloat16 product (lowest index among equals).
     """
     _check_inputs(query_codes, candidates)
+    if query_weights is not None and query_weights.shape != (len(query_codes), CODE_BITS):
+        raise RerankInputError(
+            f"query weights of shape {query_weights.shape} do not fit {len(query_codes)} tokens of {CODE_BITS} bits"
+        )
+    total = float(CODE_BITS if query_weights is None else ASYMMETRIC_TOTAL)  # products are 2 * total at distance 0
     if not -1 <= within <= CODE_BITS:
         raise RerankInputError(f"within must be in -1..{CODE_BITS} bits, got {within}")
     C, T = candidates.mask.shape
@@ -179,10 +224,11 @@ def nearest_tokens(
         return NearestTokens(distance, has_tokens, empty, empty, empty, np.zeros(0, bool) if mutual else None, within)
 
     table = _sign_table()
-    q_t = _query_matrix(query_codes).t().contiguous()  # (136, Q): block = candidate rows @ q_t
+    q_t = _query_matrix(query_codes, query_weights).t().contiguous()  # (136, Q): block = candidate rows @ q_t
     rows = _candidate_rows(candidates)
-    # 256 - 2 * within is the smallest product of a pair within ``within`` bits
-    threshold = _bf16_bits(float(2 * (CODE_BITS - within))) if within >= 0 else None
+    # 2 * total * (1 - within / 128) is the smallest product of a pair within ``within`` bits
+    # (256 - 2 * within for plain codes; a multiple of 8 up to 1024, exact in bfloat16, asymmetric)
+    threshold = _bf16_bits(total * (CODE_BITS - within) / 64) if within >= 0 else None
     chunk = max(1, block_values // max(1, T * Q))
     best = torch.empty((C, Q), dtype=torch.int16)
     found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
@@ -194,7 +240,7 @@ def nearest_tokens(
             torch.amax(block, dim=1, out=best[c0:c1])
             if threshold is not None:
                 found.append(_pairs_in_chunk(block, best[c0:c1], threshold, candidates.mask[c0:c1], c0, mutual))
-    distance = _bits_to_hamming(best)
+    distance = _bits_to_hamming(best, total)
     distance[~has_tokens] = CODE_BITS  # an all-padding candidate's "nearest" is a zero row
     if threshold is None:
         return NearestTokens(distance, has_tokens, empty, empty, empty, None, within)
@@ -203,10 +249,11 @@ def nearest_tokens(
     return NearestTokens(distance, has_tokens, cand, query, token, mut, within)
 
 
-def _bits_to_hamming(best: torch.Tensor) -> np.ndarray:
-    """int16 bit patterns of bfloat16 ``256 - 2h`` -> h. -0.0 (bits -32768) reads as 0, i.e. 128."""
-    products = best.view(torch.bfloat16).float().numpy()
-    return ((2 * CODE_BITS - products) / 2).astype(np.int16)
+def _bits_to_hamming(best: torch.Tensor, total: float = _OFFSET) -> np.ndarray:
+    """int16 bit patterns of bfloat16 products ``2 * total * (1 - h / 128)`` -> h, rounded up
+    (exact for plain codes, whose h are integers). -0.0 (bits -32768) reads as 0, i.e. 128."""
+    products = best.view(torch.bfloat16).float().numpy().astype(np.float64)
+    return np.ceil((2 * total - products) * (CODE_BITS / 2) / total).astype(np.int16)
 
 
 def _pairs_in_chunk(
@@ -247,10 +294,22 @@ def _pairs_in_chunk(
     return ci + c0, qi, token, mut
 
 
+def query_weights_of(query: LocalTokens, config: MatchConfig) -> np.ndarray | None:
+    """The asymmetric bit weights of ``query`` where ``config`` asks for them and its tokens carry
+    projections; None (plain Hamming distances) otherwise."""
+    if not config.asymmetric or query.proj is None:
+        return None
+    return asymmetric_weights(query.proj)
+
+
 def match_tokens(query: LocalTokens, candidates: TokenBatch, config: MatchConfig = MatchConfig()) -> Matches:
     """Tentative correspondences of ``query`` with every candidate of the shortlist."""
+    weights = query_weights_of(query, config)
     return matches_from_nearest(
-        nearest_tokens(query.codes, candidates, within=config.max_distance, mutual=config.mutual), config
+        nearest_tokens(
+            query.codes, candidates, within=config.max_distance, mutual=config.mutual, query_weights=weights
+        ),
+        config,
     )
 
 
@@ -288,20 +347,43 @@ def _pad_matches(
     return Matches(out_q, out_t, out_d, mask)
 
 
+def asymmetric_distances(weights: np.ndarray, candidate_codes: np.ndarray) -> np.ndarray:
+    """Plain reference of the asymmetric distances (Q, n) float64 in bits, as ``nearest_tokens``
+    reads them: the exact integer products ``total + w . signs`` rounded to bfloat16, then to bits."""
+    signs = np.unpackbits(candidate_codes, axis=1).astype(np.int64) * 2 - 1
+    products = ASYMMETRIC_TOTAL + np.asarray(weights, np.int64) @ signs.T
+    rounded = torch.from_numpy(products.astype(np.float32)).to(torch.bfloat16).double().numpy()
+    return (2 * ASYMMETRIC_TOTAL - rounded) * (CODE_BITS / 2) / ASYMMETRIC_TOTAL
+
+
 def match_pair(
     query_codes: np.ndarray,
     candidate_codes: np.ndarray,
     config: MatchConfig = MatchConfig(),
+    query_weights: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Plain reference for one pair: (query index, candidate index, distance) int64 arrays, by query index.
 
     Each query token's nearest candidate token (the lowest index among equally near ones), kept
     within ``max_distance`` and, with ``mutual``, when that token's nearest query token (again the
-    lowest index) is this one. ``candidate_codes`` are the candidate's real tokens only.
+    lowest index) is this one. ``candidate_codes`` are the candidate's real tokens only. With
+    ``query_weights`` the distances are ``asymmetric_distances`` (rounded up to whole bits when reported).
     """
     found: list[tuple[int, int, int]] = []
     if len(query_codes) and len(candidate_codes):
-        dist = hamming(query_codes, candidate_codes)
+        if query_weights is None:
+            dist = hamming(query_codes, candidate_codes)
+        else:
+            exact = asymmetric_distances(query_weights, candidate_codes)
+            for q in range(len(query_codes)):
+                t = int(np.argmin(exact[q]))
+                if exact[q, t] > config.max_distance:
+                    continue
+                if config.mutual and int(np.argmin(exact[:, t])) != q:
+                    continue
+                found.append((q, t, int(np.ceil(exact[q, t]))))
+            out = np.array(found, np.int64).reshape(-1, 3)
+            return out[:, 0], out[:, 1], out[:, 2]
         for q in range(len(query_codes)):
             t = int(np.argmin(dist[q]))  # np.argmin returns the first minimum
             if dist[q, t] > config.max_distance:

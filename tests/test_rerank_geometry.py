@@ -13,9 +13,12 @@ from core.errors import NeedleInputError
 from core.tokens import CODE_BITS, LocalTokens, TokenBatch, hamming
 from rerank.chamfer import chamfer_from_nearest, chamfer_similarity
 from rerank.matching import (
+    ASYMMETRIC_TOTAL,
     MatchConfig,
     Matches,
     RerankInputError,
+    asymmetric_distances,
+    asymmetric_weights,
     match_pair,
     match_tokens,
     matches_from_nearest,
@@ -121,6 +124,84 @@ def test_batched_matching_equals_loop(config: MatchConfig) -> None:
             np.testing.assert_array_equal(g, w, err_msg=f"candidate {c}, block {block_values}")
         assert len(got[3]) == 0  # the empty candidate
     np.testing.assert_array_equal(batched_as_list(match_tokens(query, batch, config))[5], want[5])
+
+
+def projections_of(codes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Float projections whose signs are ``codes`` (magnitudes of very different sizes, exact zeros
+    on set bits included), as an ITQ projection of the query's descriptors would give."""
+    bits = np.unpackbits(codes, axis=1).astype(bool)
+    magnitude = rng.exponential(1.0, bits.shape) * rng.choice([0.1, 1.0, 5.0], (len(codes), 1))
+    magnitude[rng.random(bits.shape) < 0.02] = 0.0
+    return np.where(bits, magnitude, -np.maximum(magnitude, 1e-3)).astype(np.float32)
+
+
+def test_asymmetric_weights() -> None:
+    rng = np.random.default_rng(20)
+    codes = random_codes(50, rng)
+    proj = projections_of(codes, rng)
+    w = asymmetric_weights(proj)
+    assert (np.abs(w).sum(1) == ASYMMETRIC_TOTAL).all() and (w == np.round(w)).all()
+    bits = np.unpackbits(codes, axis=1).astype(bool)
+    assert ((w > 0) == (bits & (w != 0))).all()  # the signs are the codes' bits (a zero weight has none)
+    share = np.abs(proj) * ASYMMETRIC_TOTAL / np.abs(proj).sum(1, keepdims=True)
+    assert (np.abs(np.abs(w) - share) < 1).all()  # each weight is its share rounded down or up
+    assert (asymmetric_weights(np.zeros((1, CODE_BITS))) == ASYMMETRIC_TOTAL / CODE_BITS).all()
+    with pytest.raises(RerankInputError, match="finite"):
+        asymmetric_weights(np.full((1, CODE_BITS), np.nan))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MatchConfig(asymmetric=True),
+        MatchConfig(asymmetric=True, mutual=False, max_distance=45),
+        MatchConfig(asymmetric=True, max_distance=CODE_BITS),
+    ],
+)
+def test_asymmetric_matching_equals_loop(config: MatchConfig) -> None:
+    """Float query projections against binary codes: the batched path gives the loop's matches and
+    distances (weighted Hamming distances rounded up), and Chamfer the loop's mean."""
+    rng = np.random.default_rng(21)
+    query = query_with_duplicates(rng)
+    query = LocalTokens(query.codes, query.xy, query.scale, query.weight, proj=projections_of(query.codes, rng))
+    weights = asymmetric_weights(query.proj)
+    candidates = shortlist(rng, query)
+    batch = TokenBatch.stack(candidates, length=32)
+    want = []
+    for cand in candidates:
+        qi, ti, di = match_pair(query.codes, cand.codes, config, weights)
+        want.append(np.stack([qi, ti, di], 1))
+    assert sum(len(w) for w in want) >= 10
+    for block_values in (10**9, 1):
+        nearest = nearest_tokens(
+            query.codes,
+            batch,
+            within=config.max_distance,
+            mutual=config.mutual,
+            block_values=block_values,
+            query_weights=weights,
+        )
+        got = batched_as_list(matches_from_nearest(nearest, config))
+        for c, (g, w) in enumerate(zip(got, want)):
+            np.testing.assert_array_equal(g, w, err_msg=f"candidate {c}, block {block_values}")
+    got = batched_as_list(match_tokens(query, batch, config))
+    for c, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(g, w, err_msg=f"candidate {c}")
+    # the plain path where the query carries no projections, or the config does not ask
+    plain = loop_matches(query, candidates, dataclasses.replace(config, asymmetric=False))
+    bare = LocalTokens(query.codes, query.xy, query.scale, query.weight)
+    for c, g in enumerate(batched_as_list(match_tokens(bare, batch, config))):
+        np.testing.assert_array_equal(g, plain[c])
+    # Chamfer over the asymmetric distances
+    from rerank.rerank import RerankConfig, Reranker
+
+    chamfer = Reranker(RerankConfig(method="chamfer", match=config)).local_scores(query, batch).raw
+    for c, cand in enumerate(candidates):
+        if len(cand) == 0:
+            assert chamfer[c] == 0.0
+            continue
+        nearest_bits = np.ceil(asymmetric_distances(weights, cand.codes).min(1))
+        assert chamfer[c] == pytest.approx(np.mean(1 - 2 * nearest_bits / CODE_BITS), abs=1e-12)
 
 
 def test_matching_with_mask_holes() -> None:
