@@ -631,3 +631,20 @@ def test_affine_fit_refuses_collinear_points() -> None:
     ).all()  # kornia agrees: degenerate
     _, ok = fit_affine(src, dst, np.zeros((1, 10)))  # no weight at all
     assert not ok[0]
+
+
+def test_bfloat16_and_float32_matmuls_give_the_same_products(monkeypatch) -> None:
+    """The path picked for this CPU changes speed only: plain and asymmetric products agree bit for bit."""
+    from rerank import matching
+
+    rng = np.random.default_rng(22)
+    query = query_with_duplicates(rng)
+    weights = asymmetric_weights(projections_of(query.codes, rng))
+    batch = TokenBatch.stack(shortlist(rng, query), length=32)
+    results = {}
+    for fast in (True, False):
+        monkeypatch.setattr(matching, "_bf16_matmul_is_fast", lambda fast=fast: fast)
+        results[fast] = [nearest_tokens(query.codes, batch, within=40, query_weights=w) for w in (None, weights)]
+    for a, b in zip(results[True], results[False]):
+        for field in ("distance", "candidate", "query", "token", "mutual"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
