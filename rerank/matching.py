@@ -60,8 +60,9 @@ class MatchConfig:
     mutual: bool = True  # also require the candidate token's nearest query token to be this query token
     # Score the query's float ITQ projections (where its tokens carry them: image queries) against
     # the database's binary codes: bits weigh by the query's confidence in them (weighted Hamming
-    # distance, in bits); the database side stays 128 bits.
-    asymmetric: bool = False
+    # distance, in bits); the database side stays 128 bits. Stored-key queries have no projections
+    # and match with plain Hamming distances. realbench: SP 52.5 -> 56.5 mAP@1k (cross-validated).
+    asymmetric: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_distance <= CODE_BITS:
