@@ -113,7 +113,7 @@ def test_batched_matching_equals_loop(config: MatchConfig) -> None:
     batch = TokenBatch.stack(candidates, length=32)  # 2 padded slots beyond the longest candidate
     want = loop_matches(query, candidates, config)
     assert sum(len(w) for w in want) >= 10  # the data does produce matches
-    # one chunk for all (few pairs per token row: rows gathered) and one candidate per chunk (many: all rows reduced)
+    # one chunk for all and one candidate per chunk
     for block_values in (10**9, 1):
         nearest = nearest_tokens(
             query.codes, batch, within=config.max_distance, mutual=config.mutual, block_values=block_values
@@ -633,18 +633,23 @@ def test_affine_fit_refuses_collinear_points() -> None:
     assert not ok[0]
 
 
-def test_bfloat16_and_float32_matmuls_give_the_same_products(monkeypatch) -> None:
-    """The path picked for this CPU changes speed only: plain and asymmetric products agree bit for bit."""
+def test_float64_keys_where_token_and_query_counts_do_not_fit_13_bits() -> None:
+    """Keys are float32 while T + Q ties fit 13 bits; beyond, float64: the same matches as the loop
+    (plain and asymmetric), ties included."""
     from rerank import matching
 
     rng = np.random.default_rng(22)
     query = query_with_duplicates(rng)
     weights = asymmetric_weights(projections_of(query.codes, rng))
-    batch = TokenBatch.stack(shortlist(rng, query), length=32)
-    results = {}
-    for fast in (True, False):
-        monkeypatch.setattr(matching, "_bf16_matmul_is_fast", lambda fast=fast: fast)
-        results[fast] = [nearest_tokens(query.codes, batch, within=40, query_weights=w) for w in (None, weights)]
-    for a, b in zip(results[True], results[False]):
-        for field in ("distance", "candidate", "query", "token", "mutual"):
-            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    candidates = shortlist(rng, query, n_candidates=6)
+    assert matching._KeyTable(torch.zeros((len(query), 136)), 8193 - len(query)).dtype == torch.float32
+    batch = TokenBatch.stack(candidates, length=8194 - len(query))  # T + Q = 8194: float64
+    assert matching._KeyTable(torch.zeros((len(query), 136)), batch.mask.shape[1]).dtype == torch.float64
+    for w in (None, weights):
+        config = MatchConfig(max_distance=45)
+        want = [np.stack(match_pair(query.codes, cand.codes, config, w), 1) for cand in candidates]
+        assert sum(len(x) for x in want) >= 5
+        nearest = nearest_tokens(query.codes, batch, within=45, query_weights=w)
+        got = batched_as_list(matches_from_nearest(nearest, config))
+        for c, (g, x) in enumerate(zip(got, want)):
+            np.testing.assert_array_equal(g, x, err_msg=f"candidate {c}")
