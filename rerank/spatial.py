@@ -289,20 +289,23 @@ def _pair_hypotheses(
         ok &= (scale * tol >= sa) & (scale <= sa * tol) & (scale * tol >= sb) & (scale <= sb * tol)
         if config.max_rotation < 180.0:
             ok &= c >= scale * cos_max
-        x, y = q[:, None, :, 0], q[:, None, :, 1]  # (g, 1, m)
-        rx = c[..., None] * x
-        rx -= d[..., None] * y
-        rx += tx[..., None]
-        rx -= d_[:, None, :, 0]
-        ry = d[..., None] * x
-        ry += c[..., None] * y
-        ry += ty[..., None]
-        ry -= d_[:, None, :, 1]
+        # (g, P, m) residuals in torch, in place (spread over the threads), the reference's operations
+        qt, dt = torch.from_numpy(q), torch.from_numpy(d_)
+        x, y = qt[:, None, :, 0], qt[:, None, :, 1]  # (g, 1, m)
+        ct, st = torch.from_numpy(c)[..., None], torch.from_numpy(d)[..., None]
+        rx = ct * x
+        rx -= st * y
+        rx += torch.from_numpy(tx)[..., None]
+        rx -= dt[:, None, :, 0]
+        ry = st * x
+        ry += ct * y
+        ry += torch.from_numpy(ty)[..., None]
+        ry -= dt[:, None, :, 1]
         rx *= rx
         ry *= ry
         rx += ry
-        table = (rx <= thr2) & valid[sl][:, None, :]  # (g, P, m)
-        counts = table.sum(2)
+        table_t = (rx <= thr2) & torch.from_numpy(valid[sl])[:, None, :]  # (g, P, m)
+        counts, table = table_t.sum(2).numpy(), table_t.numpy()
         counts[~ok] = -1
         best = counts.argmax(1)
         rows = np.arange(len(best))
