@@ -74,10 +74,14 @@ def main() -> None:
     parser.add_argument("--nq", type=int, default=1000, help="queries (one batch)")
     parser.add_argument("--k", type=int, default=100, help="neighbours per query")
     parser.add_argument("--chunk-rows", type=int, default=None, help="rows per chunk (default: ~256 MB)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: every available backend")
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: every available backend"
+    )
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch, FAISS/OpenMP)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per backend (best is reported)")
-    parser.add_argument("--dir", type=Path, default=None, help="where to write the database (default: a temporary directory)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where to write the database (default: a temporary directory)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -110,13 +114,26 @@ def main() -> None:
                 "ms_per_query": round(1000 * best / args.nq, 3),
                 "database_gb_per_s": round(xb.nbytes / best / 1e9, 3),
                 "max_abs_diff_D_vs_" + first[0]: float(np.abs(D - first[1]).max()),
-                "equal_ids_vs_" + first[0]: float((I == first[2]).mean()),
+                "equal_ids_vs_" + first[0]: float((first[2] == I).mean()),
             }
-    print(json.dumps({
-        "n": args.n, "d": args.d, "nq": args.nq, "k": args.k, "chunk_rows": rows, "threads": args.threads,
-        "database_bytes": args.n * args.d * 2, "write_s": round(write_s, 2), "backends": results,
-        "machine": platform.processor() or platform.machine(), "faiss": faiss.__version__, "torch": torch.__version__,
-    }))
+    print(
+        json.dumps(
+            {
+                "n": args.n,
+                "d": args.d,
+                "nq": args.nq,
+                "k": args.k,
+                "chunk_rows": rows,
+                "threads": args.threads,
+                "database_bytes": args.n * args.d * 2,
+                "write_s": round(write_s, 2),
+                "backends": results,
+                "machine": platform.processor() or platform.machine(),
+                "faiss": faiss.__version__,
+                "torch": torch.__version__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ def load_runs(paths: list[str]) -> list[dict]:
         if not lines:
             raise SystemExit(f"{path}: no JSON result line")
         run = json.loads(lines[-1])
-        missing = [key for key in ("code_bytes", "build_memory", "build_timings", "serve_pss_anon_gb") if key not in run]
+        missing = [
+            key for key in ("code_bytes", "build_memory", "build_timings", "serve_pss_anon_gb") if key not in run
+        ]
         if missing:
             raise SystemExit(f"{path}: a run without {missing} (made by an older bench/index_scale.py)")
         runs.append(run)
@@ -53,17 +55,32 @@ def extrapolate(runs: list[dict], n: int, d: int, budget: str, shards: int, part
     per_process = max((r["serve_pss_anon_gb"] * GB - r["n"] * r["bytes_per_vector"]) / (r["shards"] + 1) for r in runs)
     serve_anon = index_bytes + (shards + 1) * per_process
 
-    train_bytes_per_float = max(r["build_memory"]["peak_rss_after_training_gb"] * GB / (r["n_train"] * r["d"] * 4) for r in runs)
+    train_bytes_per_float = max(
+        r["build_memory"]["peak_rss_after_training_gb"] * GB / (r["n_train"] * r["d"] * 4) for r in runs
+    )
     train_peak = train_bytes_per_float * plan.n_train * d * 4
-    part_baseline = max(r["build_memory"]["part_rss_gb"] * GB - r["n"] / r["shards"] * r["bytes_per_vector"] for r in runs)
+    part_baseline = max(
+        r["build_memory"]["part_rss_gb"] * GB - r["n"] / r["shards"] * r["bytes_per_vector"] for r in runs
+    )
     add_peak = part_baseline + n / parts * bytes_per_vector
     largest = max(runs, key=lambda r: r["n"])
-    train_s = largest["build_timings"]["train_s"] * (plan.n_train * plan.nlist) / (largest["n_train"] * largest["nlist"])
+    train_s = (
+        largest["build_timings"]["train_s"] * (plan.n_train * plan.nlist) / (largest["n_train"] * largest["nlist"])
+    )
     add_s = largest["build_timings"]["add_s"] * n / largest["n"]
     return {
-        "n": n, "d": d, "memory_budget": budget, "shards": shards, "parts": parts,
-        "plan": {"factory": plan.factory, "nlist": plan.nlist, "code_bytes": plan.code_bytes, "n_train": plan.n_train,
-                 "reasons": plan.reasons},
+        "n": n,
+        "d": d,
+        "memory_budget": budget,
+        "shards": shards,
+        "parts": parts,
+        "plan": {
+            "factory": plan.factory,
+            "nlist": plan.nlist,
+            "code_bytes": plan.code_bytes,
+            "n_train": plan.n_train,
+            "reasons": plan.reasons,
+        },
         "from_runs": [{"n": r["n"], "factory": r["factory"]} for r in runs],
         "index_bytes_per_vector": round(bytes_per_vector, 1),
         "index_gb": round(index_bytes / GB, 2),

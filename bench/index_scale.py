@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import resource
 import shutil
 import subprocess
@@ -52,16 +51,19 @@ def write_part(directory: Path, shard_id: int, xb: np.ndarray) -> None:
 
     n, d = xb.shape
     name = f"{shard_id:06d}"
-    table = pa.table({
-        "key": [f"{name}/{i:07d}" for i in range(n)],
-        "shard": [name] * n,
-        "row": pa.array([make_row_id(shard_id, i) for i in range(n)], pa.int64()),
-        "global": fixed_size_list(xb, pa.float16()),
-        "width": pa.array(np.zeros(n, np.int32)),
-        "height": pa.array(np.zeros(n, np.int32)),
-        "status": ["ok"] * n,
-        "error": [""] * n,
-    }, schema=descriptor_schema(d))
+    table = pa.table(
+        {
+            "key": [f"{name}/{i:07d}" for i in range(n)],
+            "shard": [name] * n,
+            "row": pa.array([make_row_id(shard_id, i) for i in range(n)], pa.int64()),
+            "global": fixed_size_list(xb, pa.float16()),
+            "width": pa.array(np.zeros(n, np.int32)),
+            "height": pa.array(np.zeros(n, np.int32)),
+            "status": ["ok"] * n,
+            "error": [""] * n,
+        },
+        schema=descriptor_schema(d),
+    )
     write_parquet_atomic(table, directory / f"{name}.parquet")
 
 
@@ -85,15 +87,27 @@ def measure(index, xq, gt: list[set[int]], k: int, nprobe: int, refine_factor: i
     start = time.perf_counter()
     index.search(xq, k, nprobe, refine_factor=refine_factor)
     batch_s = time.perf_counter() - start
-    return {"nprobe": nprobe, "refine_factor": refine_factor, "recall_at_1000": round(found / (k * len(xq)), 4),
-            "p50_ms": round(1000 * float(np.median(latencies)), 2),
-            "p90_ms": round(1000 * float(np.percentile(latencies, 90)), 2), "qps": round(len(xq) / batch_s, 1)}
+    return {
+        "nprobe": nprobe,
+        "refine_factor": refine_factor,
+        "recall_at_1000": round(found / (k * len(xq)), 4),
+        "p50_ms": round(1000 * float(np.median(latencies)), 2),
+        "p90_ms": round(1000 * float(np.percentile(latencies, 90)), 2),
+        "qps": round(len(xq) / batch_s, 1),
+    }
 
 
 def generate(args, work: Path) -> tuple[np.ndarray, np.ndarray, float]:
     """Parquet parts of N vectors in ``work/desc`` and the exact top-k of the queries; reused when
     ``work/ground_truth.npz`` was made with the same parameters."""
-    meta = {"n": args.n, "d": args.d, "seed": args.seed, "queries": args.queries, "k": args.k, "per_file": args.per_file}
+    meta = {
+        "n": args.n,
+        "d": args.d,
+        "seed": args.seed,
+        "queries": args.queries,
+        "k": args.k,
+        "per_file": args.per_file,
+    }
     saved = work / "ground_truth.npz"
     if saved.is_file():
         data = np.load(saved)
@@ -123,8 +137,14 @@ def generate(args, work: Path) -> tuple[np.ndarray, np.ndarray, float]:
 def build(args, work: Path) -> dict:
     """``needle index build`` in a child process; its time and peak RSS (reused like the data)."""
     out = work / "sharded"
-    params = ["--memory-budget", args.memory_budget, "--shards", str(args.shards),
-              "--points-per-list", str(args.points_per_list)]
+    params = [
+        "--memory-budget",
+        args.memory_budget,
+        "--shards",
+        str(args.shards),
+        "--points-per-list",
+        str(args.points_per_list),
+    ]
     record = work / "build.json"
     if not args.rebuild and record.is_file() and (out / "index_infos.json").is_file():
         built = json.loads(record.read_text())
@@ -132,12 +152,26 @@ def build(args, work: Path) -> dict:
             logging.info("reusing the index in %s", out)
             return built
     shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, "-m", "cluster.cli", "index", "build", "--descriptors", str(work / "desc"), "--out", str(out), *params]
+    command = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "index",
+        "build",
+        "--descriptors",
+        str(work / "desc"),
+        "--out",
+        str(out),
+        *params,
+    ]
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=ROOT)
-    built = {"params": params, "build_s": round(time.perf_counter() - start, 1),
-             # ru_maxrss of waited-for children: the build is the only child so far
-             "build_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2)}
+    built = {
+        "params": params,
+        "build_s": round(time.perf_counter() - start, 1),
+        # ru_maxrss of waited-for children: the build is the only child so far
+        "build_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2),
+    }
     record.write_text(json.dumps(built))
     return built
 
@@ -165,9 +199,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from index.build import IDS_FILE, INDEX_FILE, INFOS_FILE, VECTORS_FILE, merge_parts
+    from index.build import IDS_FILE, INDEX_FILE, INFOS_FILE, VECTORS_FILE, concatenate_vectors, merge_parts
     from index.memory import process_memory
-    from index.search import load_index
+    from index.search import index_file_paths, load_index
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="needle-index-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -175,7 +209,8 @@ def main() -> None:
     gt = [set(row.tolist()) for row in I_gt]
     built = build(args, work)
     infos = json.loads((work / "sharded" / INFOS_FILE).read_text())
-    index_bytes = sum((work / "sharded" / name).stat().st_size for name in infos["index_files"])
+    index_paths = index_file_paths(work / "sharded", infos)
+    index_bytes = sum(path.stat().st_size for path in index_paths)
     sweep_points = [(int(p), int(r)) for p in args.nprobe.split(",") for r in args.refine_factor.split(",")]
 
     import ray
@@ -188,33 +223,61 @@ def main() -> None:
     for nprobe, factor in sweep_points:
         sweep.append({"index": "sharded_ray", **measure(service, xq, gt, args.k, nprobe, factor)})
         logging.info("%s", sweep[-1])
-    memories = [process_memory()] + ray.get([actor.memory.remote() for actor in service.actors])
-    serve = {f"serve_{name}_gb": gb(sum(m.get(name, 0) for m in memories)) for name in ("rss", "pss", "pss_anon", "pss_file")}
+    memories = [process_memory(), *ray.get([actor.memory.remote() for actor in service.actors])]
+    serve = {
+        f"serve_{name}_gb": gb(sum(m.get(name, 0) for m in memories)) for name in ("rss", "pss", "pss_anon", "pss_file")
+    }
     del service
     ray.shutdown()
 
-    if not args.no_single:  # the shards merged (same trained quantizer, same codes)
+    if not args.no_single:  # the shards merged (same trained quantizer, same codes), in one directory
+        import pyarrow as pa
+        import pyarrow.ipc
+
+        from index.search import read_ids
+
         single = work / "single"
         shutil.rmtree(single, ignore_errors=True)
         single.mkdir()
-        merge_parts([str(work / "sharded" / name) for name in infos["index_files"]], single / INDEX_FILE)
-        for name in (IDS_FILE, VECTORS_FILE):
-            os.link(work / "sharded" / name, single / name)
-        (single / INFOS_FILE).write_text(json.dumps({**infos, "index_files": [INDEX_FILE], "config": {**infos["config"], "shards": 1}}))
+        merge_parts([str(path) for path in index_paths], single / INDEX_FILE)
+        shard_dirs = [path.parent for path in index_paths]
+        concatenate_vectors([d / VECTORS_FILE for d in shard_dirs], single / VECTORS_FILE, infos["dim"])
+        ids = pa.concat_tables([read_ids(d / IDS_FILE) for d in shard_dirs])
+        with pa.OSFile(str(single / IDS_FILE), "wb") as sink, pa.ipc.new_file(sink, ids.schema) as writer:
+            writer.write_table(ids)
+        offsets, base = {}, 0  # the layout built before shard directories: positions over all rows
+        for d in shard_dirs:
+            shard = json.loads((d / "shard_infos.json").read_text())
+            offsets.update({k: base + v for k, v in shard["shard_offsets"].items()})
+            base += shard["rows"]
+        single_infos = {k: v for k, v in infos.items() if k not in ("layout", "shards")}
+        single_infos.update(index_files=[INDEX_FILE], shard_offsets=offsets, config={**infos["config"], "shards": 1})
+        (single / INFOS_FILE).write_text(json.dumps(single_infos))
         single_index = load_index(single)
         for nprobe, factor in sweep_points:
             sweep.append({"index": "single", **measure(single_index, xq, gt, args.k, nprobe, factor)})
             logging.info("%s", sweep[-1])
 
     result = {
-        "n": args.n, "d": args.d, "memory_budget": args.memory_budget, "factory": infos["factory"],
-        "reasons": infos["reasons"], "shards": args.shards, "n_train": infos["n_train"],
-        "nlist": infos["nlist"], "code_bytes": infos["code_bytes"], "quantizer_ef": infos.get("quantizer_ef"),
-        "generate_s": round(generate_s, 1), "build_s": built["build_s"], "build_timings": infos.get("timings"),
+        "n": args.n,
+        "d": args.d,
+        "memory_budget": args.memory_budget,
+        "factory": infos["factory"],
+        "reasons": infos["reasons"],
+        "shards": args.shards,
+        "n_train": infos["n_train"],
+        "nlist": infos["nlist"],
+        "code_bytes": infos["code_bytes"],
+        "quantizer_ef": infos.get("quantizer_ef"),
+        "generate_s": round(generate_s, 1),
+        "build_s": built["build_s"],
+        "build_timings": infos.get("timings"),
         "build_memory": {name.replace("_bytes", "_gb"): gb(value) for name, value in infos.get("memory", {}).items()},
-        "build_peak_rss_gb": built["build_peak_rss_gb"], **serve,
+        "build_peak_rss_gb": built["build_peak_rss_gb"],
+        **serve,
         "peak_rss_gb": max(built["build_peak_rss_gb"], serve["serve_rss_gb"]),
-        "bytes_per_vector": round(index_bytes / args.n, 1), "refine_bytes_per_vector": 2 * args.d,
+        "bytes_per_vector": round(index_bytes / args.n, 1),
+        "refine_bytes_per_vector": 2 * args.d,
         "sweep": sweep,
     }
     if not args.workdir:

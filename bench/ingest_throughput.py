@@ -138,8 +138,8 @@ class CpuAccount:
         self.thread = threading.Thread(target=self.poll, daemon=True)
 
     def sample(self) -> None:
-        import ray  # noqa: F401  (puts the psutil that Ray bundles on sys.path; it is not a dependency of ours)
         import psutil
+        import ray  # noqa: F401  (puts the psutil that Ray bundles on sys.path; it is not a dependency of ours)
 
         for proc in psutil.process_iter(["name", "cmdline", "cpu_times"]):
             times = proc.info["cpu_times"]
@@ -154,7 +154,7 @@ class CpuAccount:
         while not self.stop.wait(self.period_s):
             self.sample()
 
-    def __enter__(self) -> "CpuAccount":
+    def __enter__(self) -> CpuAccount:
         self.sample()
         self.thread.start()
         return self
@@ -168,8 +168,13 @@ class CpuAccount:
         out = {"cpu_s_workers": 0.0, "cpu_s_driver": 0.0, "cpu_s_other": 0.0}
         for pid, used in self.last.items():
             delta = used - self.first.get(pid, 0.0)
-            group = ("cpu_s_workers" if "IngestWorker" in self.names[pid]
-                     else "cpu_s_driver" if pid == os.getpid() else "cpu_s_other")
+            group = (
+                "cpu_s_workers"
+                if "IngestWorker" in self.names[pid]
+                else "cpu_s_driver"
+                if pid == os.getpid()
+                else "cpu_s_other"
+            )
             out[group] += delta
         return {k: round(v, 1) for k, v in out.items()}
 
@@ -182,11 +187,21 @@ def run_pipeline(args, model: str, jpegs: list[bytes], cpus: int, decoder: str) 
 
     with tempfile.TemporaryDirectory(prefix="needle-throughput-") as tmp:
         pattern = write_tars(jpegs, Path(tmp), args.per_tar)
-        ray.init(address="local", num_cpus=cpus, num_gpus=1 if args.device == "cuda" else 0,
-                 include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            num_gpus=1 if args.device == "cuda" else 0,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
         # The job's defaults: on CPU only the thread count is the machine's (cpus_per_worker).
-        conf = IngestConfig(model=model, weights=args.weights, batch_size=args.batch_size, decoder=decoder,
-                            **({} if args.device == "cuda" else {"cpus_per_worker": cpus}))
+        conf = IngestConfig(
+            model=model,
+            weights=args.weights,
+            batch_size=args.batch_size,
+            decoder=decoder,
+            **({} if args.device == "cuda" else {"cpus_per_worker": cpus}),
+        )
         start = time.perf_counter()
         with CpuAccount() as account:
             ingest(conf, pattern, Path(tmp) / "out")
@@ -194,8 +209,13 @@ def run_pipeline(args, model: str, jpegs: list[bytes], cpus: int, decoder: str) 
         info = json.loads((Path(tmp) / "out" / "ingest_info.json").read_text())
         ray.shutdown()
     busy = sum(r["seconds"] for r in info["results"])
-    return {"pipeline_img_s": rate(len(jpegs), wall), "worker_img_s": rate(len(jpegs), busy),
-            "error_rows": info["error_rows"], **account.totals(), "cpu_s_available": round(wall * cpus, 1)}
+    return {
+        "pipeline_img_s": rate(len(jpegs), wall),
+        "worker_img_s": rate(len(jpegs), busy),
+        "error_rows": info["error_rows"],
+        **account.totals(),
+        "cpu_s_available": round(wall * cpus, 1),
+    }
 
 
 def measure(args, model: str, jpegs: list[bytes], cpus: int) -> dict:
@@ -212,9 +232,17 @@ def measure(args, model: str, jpegs: list[bytes], cpus: int) -> dict:
     side = extractor.resolution
 
     images, decode_img_s = decode_pil(jpegs, side, cpus)
-    result = {"model": model, "resolution": side, "precision": extractor.precision, "device": args.device,
-              "cpus": cpus, "batch_size": args.batch_size, "chunk_size": chunk, "n": len(jpegs),
-              "decode_img_s": decode_img_s}
+    result = {
+        "model": model,
+        "resolution": side,
+        "precision": extractor.precision,
+        "device": args.device,
+        "cpus": cpus,
+        "batch_size": args.batch_size,
+        "chunk_size": chunk,
+        "n": len(jpegs),
+        "decode_img_s": decode_img_s,
+    }
     distinct = len({im.shape for im in images})
     model_before = model_rate(extractor, images, chunk, args.device)
     uniform = [typical_image(images)] * len(images)
@@ -233,18 +261,25 @@ def measure(args, model: str, jpegs: list[bytes], cpus: int) -> dict:
     # (other tenants), so the pipeline is compared with the mean of the runs around it.
     model_after = model_rate(extractor, images, chunk, args.device)
     del images, extractor
-    result.update({"model_img_s": round((model_before + model_after) / 2, 2),
-                   "model_img_s_before": model_before, "model_img_s_after": model_after})
+    result.update(
+        {
+            "model_img_s": round((model_before + model_after) / 2, 2),
+            "model_img_s_before": model_before,
+            "model_img_s_after": model_after,
+        }
+    )
     decode = result["decode_nvjpeg_img_s"] if decoder == "nvjpeg" else decode_img_s
     serial_limit = 1.0 / (1.0 / result["model_img_s"] + 1.0 / decode)
-    result.update({
-        "decoder": decoder,
-        "distinct_shapes": distinct,
-        "serial_limit_img_s": round(serial_limit, 2),
-        "efficiency": round(result["pipeline_img_s"] / serial_limit, 3),
-        "efficiency_gpu": round(result["worker_img_s"] / min(result["model_img_s"], decode), 3),
-        "efficiency_gpu_wall": round(result["pipeline_img_s"] / min(result["model_img_s"], decode), 3),
-    })
+    result.update(
+        {
+            "decoder": decoder,
+            "distinct_shapes": distinct,
+            "serial_limit_img_s": round(serial_limit, 2),
+            "efficiency": round(result["pipeline_img_s"] / serial_limit, 3),
+            "efficiency_gpu": round(result["worker_img_s"] / min(result["model_img_s"], decode), 3),
+            "efficiency_gpu_wall": round(result["pipeline_img_s"] / min(result["model_img_s"], decode), 3),
+        }
+    )
     if gpu:
         result["gpu"] = torch.cuda.get_device_name()
     return {k: (float(v) if isinstance(v, np.floating) else v) for k, v in result.items()}

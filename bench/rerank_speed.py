@@ -45,8 +45,10 @@ def make_query(rng: np.random.Generator, per_scale: int, scales: tuple[float, ..
 
     n = per_scale * len(scales)
     return LocalTokens(
-        rng.integers(0, 256, (n, 16), dtype=np.uint8), rng.uniform(0, 512, (n, 2)).astype(np.float32),
-        np.repeat(np.array(scales, np.float32), per_scale), rng.random(n).astype(np.float32),
+        rng.integers(0, 256, (n, 16), dtype=np.uint8),
+        rng.uniform(0, 512, (n, 2)).astype(np.float32),
+        np.repeat(np.array(scales, np.float32), per_scale),
+        rng.random(n).astype(np.float32),
     )
 
 
@@ -100,7 +102,9 @@ def bench_query(query, shortlist, repeats: int) -> dict:
     matches = match_tokens(query, shortlist, config)
     verification = verify(query, shortlist, matches)
     signs_q = torch.from_numpy(np.unpackbits(query.codes, axis=-1).astype(np.float32) * 2 - 1).to(torch.bfloat16)
-    signs_d = torch.from_numpy(np.unpackbits(shortlist.codes.reshape(-1, 16), axis=-1).astype(np.float32) * 2 - 1).to(torch.bfloat16)
+    signs_d = torch.from_numpy(np.unpackbits(shortlist.codes.reshape(-1, 16), axis=-1).astype(np.float32) * 2 - 1).to(
+        torch.bfloat16
+    )
 
     def shared() -> None:  # one Hamming pass for matching and Chamfer, then SP
         nearest = nearest_tokens(query.codes, shortlist, within=config.max_distance, mutual=config.mutual)
@@ -143,16 +147,27 @@ def main() -> None:
     single_scale = query.scale == 1.0
     from core.tokens import LocalTokens
 
-    query_100 = LocalTokens(query.codes[single_scale], query.xy[single_scale], query.scale[single_scale], query.weight[single_scale])
+    query_100 = LocalTokens(
+        query.codes[single_scale], query.xy[single_scale], query.scale[single_scale], query.weight[single_scale]
+    )
     runs = {}
     for name, q in (("query_300", query), ("query_100", query_100)):
         runs[name] = bench_query(q, shortlist, args.repeats)
         print(name, runs[name], flush=True)
-    print(json.dumps({
-        "bench": "rerank_speed", "candidates": args.candidates, "tokens_per_candidate": args.tokens,
-        "duplicates": args.duplicates, "threads": args.threads, "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(), **runs,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "rerank_speed",
+                "candidates": args.candidates,
+                "tokens_per_candidate": args.tokens,
+                "duplicates": args.duplicates,
+                "threads": args.threads,
+                "torch": torch.__version__,
+                "machine": platform.processor() or platform.machine(),
+                **runs,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

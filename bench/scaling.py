@@ -13,10 +13,10 @@
    ``--views`` augmented views; never the realbench groups); at 256 and 512 dimensions, with their
    bytes per image.
 5. The ILIAS format check: realbench in the ILIAS layout (the first image of each group is the
-   query, held out of the database; the rest are its positives), evaluated by ``needle eval`` with
+   query, held out of the database; the rest are its positives), evaluated by ``needle eval map`` with
    the query images' own descriptors; the result pickle is scored by the ILIAS benchmark's logic
    (eval/ilias.py, and a second time here with scikit-learn as the benchmark's code does) and must
-   equal ``needle eval``'s mAP.
+   equal ``needle eval map``'s mAP.
 
     python bench/scaling.py [--workdir DIR] [--plot bench/results/scaling_realbench.png]
 """
@@ -122,8 +122,11 @@ def sklearn_ilias_map(dataset_dir: Path, payload: dict, k: int) -> float:
         truth = gt[q.split("/")[0]]
         order = np.argsort(-s)
         y_true = np.isin(db_ids[r[order][:k]], list(truth))
-        aps.append(0.0 if not y_true.any() else
-                   100 * average_precision_score(y_true, s[order][:k]) * y_true.sum() / min(k, len(truth)))
+        aps.append(
+            0.0
+            if not y_true.any()
+            else 100 * average_precision_score(y_true, s[order][:k]) * y_true.sum() / min(k, len(truth))
+        )
     return float(np.mean(aps))
 
 
@@ -139,12 +142,23 @@ def index_bytes(index_dir: Path) -> dict[str, float]:
 
     infos = json.loads((index_dir / "index_infos.json").read_text())
     memory = memory_per_image(index_dir, infos)
-    return {"dim": infos["dim"], "index_bytes_per_image": memory["index_bytes_per_image"],
-            "vectors_bytes_per_image": memory["vectors_bytes_per_image"]}
+    return {
+        "dim": infos["dim"],
+        "index_bytes_per_image": memory["index_bytes_per_image"],
+        "vectors_bytes_per_image": memory["vectors_bytes_per_image"],
+    }
 
 
-def adaptation_study(work: Path, descriptors: Path, truth: list[dict], distractor_keys: list[str],
-                     distractor_files: list[Path], views: int, num_cpus: int, model: str) -> dict:
+def adaptation_study(
+    work: Path,
+    descriptors: Path,
+    truth: list[dict],
+    distractor_keys: list[str],
+    distractor_files: list[Path],
+    views: int,
+    num_cpus: int,
+    model: str,
+) -> dict:
     """mAP@1k (exact) with no adaptation, PCAw, Lw and the linear adaptation at 256 and 512 dims."""
     import ray
 
@@ -170,7 +184,12 @@ def adaptation_study(work: Path, descriptors: Path, truth: list[dict], distracto
     timings["ingest_classes_s"] = round(time.perf_counter() - start, 1)
     x_cls, y_cls, names = labelled_descriptors(work / "class_descriptors", read_labels(classes / "labels.csv"))
     x_distractors = descriptors_of(descriptors, distractor_keys)
-    log.info("adaptation data: %d distractor descriptors; %d augmented views of %d classes", len(x_distractors), len(x_cls), len(names))
+    log.info(
+        "adaptation data: %d distractor descriptors; %d augmented views of %d classes",
+        len(x_distractors),
+        len(x_cls),
+        len(names),
+    )
 
     adapters: dict[str, Path | None] = {"none": None}
     for dim in (256, 512):
@@ -179,7 +198,9 @@ def adaptation_study(work: Path, descriptors: Path, truth: list[dict], distracto
             f"lw_{dim}": lambda d=dim: learned_whitening(x_cls, y_cls, d),
             f"linear_{dim}": lambda d=dim: train_adapter(x_cls, y_cls, AdaptConfig(out_dim=d))[0],
             # ILIAS's 2 epochs are over ~1M images; on 7.6k views that is 118 steps: also show longer training.
-            f"linear_{dim}_{LONG_EPOCHS}ep": lambda d=dim: train_adapter(x_cls, y_cls, AdaptConfig(out_dim=d, epochs=LONG_EPOCHS))[0],
+            f"linear_{dim}_{LONG_EPOCHS}ep": lambda d=dim: train_adapter(
+                x_cls, y_cls, AdaptConfig(out_dim=d, epochs=LONG_EPOCHS)
+            )[0],
         }
         for name, fit in fits.items():
             t0 = time.perf_counter()
@@ -193,12 +214,20 @@ def adaptation_study(work: Path, descriptors: Path, truth: list[dict], distracto
         results[name] = {"map_at_1k": round(report["map_at_1000"], 2), **index_bytes(index_dir)}
         shutil.rmtree(index_dir)
         log.info("adaptation %s: mAP@1k %.2f", name, results[name]["map_at_1k"])
-    return {"results": results, "training": {"classes": len(names), "views_per_class": views, "samples": int(len(x_cls)),
-                                             "pcaw_samples": int(len(x_distractors))}, "timings": timings}
+    return {
+        "results": results,
+        "training": {
+            "classes": len(names),
+            "views_per_class": views,
+            "samples": len(x_cls),
+            "pcaw_samples": len(x_distractors),
+        },
+        "timings": timings,
+    }
 
 
 def ilias_check(work: Path, descriptors: Path, keys: dict[str, list[str]], distractors: list[str]) -> dict:
-    """needle eval on realbench in the ILIAS layout vs the benchmark's scoring of its pickle."""
+    """needle eval map on realbench in the ILIAS layout vs the benchmark's scoring of its pickle."""
     from eval.evaluate import EvalConfig, evaluate, load_truth
     from eval.ilias import evaluate_results, load_ilias, read_results_pickle
     from eval.scaling import scan_keys, write_subset
@@ -211,8 +240,11 @@ def ilias_check(work: Path, descriptors: Path, keys: dict[str, list[str]], distr
     subset = write_subset(scan_keys(list_descriptor_files(descriptors)), set(), set(queries), work / "ilias_db")
     build_index(IndexConfig(kind="flat", locals=False), subset, work / "ilias_index")
     pickle_path = work / "ilias_results.pkl"
-    report = evaluate(work / "ilias_index", load_truth(dataset_dir),
-                      EvalConfig(k=1000, query_descriptors=str(descriptors), ilias_pickle=str(pickle_path)))
+    report = evaluate(
+        work / "ilias_index",
+        load_truth(dataset_dir),
+        EvalConfig(k=1000, query_descriptors=str(descriptors), ilias_pickle=str(pickle_path)),
+    )
     payload = read_results_pickle(pickle_path)
     scored = evaluate_results(load_ilias(dataset_dir), **payload, k=1000)
     reference = sklearn_ilias_map(dataset_dir, payload, 1000)
@@ -222,7 +254,9 @@ def ilias_check(work: Path, descriptors: Path, keys: dict[str, list[str]], distr
         "needle_eval_map_at_1k": round(report["map_at_1000"], 4),
         "ilias_scoring_map_at_1k": round(scored["map"], 4),
         "sklearn_reference_map_at_1k": round(reference, 4),
-        "equal": bool(abs(report["map_at_1000"] - scored["map"]) < 1e-9 and abs(report["map_at_1000"] - reference) < 1e-9),
+        "equal": bool(
+            abs(report["map_at_1000"] - scored["map"]) < 1e-9 and abs(report["map_at_1000"] - reference) < 1e-9
+        ),
     }
 
 
@@ -232,7 +266,9 @@ def main() -> None:
     parser.add_argument("--model", default="tf_efficientnet_lite0.gem")
     parser.add_argument("--views", type=int, default=5, help="augmented views per distractor class")
     parser.add_argument("--num-cpus", type=int, default=os.cpu_count())
-    parser.add_argument("--plot", default=str(ROOT / "bench" / "results" / "scaling_realbench.png"), help="PNG to write")
+    parser.add_argument(
+        "--plot", default=str(ROOT / "bench" / "results" / "scaling_realbench.png"), help="PNG to write"
+    )
     parser.add_argument("--skip-adaptation", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -260,7 +296,9 @@ def main() -> None:
     ingest_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    conf = ScalingConfig(sizes=SIZES, modes=("exact", "ivfpq", "ivfpq+sp"), k=1000, nprobe=IVF_NPROBE, label="Lite0 GeM 384")
+    conf = ScalingConfig(
+        sizes=SIZES, modes=("exact", "ivfpq", "ivfpq+sp"), k=1000, nprobe=IVF_NPROBE, label="Lite0 GeM 384"
+    )
     curve = json.loads(scaling(conf, [work / "descriptors"], work / "truth.json", work / "scaling").read_text())
     scaling_s = time.perf_counter() - start
     plot = Path(args.plot)
@@ -268,17 +306,38 @@ def main() -> None:
     shutil.copyfile(work / "scaling" / "scaling.png", plot)
 
     check = ilias_check(work, work / "descriptors", keys, distractor_keys)
-    adaptation = None if args.skip_adaptation else adaptation_study(
-        work, work / "descriptors", truth, distractor_keys, distractor_files, args.views, args.num_cpus, args.model)
+    adaptation = (
+        None
+        if args.skip_adaptation
+        else adaptation_study(
+            work, work / "descriptors", truth, distractor_keys, distractor_files, args.views, args.num_cpus, args.model
+        )
+    )
 
     by_mode = defaultdict(dict)
     for p in curve["points"]:
-        by_mode[p["mode"]][p["distractors"]] = {k: p[k] for k in ("database_size", "map", "recall", "search_ms_per_query",
-                                                                   "index_bytes_per_image", "vectors_bytes_per_image",
-                                                                   "local_bytes_per_image")}
+        by_mode[p["mode"]][p["distractors"]] = {
+            k: p[k]
+            for k in (
+                "database_size",
+                "map",
+                "recall",
+                "search_ms_per_query",
+                "index_bytes_per_image",
+                "vectors_bytes_per_image",
+                "local_bytes_per_image",
+            )
+        }
     result = {
-        "scaling": {"model": args.model, "k": 1000, "n_queries": curve["points"][0]["n_queries"], "ivf_nprobe": IVF_NPROBE,
-                    "core_size": curve["core_size"], "modes": by_mode, "elapsed_s": round(scaling_s, 1)},
+        "scaling": {
+            "model": args.model,
+            "k": 1000,
+            "n_queries": curve["points"][0]["n_queries"],
+            "ivf_nprobe": IVF_NPROBE,
+            "core_size": curve["core_size"],
+            "modes": by_mode,
+            "elapsed_s": round(scaling_s, 1),
+        },
         "adaptation_map_at_1k": adaptation,
         "ilias_format_check": check,
         "plot": str(plot),

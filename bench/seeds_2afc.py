@@ -1,5 +1,5 @@
 """2AFC on realbench: accuracy of each similarity model, majority vote and the context-sensitive
-ensemble (similarity/twoafc.py) on triplets with a known answer; one JSON line last.
+ensemble (similarity/twoafc_*.py) on triplets with a known answer; one JSON line last.
 
 Triplets (``make_triplets``, seed 0): the 56 groups with two or more images are split in half
 (``val`` / ``test``, 28 groups each; the singleton and the 1,518 distractors are split in half too,
@@ -43,8 +43,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 REALBENCH = ROOT.parent / "shared" / "data" / "realbench"
 
-TRIPLETS = dict(seed=0, val_fraction=0.5, max_pairs_per_group=12, random_distractors=1, other_groups=1, hard=1, hard_pool=5,
-                hard_distractors=300, miners=("tiny-32", "lite0-gem-320"))
+TRIPLETS = {
+    "seed": 0,
+    "val_fraction": 0.5,
+    "max_pairs_per_group": 12,
+    "random_distractors": 1,
+    "other_groups": 1,
+    "hard": 1,
+    "hard_pool": 5,
+    "hard_distractors": 300,
+    "miners": ("tiny-32", "lite0-gem-320"),
+}
 FOLDS = (("val", "test"), ("test", "val"))
 
 
@@ -52,37 +61,53 @@ def run(realbench: Path, work: Path) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from similarity import twoafc as t
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(t, Path(realbench), Path(work))
+        return _run(Path(realbench), Path(work))
     finally:
         torch.set_num_threads(threads)  # the other parts of bench/seeds.py run in this process
 
 
-def _run(t, realbench: Path, work: Path) -> dict:
+def _run(realbench: Path, work: Path) -> dict:
+    from similarity.twoafc_config import EnsembleConfig
+    from similarity.twoafc_ensemble import load_ensemble, train_ensemble
+    from similarity.twoafc_evaluation import Evaluation, evaluate_triplets, report
+    from similarity.twoafc_features import FeatureStore
+    from similarity.twoafc_mining import TripletConfig, make_triplets
+    from similarity.twoafc_triplets import read_triplets
+
     start = time.perf_counter()
-    store = t.FeatureStore(work / "features")
-    csv_path = t.make_triplets(t.TripletConfig(**TRIPLETS), realbench, work / "triplets.csv", cache=work / "features")
+    store = FeatureStore(work / "features")
+    csv_path = make_triplets(TripletConfig(**TRIPLETS), realbench, work / "triplets.csv", cache=work / "features")
     made = json.loads(csv_path.with_name(csv_path.name + ".json").read_text())
     parts, folds = [], []
     for train_split, test_split in FOLDS:
-        conf = t.EnsembleConfig(split=train_split)
-        ens_path = t.train_ensemble(conf, csv_path, work / f"ensemble_{train_split}.pt", store=store)
+        conf = EnsembleConfig(split=train_split)
+        ens_path = train_ensemble(conf, csv_path, work / f"ensemble_{train_split}.pt", store=store)
         trained = json.loads(ens_path.with_name(ens_path.name + ".json").read_text())
-        test = t.read_triplets(csv_path, test_split)
-        ev = t.evaluate_triplets(test, conf.models, t.load_ensemble(ens_path), store)
+        test = read_triplets(csv_path, test_split)
+        ev = evaluate_triplets(test, conf.models, load_ensemble(ens_path), store)
         parts.append(ev)
-        fold = t.report(ev)
-        folds.append({"train": train_split, "test": test_split, "n_train": trained["n"], "n_test": fold["n"],
-                      "accuracy_pct": {m: s["accuracy_pct"] for m, s in fold["methods"].items()},
-                      "train_accuracy_pct": trained["train_accuracy_pct"], "mean_weights": fold["ensemble_mean_weights"]})
-    pooled = t.report(t.Evaluation.concatenate(parts))
+        fold = report(ev)
+        folds.append(
+            {
+                "train": train_split,
+                "test": test_split,
+                "n_train": trained["n"],
+                "n_test": fold["n"],
+                "accuracy_pct": {m: s["accuracy_pct"] for m, s in fold["methods"].items()},
+                "train_accuracy_pct": trained["train_accuracy_pct"],
+                "mean_weights": fold["ensemble_mean_weights"],
+            }
+        )
+    pooled = report(Evaluation.concatenate(parts))
     return {
-        "triplets": {"n": made["triplets"], "config": made["config"],
-                     "splits": {s: {k: made["splits"][s][k] for k in ("triplets", "groups", "kinds")} for s in made["splits"]}},
+        "triplets": {
+            "n": made["triplets"],
+            "config": made["config"],
+            "splits": {s: {k: made["splits"][s][k] for k in ("triplets", "groups", "kinds")} for s in made["splits"]},
+        },
         "pooled_test": pooled,
         "folds": folds,
         "seconds": round(time.perf_counter() - start, 1),
@@ -91,7 +116,9 @@ def _run(t, realbench: Path, work: Path) -> dict:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="/tmp/needle_seeds_2afc", help="work directory (feature cache, triplets, ensembles)")
+    parser.add_argument(
+        "--work", default="/tmp/needle_seeds_2afc", help="work directory (feature cache, triplets, ensembles)"
+    )
     parser.add_argument("--realbench", default=str(REALBENCH))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -55,11 +55,12 @@ def paired_bootstrap(net, stems, labels, mode, draws: int = 2000, seed: int = 0)
     import numpy as np
 
     from eval.class_retrieval import class_retrieval_per_query
-    from similarity import adaptors as A
+    from similarity.adaptors_config import FROZEN
+    from similarity.adaptors_evaluation import eval_descriptors
 
     per_query = []
-    for m in (mode, A.FROZEN):
-        x = A.eval_descriptors(net, stems, m).astype(np.float64)
+    for m in (mode, FROZEN):
+        x = eval_descriptors(net, stems, m).astype(np.float64)
         per_query.append(class_retrieval_per_query(x @ x.T, labels)[0])
     diff = 100.0 * (per_query[0] - per_query[1])
     rng = np.random.default_rng(seed)
@@ -74,7 +75,11 @@ def run(realbench: Path = REALBENCH, work: Path | None = None) -> dict:
     ensure_torchvision_importable()
     import torch
 
-    from similarity import adaptors as A
+    from similarity.adaptors_config import FROZEN, FUSED, AdaptorsConfig, mode_names
+    from similarity.adaptors_evaluation import class_images, evaluate_net
+    from similarity.adaptors_files import save_adaptors
+    from similarity.adaptors_net import build_adapted
+    from similarity.adaptors_training import stem_features, train_adaptors
     from similarity.data import realbench_distractors, realbench_groups
 
     torch.set_num_threads(1)
@@ -82,46 +87,63 @@ def run(realbench: Path = REALBENCH, work: Path | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     times = {}
     start = time.perf_counter()
-    conf = A.AdaptorsConfig(granularities=GRANULARITIES, resolution=RESOLUTION, epochs=EPOCHS, fusion_epochs=EPOCHS, seed=SEED)
-    net, backbone = A.build_adapted(conf)
+    conf = AdaptorsConfig(
+        granularities=GRANULARITIES, resolution=RESOLUTION, epochs=EPOCHS, fusion_epochs=EPOCHS, seed=SEED
+    )
+    net, backbone = build_adapted(conf)
     # Cached stems depend on the backbone's weights, the adapted stages and the resolution.
     key = hashlib.sha256(json.dumps([backbone["weights_sha256"], net.stage_ids, RESOLUTION]).encode()).hexdigest()[:12]
 
     train_paths = realbench_distractors(realbench)
-    cache = _cached(work / f"adaptors_train_stem_{key}.pt",
-                    lambda: A.stem_features(net, train_paths, RESOLUTION, backbone["mean"], backbone["std"]))
+    cache = _cached(
+        work / f"adaptors_train_stem_{key}.pt",
+        lambda: stem_features(net, train_paths, RESOLUTION, backbone["mean"], backbone["std"]),
+    )
     groups = realbench_groups(realbench, min_size=2)
     eval_paths = [p for g in groups for p in groups[g]]
     labels = [g for g in groups for _ in groups[g]]
-    stems = _cached(work / f"adaptors_eval_stem_{key}.pt",
-                    lambda: A.class_images(eval_paths, net, RESOLUTION, backbone["mean"], backbone["std"]))
+    stems = _cached(
+        work / f"adaptors_eval_stem_{key}.pt",
+        lambda: class_images(eval_paths, net, RESOLUTION, backbone["mean"], backbone["std"]),
+    )
     times["features"] = round(time.perf_counter() - start, 1)
 
     t = time.perf_counter()
-    record = A.train_adaptors(net, cache, conf)
+    record = train_adaptors(net, cache, conf)
     times["training"] = round(time.perf_counter() - t, 1)
-    A.save_adaptors(net, conf, backbone, work / "adaptors.pt")
+    save_adaptors(net, conf, backbone, work / "adaptors.pt")
 
     t = time.perf_counter()
-    results = A.evaluate_net(net, stems, labels, A.mode_names(conf.granularities))
-    intervals = {name: paired_bootstrap(net, stems, labels, mode) for name, mode in A.mode_names(conf.granularities).items()
-                 if mode != A.FROZEN}
+    results = evaluate_net(net, stems, labels, mode_names(conf.granularities))
+    intervals = {
+        name: paired_bootstrap(net, stems, labels, mode)
+        for name, mode in mode_names(conf.granularities).items()
+        if mode != FROZEN
+    }
     times["evaluation"] = round(time.perf_counter() - t, 1)
     times["total"] = round(time.perf_counter() - start, 1)
-    frozen = results[A.FROZEN]
+    frozen = results[FROZEN]
     return {
         "method": "adaptors (GrAPPA-style granularity-aware adaptors + attention fusion, frozen Lite0)",
         "metric": "MAP@R and R-Precision x 100 (Musgrave et al.); each grouped image queries all other grouped images",
-        "train": {"images": len(train_paths), "source": "realbench distractors (unlabelled)",
-                  "granularities": list(GRANULARITIES), "epochs": EPOCHS, "fusion_epochs": EPOCHS,
-                  "resolution": RESOLUTION, "stages": list(net.stage_ids),
-                  "trainable_parameters": sum(p.numel() for p in net.slots.parameters())},
+        "train": {
+            "images": len(train_paths),
+            "source": "realbench distractors (unlabelled)",
+            "granularities": list(GRANULARITIES),
+            "epochs": EPOCHS,
+            "fusion_epochs": EPOCHS,
+            "resolution": RESOLUTION,
+            "stages": list(net.stage_ids),
+            "trainable_parameters": sum(p.numel() for p in net.slots.parameters()),
+        },
         "eval": {"images": len(eval_paths), "groups": len(groups), "resolution": RESOLUTION},
         "results": results,
-        "fused_minus_frozen": {k: round(results[A.FUSED][k] - frozen[k], 3) for k in frozen},
+        "fused_minus_frozen": {k: round(results[FUSED][k] - frozen[k], 3) for k in frozen},
         "minus_frozen_map_at_r_95ci": intervals,
-        "training_losses": {**{f"k{g['k']}": [round(v, 3) for v in g["loss_per_epoch"]] for g in record["granularities"]},
-                            "fusion": [{k: round(v, 3) for k, v in e.items()} for e in record["fusion_loss_per_epoch"]]},
+        "training_losses": {
+            **{f"k{g['k']}": [round(v, 3) for v in g["loss_per_epoch"]] for g in record["granularities"]},
+            "fusion": [{k: round(v, 3) for k, v in e.items()} for e in record["fusion_loss_per_epoch"]],
+        },
         "fusion_mean_weights": record["fusion_mean_weights"],
         "seconds": times,
     }

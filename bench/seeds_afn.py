@@ -57,36 +57,38 @@ def _run(realbench: Path, work: Path | None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from similarity import adaptation_function as afn
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the machine is shared: one thread avoids oversubscription stalls
     try:
-        return _measure(realbench, work, afn)
+        return _measure(realbench, work)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure(realbench: Path, work: Path | None, afn) -> dict:
+def _measure(realbench: Path, work: Path | None) -> dict:
+    from similarity.afn_config import AdaptationFunctionError, AfnConfig, EvalConfig, FeatureConfig
+    from similarity.afn_evaluation import evaluate_splits
+    from similarity.afn_pair_features import pair_features_for, save_pair_features
+
     work = Path(work or tempfile.mkdtemp(prefix="needle-afn-"))
     work.mkdir(parents=True, exist_ok=True)
-    feature_conf = afn.FeatureConfig()
+    feature_conf = FeatureConfig()
     cache = work / FEATURES
     start = time.perf_counter()
     feats = None
     if cache.is_file():
         try:
-            feats = afn.pair_features_for(cache, feature_conf)
-        except afn.AdaptationFunctionError:
+            feats = pair_features_for(cache, feature_conf)
+        except AdaptationFunctionError:
             feats = None  # made with other settings: extract again
     cached = feats is not None
     if feats is None:
-        feats = afn.pair_features_for(realbench, feature_conf, distractors=realbench)
-        afn.save_pair_features(feats, cache)
+        feats = pair_features_for(realbench, feature_conf, distractors=realbench)
+        save_pair_features(feats, cache)
     features_s = time.perf_counter() - start
 
-    conf = afn.AfnConfig()
-    result = afn.evaluate_splits(feats, conf, afn.EvalConfig(splits=SPLITS), SIGMAS)
+    conf = AfnConfig()
+    result = evaluate_splits(feats, conf, EvalConfig(splits=SPLITS), SIGMAS)
     protocol = result["protocol"]
     return {
         "method": "afn",
@@ -99,7 +101,7 @@ def _measure(realbench: Path, work: Path | None, afn) -> dict:
         "epochs": conf.epochs,
         "features": f"{feature_conf.backbone} {'+'.join(feature_conf.layers)} @{feature_conf.resolution}px",
         "metric": "aR@k x100, mean and 2 std over splits; before_raw: cosine on the concatenated layers, "
-                  "before_pca: on their PCA, sigma=s: after adaptation trained with logits s*cos",
+        "before_pca: on their PCA, sigma=s: after adaptation trained with logits s*cos",
         "gallery_test_pairs": _compact(result["pairs"]),
         "gallery_with_distractors": _compact(result["with_distractors"]),
         "final_train_loss": {k: v["mean"] for k, v in result["final_train_loss"].items()},

@@ -1,5 +1,5 @@
 """Foreground feature averaging on realbench: top-1 / mAP within groups, K=2 k-means ARI and
-odd-one-out accuracy (eval/groups.py) with and without FFA (similarity/ffa.py); one JSON line last.
+odd-one-out accuracy (eval/groups.py) with and without FFA (similarity/ffa_*.py); one JSON line last.
 
 EfficientNet-Lite0 with the shipped ImageNet weights, images at longer side 384. Rows:
 
@@ -71,7 +71,7 @@ class MemoTokens:
 
 def _descriptors(conf, images, tokens, cache: Path) -> tuple[np.ndarray, dict]:
     """FFA descriptors of ``images``, cached under ``cache`` by configuration and image count."""
-    from similarity.ffa import ffa_descriptors
+    from similarity.ffa_descriptors import ffa_descriptors
 
     tag = hashlib.sha1(json.dumps([dataclasses.asdict(conf), len(images)], sort_keys=True).encode()).hexdigest()[:16]
     path = cache / f"{tag}.npz"
@@ -110,7 +110,9 @@ def run(realbench: Path, work: Path) -> dict:
     import torch
 
     from eval.groups import GroupEvalConfig
-    from similarity.ffa import FFAConfig, TokenMaps, load_images, load_items
+    from similarity.ffa_config import FFAConfig
+    from similarity.ffa_stages import load_images, load_items
+    from similarity.ffa_tokens import TokenMaps
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -127,10 +129,16 @@ def run(realbench: Path, work: Path) -> dict:
     for pooling in ("avg", "gem"):
         conf = FFAConfig(resolution=RESOLUTION, pooling=pooling)
         result[f"last_{pooling}"], counts = _row(conf, eval_conf, images[:n], labels[:n], last, cache)
-    result["s16_avg"], _ = _row(FFAConfig(resolution=RESOLUTION, feature_stage=4), eval_conf, images[:n], labels[:n], s16, cache)
-    result[f"d{DISTRACTORS}_last_avg"], _ = _row(FFAConfig(resolution=RESOLUTION), eval_conf, images, labels, last, cache)
-    result["counts"] = {**{k: counts[k] for k in ("images", "groups", "queries", "ari_pairs", "odd_trials", "odd_eligible_groups")},
-                        "distractors": DISTRACTORS}
+    result["s16_avg"], _ = _row(
+        FFAConfig(resolution=RESOLUTION, feature_stage=4), eval_conf, images[:n], labels[:n], s16, cache
+    )
+    result[f"d{DISTRACTORS}_last_avg"], _ = _row(
+        FFAConfig(resolution=RESOLUTION), eval_conf, images, labels, last, cache
+    )
+    result["counts"] = {
+        **{k: counts[k] for k in ("images", "groups", "queries", "ari_pairs", "odd_trials", "odd_eligible_groups")},
+        "distractors": DISTRACTORS,
+    }
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 

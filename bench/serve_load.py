@@ -99,9 +99,15 @@ def run_load(url: str, bodies: list[dict], concurrency: int) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     ms = np.asarray(latencies) * 1000
-    return {"concurrency": concurrency, "requests": len(bodies), "errors": errors[0], "wall_s": round(wall, 3),
-            "requests_per_s": round(len(bodies) / wall, 1), "p50_ms": round(float(np.percentile(ms, 50)), 2),
-            "p99_ms": round(float(np.percentile(ms, 99)), 2)}
+    return {
+        "concurrency": concurrency,
+        "requests": len(bodies),
+        "errors": errors[0],
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(bodies) / wall, 1),
+        "p50_ms": round(float(np.percentile(ms, 50)), 2),
+        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+    }
 
 
 def main() -> None:
@@ -127,9 +133,12 @@ def main() -> None:
         rng = np.random.default_rng(0)
         keys = index.ids["key"].to_pylist()
         picks = rng.choice(len(keys), args.requests, replace=len(keys) < args.requests)
-        bodies = [{"keys": [keys[p]], "k": args.k} if i % 2 == 0 else
-                  {"vectors": [np.asarray(index.vectors[p], np.float32).tolist()], "k": args.k}
-                  for i, p in enumerate(picks)]
+        bodies = [
+            {"keys": [keys[p]], "k": args.k}
+            if i % 2 == 0
+            else {"vectors": [np.asarray(index.vectors[p], np.float32).tolist()], "k": args.k}
+            for i, p in enumerate(picks)
+        ]
         server, thread, url = start_server(create_app(QueryService(index)))
         # The clients run in their own process: client threads in the server's process would compete
         # with its request threads for the GIL and measure that contention instead of the server.
@@ -143,12 +152,21 @@ def main() -> None:
         finally:
             server.should_exit = True
             thread.join(10)
-    print(json.dumps({
-        "bench": "serve_load", "index": str(args.index or f"synthetic ivfpq n={args.n} d={args.d}"),
-        "ntotal": index.ntotal, "build_s": round(build_s, 2), "cpus": os.cpu_count(), "queries": "half key, half vector",
-        "concurrent": concurrent, "single": single,
-        "throughput_ratio": round(concurrent["requests_per_s"] / single["requests_per_s"], 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "serve_load",
+                "index": str(args.index or f"synthetic ivfpq n={args.n} d={args.d}"),
+                "ntotal": index.ntotal,
+                "build_s": round(build_s, 2),
+                "cpus": os.cpu_count(),
+                "queries": "half key, half vector",
+                "concurrent": concurrent,
+                "single": single,
+                "throughput_ratio": round(concurrent["requests_per_s"] / single["requests_per_s"], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

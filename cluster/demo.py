@@ -40,17 +40,26 @@ def main(conf: DemoRunConfig, workdir: Path) -> Path:
     """Run the demo in ``workdir``; returns the path of its JSON report."""
     from cluster.local_ray import start_head, submit_job
     from eval.evaluate import EvalConfig, evaluate, load_ground_truth
-    from rerank.rerank import RerankConfig
     from index.build import IndexConfig
     from index.build import main as build_index
+    from rerank.rerank import RerankConfig
 
     workdir = Path(workdir)
     shards_dir, descriptors, index_dir = workdir / "shards", workdir / "descriptors", workdir / "index"
     truth = build_demo(shards_dir, conf.data)
     pattern = str(shards_dir.resolve() / f"{{{0:06d}..{truth['num_shards'] - 1:06d}}}.tar")
 
-    entrypoint = ["needle", "ingest", "--shards", pattern, "--out", str(descriptors.resolve()), "--overwrite",
-                  "--locals", conf.locals]
+    entrypoint = [
+        "needle",
+        "ingest",
+        "--shards",
+        pattern,
+        "--out",
+        str(descriptors.resolve()),
+        "--overwrite",
+        "--locals",
+        conf.locals,
+    ]
     if conf.address:
         status = submit_job(conf.address, entrypoint)
     else:
@@ -83,7 +92,10 @@ def main(conf: DemoRunConfig, workdir: Path) -> Path:
         "per_query": result["per_query"],
     }
     path = write_json_atomic(report, workdir / "report.json")
-    print(f"needle demo: mAP@{conf.k} = {report[f'map_at_{conf.k}']:.2f} global-only, "
-          f"{report[f'map_at_{conf.k}_rerank_{conf.rerank}']:.2f} re-ranked ({conf.rerank}) over {report['n_queries']} queries "
-          f"({report['database_size']} images); report: {path}")
+    print(
+        f"needle demo: mAP@{conf.k} = {report[f'map_at_{conf.k}']:.2f} global-only, "
+        f"{report[f'map_at_{conf.k}_rerank_{conf.rerank}']:.2f} re-ranked ({conf.rerank}) "
+        f"over {report['n_queries']} queries "
+        f"({report['database_size']} images); report: {path}"
+    )
     return path

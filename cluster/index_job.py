@@ -1,8 +1,10 @@
 """``needle index build`` on Ray: the add step's parts run as parallel Ray tasks.
 
-index/build.py does the work (scan, train, parts, merge); this module only supplies the runner
-that executes the parts as tasks, each reading its range of Parquet files and writing its part
-file and its rows of the shared memory-mapped vectors.
+index/build.py does the work (scan, train, parts, merge); this module only supplies the runners:
+for a local output, the parts as tasks, each reading its range of Parquet files and writing its
+part files inside its shard's directory; for an ``s3://`` output, one task per shard that builds
+the shard on its node's local disk and uploads it with a commit marker (no shared filesystem),
+retried where a task dies (``max_retries``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from index.build import IndexConfig, PartTask, build_part
+from index.build import IndexConfig, PartTask, build_part, build_shard_task
 from index.build import main as build_index
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,31 @@ def ray_part_runner(cpus_per_part: int = 1):
     return run
 
 
-def main(conf: IndexConfig, descriptors: Any, output: Path, address: str | None = None) -> Path:
+def ray_shard_runner(cpus_per_shard: int = 1, max_retries: int = 3):
+    """A runner for index.build.main's S3 shard tasks: one Ray task per shard, retried up to
+    ``max_retries`` times where it dies or fails (a retried task rebuilds its shard and uploads
+    it again; the commit marker goes last)."""
+
+    def run(trained: bytes, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        import ray
+        from tqdm import tqdm
+
+        remote = ray.remote(num_cpus=cpus_per_shard, max_retries=max_retries, retry_exceptions=True)(build_shard_task)
+        trained_ref = ray.put(trained)
+        refs = [remote.remote(trained_ref, spec) for spec in specs]
+        results = {}
+        with tqdm(total=len(refs), desc="index shards", unit="shard") as bar:
+            pending = list(refs)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                results[done[0]] = ray.get(done[0])
+                bar.update(1)
+        return [results[r] for r in refs]
+
+    return run
+
+
+def main(conf: IndexConfig, descriptors: Any, output: Path | str, address: str | None = None) -> Path | str:
     """Build the index with parallel parts on Ray (a local instance unless ``address`` or $RAY_ADDRESS)."""
     import ray
 
@@ -49,4 +75,6 @@ def main(conf: IndexConfig, descriptors: Any, output: Path, address: str | None 
     parts = conf.parts or max(conf.shards, int(ray.cluster_resources().get("CPU", 1)))
     from dataclasses import replace
 
-    return build_index(replace(conf, parts=parts), descriptors, output, run_parts=ray_part_runner())
+    return build_index(
+        replace(conf, parts=parts), descriptors, output, run_parts=ray_part_runner(), run_shards=ray_shard_runner()
+    )

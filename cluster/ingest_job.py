@@ -46,8 +46,12 @@ class IngestConfig:
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: fp16 on GPU, the preset's choice on CPU)
     num_workers: int | None = None  # actors; None: one per GPU, else cluster CPUs // cpus_per_worker
     cpus_per_worker: int = 2  # CPUs reserved by each CPU actor (its torch threads)
-    cpus_per_gpu_worker: int | None = None  # CPUs reserved by each GPU actor, all decoding; None: its node's CPUs / GPUs
-    decode_threads: int | None = None  # decoding threads per worker; None: all its CPUs (on CPU they take turns with the model)
+    cpus_per_gpu_worker: int | None = (
+        None  # CPUs reserved by each GPU actor, all decoding; None: its node's CPUs / GPUs
+    )
+    decode_threads: int | None = (
+        None  # decoding threads per worker; None: all its CPUs (on CPU they take turns with the model)
+    )
     chunk_size: int | None = None  # images batched together per extractor call; None: 512 on GPU, 64 on CPU
     decoder: str = "pil"  # pil: PIL on the decode threads; nvjpeg: JPEGs decoded on the GPU (GPU workers only)
     overwrite: bool = False  # redo shards whose Parquet part is already committed
@@ -61,7 +65,9 @@ class IngestConfig:
     # Query-side multi-scale (ILIAS: (0.707, 1, 1.414)): the global descriptor is the mean over the
     # scales; None: single scale. For ingesting query images only, never the database.
     query_scales: tuple[float, ...] | None = None
-    query_rotations: int = 1  # query-side rotations averaged likewise: 1 (none), 2 or 4 quarter turns; query images only
+    query_rotations: int = (
+        1  # query-side rotations averaged likewise: 1 (none), 2 or 4 quarter turns; query images only
+    )
 
     def __post_init__(self) -> None:
         if self.decoder not in DECODERS:
@@ -71,8 +77,9 @@ class IngestConfig:
         if self.query_scales is not None or self.query_rotations != 1:
             from embed.extract import check_scales_rotations  # imports torch: only when asked for
 
-            scales, rotations = check_scales_rotations((1.0,) if self.query_scales is None else self.query_scales,
-                                                       self.query_rotations)
+            scales, rotations = check_scales_rotations(
+                (1.0,) if self.query_scales is None else self.query_scales, self.query_rotations
+            )
             # A list (from JSON, say) as a tuple of floats: asdict() and resume checks see one form.
             object.__setattr__(self, "query_scales", None if self.query_scales is None else scales)
             object.__setattr__(self, "query_rotations", rotations)
@@ -85,7 +92,6 @@ class IngestWorker:
         import torch
 
         from embed.extract import GlobalExtractor
-
         from ingest.pipeline import CHUNK_SIZE, GPU_CHUNK_SIZE
 
         self.conf = conf
@@ -106,8 +112,16 @@ class IngestWorker:
 
             self.batch_decoder = GpuJpegDecoder(device)
         self.extractors = [
-            GlobalExtractor(conf.model, conf.weights, device, conf.precision, conf.batch_size, conf.resolution,
-                            scales=conf.query_scales or (1.0,), rotations=conf.query_rotations)
+            GlobalExtractor(
+                conf.model,
+                conf.weights,
+                device,
+                conf.precision,
+                conf.batch_size,
+                conf.resolution,
+                scales=conf.query_scales or (1.0,),
+                rotations=conf.query_rotations,
+            )
         ]
         if conf.locals:
             self.extractors.append(make_local_extractor(conf, device))
@@ -117,9 +131,17 @@ class IngestWorker:
         """The shard's result, plus how its columns were made (for the job's info file)."""
         from ingest.pipeline import process_shard
 
-        result = process_shard(url, shard_id, out, self.extractors, self.decode_threads, self.chunk_size,
-                               s3_endpoint_url=self.conf.s3_endpoint_url, batch_decoder=self.batch_decoder,
-                               overlap=self.overlap)
+        result = process_shard(
+            url,
+            shard_id,
+            out,
+            self.extractors,
+            self.decode_threads,
+            self.chunk_size,
+            s3_endpoint_url=self.conf.s3_endpoint_url,
+            batch_decoder=self.batch_decoder,
+            overlap=self.overlap,
+        )
         return {**result.to_dict(), "extractors": self.extractors_info}
 
 
@@ -129,8 +151,14 @@ def make_local_extractor(conf: IngestConfig, device: str = "cpu"):
     from embed.registry import RANDOM
 
     # local_itq "none": descriptors only, no codes (e.g. to learn an ITQ projection)
-    return build_local_extractor(conf.locals, RANDOM if conf.weights == RANDOM else None, device,
-                                 top_k=conf.local_top_k, keep_desc=conf.keep_local_desc or None, itq=conf.local_itq)
+    return build_local_extractor(
+        conf.locals,
+        RANDOM if conf.weights == RANDOM else None,
+        device,
+        top_k=conf.local_top_k,
+        keep_desc=conf.keep_local_desc or None,
+        itq=conf.local_itq,
+    )
 
 
 def connect_ray(address: str | None) -> None:
@@ -150,13 +178,17 @@ def connect_ray(address: str | None) -> None:
 def cpus_per_gpu(nodes: list[dict[str, Any]]) -> int:
     """CPUs per GPU on the GPU nodes of ``ray.nodes()`` (the smallest share, so that every GPU
     node can place one actor per GPU); 1 when no live node has a GPU."""
-    shares = [int(n["Resources"].get("CPU", 0) // n["Resources"]["GPU"])
-              for n in nodes if n.get("Alive", True) and n.get("Resources", {}).get("GPU", 0) >= 1]
+    shares = [
+        int(n["Resources"].get("CPU", 0) // n["Resources"]["GPU"])
+        for n in nodes
+        if n.get("Alive", True) and n.get("Resources", {}).get("GPU", 0) >= 1
+    ]
     return max(1, min(shares)) if shares else 1
 
 
-def _worker_layout(conf: IngestConfig, resources: dict[str, float], n_shards: int,
-                   gpu_share: int = 1) -> tuple[int, dict[str, Any], str, int]:
+def _worker_layout(
+    conf: IngestConfig, resources: dict[str, float], n_shards: int, gpu_share: int = 1
+) -> tuple[int, dict[str, Any], str, int]:
     """(count, actor options, device, CPU threads) from the cluster's resources; ``gpu_share``: the
     CPUs per GPU of its GPU nodes (:func:`cpus_per_gpu`)."""
     gpus = int(resources.get("GPU", 0))
@@ -171,8 +203,17 @@ def _worker_layout(conf: IngestConfig, resources: dict[str, float], n_shards: in
 
 
 # Settings that change the descriptors: a resumed job must use the same ones.
-_DESCRIPTOR_SETTINGS = ("model", "weights", "resolution", "locals", "local_itq", "local_top_k", "keep_local_desc",
-                        "query_scales", "query_rotations")
+_DESCRIPTOR_SETTINGS = (
+    "model",
+    "weights",
+    "resolution",
+    "locals",
+    "local_itq",
+    "local_top_k",
+    "keep_local_desc",
+    "query_scales",
+    "query_rotations",
+)
 
 
 def _comparable(key: str, value: Any) -> Any:
@@ -191,7 +232,9 @@ def _check_same_settings(previous: dict[str, Any], conf: IngestConfig, where: st
         )
 
 
-def plan_shards(urls: list[str], committed: dict[str, dict[str, Any]], manifest: dict[str, Any], overwrite: bool) -> tuple[list[str], dict[str, dict[str, Any]]]:
+def plan_shards(
+    urls: list[str], committed: dict[str, dict[str, Any]], manifest: dict[str, Any], overwrite: bool
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """(shards to process, manifest entries of the shards kept as they are)."""
     entries = manifest.get("shards", {})
     todo, kept = [], {}
@@ -205,7 +248,9 @@ def plan_shards(urls: list[str], committed: dict[str, dict[str, Any]], manifest:
             # Committed (atomic) but the driver died before recording it: adopt the part.
             kept[name] = {"url": url, "state": "committed", "rows": part["rows"], "attempts": 0, "adopted": True}
         elif entry.get("rows") != part["rows"]:
-            log.warning("shard %s: part has %s rows, manifest says %s: redoing it", name, part["rows"], entry.get("rows"))
+            log.warning(
+                "shard %s: part has %s rows, manifest says %s: redoing it", name, part["rows"], entry.get("rows")
+            )
             todo.append(url)
         else:
             kept[name] = entry
@@ -290,7 +335,9 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
     fresh_info = None  # how this run's workers make their columns (from the first result)
     results: list[dict[str, Any]] = []
     if todo:
-        count, options, device, threads = _worker_layout(conf, ray.cluster_resources(), len(todo), cpus_per_gpu(ray.nodes()))
+        count, options, device, threads = _worker_layout(
+            conf, ray.cluster_resources(), len(todo), cpus_per_gpu(ray.nodes())
+        )
         log.info("starting %d %s workers (%s)", count, device, options)
         actor_cls = ray.remote(**options, scheduling_strategy="SPREAD")(IngestWorker)
 
@@ -308,14 +355,25 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
         with tqdm(total=len(todo), unit="shard", desc="ingest", dynamic_ncols=True) as bar:
             for url, result, attempts, reason in run_queue(todo, make_worker, submit, count, conf.max_retries):
                 if result is None:
-                    result = {"url": url, "shard": shard_name(url), "status": "failed", "output": None,
-                              "rows": 0, "error_rows": 0, "seconds": 0.0, "reason": reason}
+                    result = {
+                        "url": url,
+                        "shard": shard_name(url),
+                        "status": "failed",
+                        "output": None,
+                        "rows": 0,
+                        "error_rows": 0,
+                        "seconds": 0.0,
+                        "reason": reason,
+                    }
                 result["attempts"] = attempts
                 fresh_info = result.pop("extractors", None) or fresh_info
                 results.append(result)
                 entries[result["shard"]] = {
-                    "url": url, "state": "committed" if result["status"] == "ok" else "failed",
-                    "rows": result["rows"], "error_rows": result["error_rows"], "attempts": attempts,
+                    "url": url,
+                    "state": "committed" if result["status"] == "ok" else "failed",
+                    "rows": result["rows"],
+                    "error_rows": result["error_rows"],
+                    "attempts": attempts,
                     "reason": result["reason"],
                 }
                 storage.write_json(MANIFEST_FILE, {"shards": entries})
@@ -327,7 +385,13 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
     worker_info = {"extractors": fresh_info or previous.get("extractors", [])}
     report = _report(conf, urls, results, entries, time.perf_counter() - start, worker_info)
     storage.write_json(INFO_FILE, report)
-    log.info("ingest summary: %s", {k: report[k] for k in ("shards_ok", "shards_failed", "shards_retried", "images", "error_rows", "images_per_s")})
+    log.info(
+        "ingest summary: %s",
+        {
+            k: report[k]
+            for k in ("shards_ok", "shards_failed", "shards_retried", "images", "error_rows", "images_per_s")
+        },
+    )
     if report["failed"]:
         raise IngestFailed(report["failed"])
     return output
@@ -341,8 +405,14 @@ class IngestFailed(RuntimeError):
         self.failed = failed
 
 
-def _report(conf: IngestConfig, urls: list[str], results: list[dict[str, Any]], entries: dict[str, Any],
-            seconds: float, worker_info: dict[str, Any]) -> dict[str, Any]:
+def _report(
+    conf: IngestConfig,
+    urls: list[str],
+    results: list[dict[str, Any]],
+    entries: dict[str, Any],
+    seconds: float,
+    worker_info: dict[str, Any],
+) -> dict[str, Any]:
     ok = [r for r in results if r["status"] == "ok"]
     images = sum(r["rows"] for r in ok)
     failed = {r["url"]: r["reason"] for r in results if r["status"] != "ok"}

@@ -8,6 +8,7 @@ the head and passed to every client through the environment (``RAY_AUTH_MODE=tok
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -61,7 +62,6 @@ class LocalRayHead:
         self._forget_as_current_cluster()
         log.info("stopped the local Ray head (pid %d)", self.process.pid)
 
-
     def _forget_as_current_cluster(self) -> None:
         # `ray start` records its address for `ray.init()` auto-detection and a killed head never
         # removes it: leave no record of this head that would make later clients wait on it.
@@ -108,19 +108,22 @@ def start_head(num_cpus: int | None = None, log_file: Path | None = None, timeou
     port, dashboard_port = free_port(), free_port()
     env = client_env(secrets.token_hex(24))
     cmd = [
-        str(bin_dir() / "ray"), "start", "--head", "--block",
-        "--node-ip-address=127.0.0.1", f"--port={port}",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        str(bin_dir() / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
         "--disable-usage-stats",
     ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    try:
+    # the child keeps its own descriptor of the log: ours is closed once it has started
+    with open(log_file, "ab") if log_file else contextlib.nullcontext(subprocess.DEVNULL) as out:
         process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    finally:
-        if log_file:
-            out.close()  # the child holds its own descriptor
     head = LocalRayHead(process, f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -144,8 +147,14 @@ class JobSubmitError(RuntimeError):
     """``ray job submit`` was refused for a reason other than a job agent still starting."""
 
 
-def submit_job(dashboard_url: str, entrypoint: list[str], env: dict[str, str] | None = None, *,
-               ready_timeout: float = 180.0, head_log: str | Path | None = None) -> int:
+def submit_job(
+    dashboard_url: str,
+    entrypoint: list[str],
+    env: dict[str, str] | None = None,
+    *,
+    ready_timeout: float = 180.0,
+    head_log: str | Path | None = None,
+) -> int:
     """``ray job submit`` an entrypoint to the cluster at ``dashboard_url``, stream its logs, and
     return its exit status (0: SUCCEEDED).
 
@@ -165,11 +174,28 @@ def submit_job(dashboard_url: str, entrypoint: list[str], env: dict[str, str] | 
     return 0 if status == "SUCCEEDED" else 1
 
 
-def submit_when_agent_ready(dashboard_url: str, entrypoint: list[str], env: dict[str, str], submission_id: str,
-                            ready_timeout: float, head_log: str | Path | None = None, retry_s: float = 2.0) -> None:
+def submit_when_agent_ready(
+    dashboard_url: str,
+    entrypoint: list[str],
+    env: dict[str, str],
+    submission_id: str,
+    ready_timeout: float,
+    head_log: str | Path | None = None,
+    retry_s: float = 2.0,
+) -> None:
     """``ray job submit --no-wait`` under ``submission_id``, again while the job agent is starting."""
-    cmd = [str(bin_dir() / "ray"), "job", "submit", "--address", dashboard_url, "--submission-id", submission_id,
-           "--no-wait", "--", *entrypoint]
+    cmd = [
+        str(bin_dir() / "ray"),
+        "job",
+        "submit",
+        "--address",
+        dashboard_url,
+        "--submission-id",
+        submission_id,
+        "--no-wait",
+        "--",
+        *entrypoint,
+    ]
     log.info("submitting: %s", " ".join(cmd))
     deadline = time.monotonic() + ready_timeout
     while True:
@@ -182,8 +208,10 @@ def submit_when_agent_ready(dashboard_url: str, entrypoint: list[str], env: dict
             raise JobSubmitError(f"ray job submit to {dashboard_url} failed (exit {run.returncode}): {output[-2000:]}")
         if time.monotonic() + retry_s > deadline:
             where = f"the head's log: {head_log}; " if head_log else ""
-            raise RayHeadError(f"the Ray head at {dashboard_url} had no job agent ready after {ready_timeout:.0f}s "
-                               f"({where}the agent's own log: dashboard_agent.log in the Ray session's logs directory)")
+            raise RayHeadError(
+                f"the Ray head at {dashboard_url} had no job agent ready after {ready_timeout:.0f}s "
+                f"({where}the agent's own log: dashboard_agent.log in the Ray session's logs directory)"
+            )
         log.info("the Ray head's job agent is not up yet; submitting again in %.0fs", retry_s)
         time.sleep(retry_s)
 

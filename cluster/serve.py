@@ -14,6 +14,7 @@ malformed JSON) is answered 400 with ``{"error": message}``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -22,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from index.search import SearchIndex, load_index, open_shard
 from core.errors import NeedleInputError
+from index.search import SearchIndex, load_index, open_shard, shard_names
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors
@@ -37,7 +38,9 @@ class ShardActor:
     def __init__(self, path: str, name: str):
         self.shard = open_shard(path, name)
 
-    def search(self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def search(
+        self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.shard.search(xq, kk, nprobe, refine)
 
     def memory(self) -> dict[str, int]:
@@ -51,13 +54,17 @@ class ShardActor:
 class RayShardedIndex(SearchIndex):
     actors: list[Any] = field(default_factory=list)
 
-    def search_shards(self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def search_shards(
+        self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         import ray
 
         return ray.get([actor.search.remote(xq, kk, nprobe, refine) for actor in self.actors])
 
 
-def serve_sharded(path: str | Path, cpus_per_shard: float | None = None, actors: list[Any] | None = None) -> RayShardedIndex:
+def serve_sharded(
+    path: str | Path, cpus_per_shard: float | None = None, actors: list[Any] | None = None
+) -> RayShardedIndex:
     """Load the index coordinator here and one Ray actor per shard file (Ray must be initialised).
 
     ``cpus_per_shard``: CPUs reserved per actor; None: the cluster's CPUs shared among the shards
@@ -68,16 +75,28 @@ def serve_sharded(path: str | Path, cpus_per_shard: float | None = None, actors:
     import ray
 
     base = load_index(path, with_shards=False)
+    names = shard_names(base.infos)  # shard directories (or an old directory's FAISS files)
     if actors is None:
         if cpus_per_shard is None:
-            cpus_per_shard = min(1.0, ray.cluster_resources().get("CPU", 1) / len(base.infos["index_files"]))
+            cpus_per_shard = min(1.0, ray.cluster_resources().get("CPU", 1) / len(names))
         actor_cls = ray.remote(num_cpus=cpus_per_shard)(ShardActor)
-        actors = [actor_cls.remote(str(Path(path)), name) for name in base.infos["index_files"]]
-    elif len(actors) != len(base.infos["index_files"]):
-        raise ValueError(f"{len(actors)} shard actors for the {len(base.infos['index_files'])} shards of {path}")
+        actors = [actor_cls.remote(str(Path(path)), name) for name in names]
+    elif len(actors) != len(names):
+        raise ValueError(f"{len(actors)} shard actors for the {len(names)} shards of {path}")
     ray.get([a.search.remote(np.zeros((1, base.d), np.float32), 1, None, True) for a in actors])  # loaded and ready
-    fields = {f: getattr(base, f) for f in ("shards", "ids", "vectors", "infos", "path")}
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(SearchIndex)}  # keys and layout too
     return RayShardedIndex(**fields, actors=actors)
+
+
+def open_index(path: str | Path, ray_shards: bool = False, address: str | None = None) -> SearchIndex:
+    """The index to search: its shards in Ray actors with ``ray_shards`` (joining ``address``, else
+    $RAY_ADDRESS, else a local instance), else loaded in this process."""
+    if ray_shards:
+        from cluster.ingest_job import connect_ray
+
+        connect_ray(address)
+        return serve_sharded(path)
+    return load_index(path)
 
 
 class QueryService:
@@ -144,8 +163,16 @@ class QueryService:
             raise NeedleInputError(f"k={k} is larger than the index ({self.index.ntotal} vectors)")
         return k
 
-    def search(self, xq: np.ndarray, k: int, nprobe: int | None, labels: list[dict[str, Any]],
-               refine_factor: int | None = None, tokens: list[Any] | None = None, rerank: Any = None) -> list[dict[str, Any]]:
+    def search(
+        self,
+        xq: np.ndarray,
+        k: int,
+        nprobe: int | None,
+        labels: list[dict[str, Any]],
+        refine_factor: int | None = None,
+        tokens: list[Any] | None = None,
+        rerank: Any = None,
+    ) -> list[dict[str, Any]]:
         """Search, re-ranked where ``tokens`` holds the queries' tokens, with ``rerank`` (default:
         the service's settings)."""
         from query.retrieve import QueryConfig, add_rerank_details, results_json, search
@@ -174,8 +201,9 @@ class QueryService:
                 from query.retrieve import stored_tokens
 
                 tokens = stored_tokens(self.index, keys)
-            return self.search(np.stack([self.index.vector_of(x) for x in keys]), k, nprobe, [{"key": x} for x in keys],
-                               factor, tokens)
+            return self.search(
+                np.stack([self.index.vector_of(x) for x in keys]), k, nprobe, [{"key": x} for x in keys], factor, tokens
+            )
         if "vectors" in body:
             try:
                 xq = np.asarray(body["vectors"], dtype=np.float32)

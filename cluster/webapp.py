@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.serve import MAX_BODY, QueryService
 from core.errors import ImageDecodeError, NeedleInputError
+from index.search import shard_names
 
 if TYPE_CHECKING:
     from cluster.webpage import PageConfig
@@ -38,10 +40,15 @@ SEARCH_BODY_SCHEMA = {
         "nprobe": {"type": "integer", "description": "IVF lists visited (default: the index's)"},
         "refine_factor": {"type": "integer", "description": "shortlist = factor * k, re-scored exactly"},
         "keys": {"type": "array", "items": {"type": "string"}, "description": "stored keys to query with"},
-        "vectors": {"type": "array", "items": {"type": "array", "items": {"type": "number"}},
-                    "description": "query vectors, (n, d) or (d,)"},
-        "text": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
-                 "description": "text queries (open_clip models)"},
+        "vectors": {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "number"}},
+            "description": "query vectors, (n, d) or (d,)",
+        },
+        "text": {
+            "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+            "description": "text queries (open_clip models)",
+        },
     },
     "example": {"keys": ["000000/00001"], "k": 10},
 }
@@ -82,9 +89,12 @@ def answer(call: Callable[[], Any]) -> Response:
         return json_response(500, {"error": f"{type(exc).__name__}: {exc}"})
 
 
-def create_app(service: QueryService, page: "PageConfig | None" = None) -> FastAPI:
-    app = FastAPI(title="needle", description="Instance-level image retrieval: search an index by stored key, "
-                  "vector, text or image.", version="0.1.0")
+def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI:
+    app = FastAPI(
+        title="needle",
+        description="Instance-level image retrieval: search an index by stored key, vector, text or image.",
+        version="0.1.0",
+    )
 
     @app.exception_handler(BodyTooLarge)
     def _too_large(request: Request, exc: BodyTooLarge) -> Response:
@@ -103,12 +113,23 @@ def create_app(service: QueryService, page: "PageConfig | None" = None) -> FastA
     @app.get("/health", summary="index size, dimension, shards and kind")
     def health() -> Response:
         idx = service.index
-        return json_response(200, {"ntotal": idx.ntotal, "d": idx.d, "shards": len(idx.infos.get("index_files", [])),
-                                   "kind": idx.infos.get("kind")})
+        return json_response(
+            200,
+            {
+                "ntotal": idx.ntotal,
+                "d": idx.d,
+                "shards": len(shard_names(idx.infos)),
+                "kind": idx.infos.get("kind"),
+            },
+        )
 
-    @app.post("/search", summary="search by stored keys, vectors or text",
-              openapi_extra={"requestBody": {"required": True,
-                                             "content": {"application/json": {"schema": SEARCH_BODY_SCHEMA}}}})
+    @app.post(
+        "/search",
+        summary="search by stored keys, vectors or text",
+        openapi_extra={
+            "requestBody": {"required": True, "content": {"application/json": {"schema": SEARCH_BODY_SCHEMA}}}
+        },
+    )
     def search(data: bytes = Depends(request_body)) -> Response:
         def run() -> Any:
             try:
@@ -121,13 +142,24 @@ def create_app(service: QueryService, page: "PageConfig | None" = None) -> FastA
 
         return answer(run)
 
-    @app.post("/search/image", summary="search by an image (the raw image bytes are the request body)",
-              openapi_extra={"requestBody": {"required": True, "content": {
-                  "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
-                  "image/*": {"schema": {"type": "string", "format": "binary"}}}}})
-    def search_image(k: int = Query(10, description="results"),
-                     nprobe: int | None = Query(None, description="IVF lists visited (default: the index's)"),
-                     data: bytes = Depends(request_body)) -> Response:
+    @app.post(
+        "/search/image",
+        summary="search by an image (the raw image bytes are the request body)",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                    "image/*": {"schema": {"type": "string", "format": "binary"}},
+                },
+            }
+        },
+    )
+    def search_image(
+        k: int = Query(10, description="results"),
+        nprobe: int | None = Query(None, description="IVF lists visited (default: the index's)"),
+        data: bytes = Depends(request_body),
+    ) -> Response:
         def run() -> Any:
             if not data:
                 raise NeedleInputError("empty request body: send the image bytes")
@@ -147,8 +179,15 @@ def create_app(service: QueryService, page: "PageConfig | None" = None) -> FastA
 REPLICA_CPUS = 0.0
 
 
-def ray_app(index_path: str, files: Any = None, rerank: Any = None, page: "PageConfig | None" = None,
-            shard_actors: list[Any] | None = None, replicas: int = 1, replica_cpus: float = REPLICA_CPUS):
+def ray_app(
+    index_path: str,
+    files: Any = None,
+    rerank: Any = None,
+    page: PageConfig | None = None,
+    shard_actors: list[Any] | None = None,
+    replicas: int = 1,
+    replica_cpus: float = REPLICA_CPUS,
+):
     """The app as a bound Ray Serve deployment (``serve.run(ray_app(...))``; Ray must be initialised).
 
     Each replica opens the index itself; with ``shard_actors`` (from ``serve_sharded``) every replica

@@ -7,7 +7,7 @@
 - ``POST /page/search``           JSON ``{"k", "nprobe"?, "rerank"?, "shortlist"?, one of "key" | "text"}``
 - ``POST /page/search/image?k=&nprobe=&rerank=&shortlist=``  raw image bytes (at most ``max_upload_bytes``)
 - ``GET  /thumb?key=K``           a JPEG thumbnail of the database image, cut from its tar member
-- ``GET  /report``                the configured ``needle eval`` report, per query: AP and the missed positives
+- ``GET  /report``                the configured ``needle eval map`` report, per query: AP and the missed positives
 - ``GET  /report/scaling.png``    the configured scaling plot
 
 Unlike the JSON API, which re-ranks only when the service was started with ``--rerank``, the page
@@ -45,7 +45,7 @@ _WDS_KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset: key = path 
 
 @dataclass(frozen=True)
 class PageConfig:
-    report: str | None = None  # a `needle eval` JSON report shown in the report section; None: no report
+    report: str | None = None  # a `needle eval map` JSON report shown in the report section; None: no report
     scaling_plot: str | None = None  # a scaling PNG (`needle eval plot`) shown beside it; None: none
     max_upload_bytes: int = 16 << 20  # larger uploaded query images are refused (413) before being read whole
     thumbnail_px: int = 256  # longer side of the result thumbnails
@@ -115,8 +115,9 @@ class ImageSource:
         shard, _, member_key = key.partition("/")
         url = self.url_of(shard)
         if url is None:
-            raise FileNotFoundError(f"no source recorded for shard {shard!r} (key {key!r}): "
-                                    f"give the directory of its tar as a shard dir")
+            raise FileNotFoundError(
+                f"no source recorded for shard {shard!r} (key {key!r}): give the directory of its tar as a shard dir"
+            )
         if not url.startswith("s3://") and Path(url).is_dir():  # a directory of image files
             for suffix in _image_suffixes():
                 path = Path(url) / f"{member_key}.{suffix}"
@@ -275,7 +276,9 @@ def page_report(conf: PageConfig, search: PageSearch) -> dict[str, Any]:
         raise NeedleInputError(f"the report {conf.report} is not a JSON object")
     k = int(report.get("k") or (report.get("config") or {}).get("k") or 10)
     per_query = [q for q in report.get("per_query", []) or [] if isinstance(q, dict)]
-    summary = {name: value for name, value in report.items() if name != "per_query" and not isinstance(value, (dict, list))}
+    summary = {
+        name: value for name, value in report.items() if name != "per_query" and not isinstance(value, (dict, list))
+    }
     positives = _truth_positives(report.get("ground_truth"))
     notes = []
     queries = []
@@ -296,10 +299,19 @@ def page_report(conf: PageConfig, search: PageSearch) -> dict[str, Any]:
     if queries and not any("missed" in q for q in queries):
         notes.append("the report records no rankings and its ground truth could not be read: per-query AP only")
     elif any(q.get("ranks_recomputed") for q in queries):
-        notes.append(f"missed positives and their ranks recomputed with this index's global search "
-                     f"(searched to depth {conf.report_depth}; re-ranking, if the report used it, not applied)")
-    return {"path": str(conf.report), "k": k, "summary": summary, "breakdowns": report.get("breakdowns"),
-            "per_query": queries, "notes": notes, "scaling_plot": bool(conf.scaling_plot)}
+        notes.append(
+            f"missed positives and their ranks recomputed with this index's global search "
+            f"(searched to depth {conf.report_depth}; re-ranking, if the report used it, not applied)"
+        )
+    return {
+        "path": str(conf.report),
+        "k": k,
+        "summary": summary,
+        "breakdowns": report.get("breakdowns"),
+        "per_query": queries,
+        "notes": notes,
+        "scaling_plot": bool(conf.scaling_plot),
+    }
 
 
 def _truth_positives(source: Any) -> dict[str, list[str]]:
@@ -324,7 +336,7 @@ def _missed_by_search(index: Any, key: str, positives: list[str], k: int, depth:
         xq = index.vector_of(key)[None]
     except NeedleInputError:
         return None
-    D, I = index.search(xq, min(index.ntotal, max(depth, k) + 1))
+    _, I = index.search(xq, min(index.ntotal, max(depth, k) + 1))
     ranking = [r for r in index.keys_of(I)[0] if r is not None and r != key]
     return _missed(positives, ranking, k)
 
@@ -359,12 +371,21 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
     @app.get("/page/info")
     def info():
         idx = service.index
-        return {"has_text": search.has_text, "has_locals": search.has_locals, "has_model": search.has_model,
-                "ntotal": idx.ntotal, "d": idx.d, "kind": idx.infos.get("kind"),
-                "local_resolution": search.local_resolution(), "rerank_default": service.rerank is not None,
-                "shortlist": (service.rerank.shortlist if service.rerank is not None else 100),
-                "max_upload_bytes": conf.max_upload_bytes, "thumbnail_px": conf.thumbnail_px,
-                "report": bool(conf.report), "scaling_plot": bool(conf.scaling_plot)}
+        return {
+            "has_text": search.has_text,
+            "has_locals": search.has_locals,
+            "has_model": search.has_model,
+            "ntotal": idx.ntotal,
+            "d": idx.d,
+            "kind": idx.infos.get("kind"),
+            "local_resolution": search.local_resolution(),
+            "rerank_default": service.rerank is not None,
+            "shortlist": (service.rerank.shortlist if service.rerank is not None else 100),
+            "max_upload_bytes": conf.max_upload_bytes,
+            "thumbnail_px": conf.thumbnail_px,
+            "report": bool(conf.report),
+            "scaling_plot": bool(conf.scaling_plot),
+        }
 
     @app.post("/page/search")
     async def page_search(request: Request):
@@ -383,8 +404,9 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
         return await guarded(search.by_text, body["text"], k, nprobe)
 
     @app.post("/page/search/image")
-    async def page_search_image(request: Request, k: str = "10", nprobe: str | None = None,
-                                rerank: str = "0", shortlist: str | None = None):
+    async def page_search_image(
+        request: Request, k: str = "10", nprobe: str | None = None, rerank: str = "0", shortlist: str | None = None
+    ):
         try:
             k_, nprobe_ = int(k), (int(nprobe) if nprobe not in (None, "") else None)
             shortlist_ = int(shortlist) if shortlist not in (None, "") else None
@@ -400,7 +422,9 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
             if size > limit:
                 return _error(413, f"the upload is over the limit of {limit} bytes")
             chunks.append(chunk)
-        return await guarded(search.by_image, b"".join(chunks), k_, nprobe_, rerank.lower() in ("1", "true", "on", "yes"), shortlist_)
+        return await guarded(
+            search.by_image, b"".join(chunks), k_, nprobe_, rerank.lower() in ("1", "true", "on", "yes"), shortlist_
+        )
 
     @app.get("/thumb")
     def thumb(key: str = ""):
@@ -434,5 +458,7 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
     @app.get("/report/scaling.png")
     def scaling_png():
         if not conf.scaling_plot or not Path(conf.scaling_plot).is_file():
-            return _error(404, "no scaling plot configured" if not conf.scaling_plot else f"{conf.scaling_plot} does not exist")
+            return _error(
+                404, "no scaling plot configured" if not conf.scaling_plot else f"{conf.scaling_plot} does not exist"
+            )
         return FileResponse(conf.scaling_plot, media_type="image/png")

@@ -18,6 +18,7 @@ import numpy as np
 
 from core.atomic import write_atomic
 from core.errors import NeedleInputError
+from embed.pca import fit_pca
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,14 @@ def train_itq(x: np.ndarray, bits: int = BITS, iterations: int = 50, seed: int =
     if not np.isfinite(x).all():
         raise NeedleInputError("ITQ training descriptors contain NaN or inf")
     n, d = x.shape
-    mean = x.mean(0)
-    centred = x - mean
-    # PCA: the top principal directions; with d < bits the basis is zero-padded to `bits` columns.
-    _, _, vt = np.linalg.svd(centred, full_matrices=False)
+    # PCA (embed/pca.py): the top principal directions with the solver's signs (the random
+    # rotation below makes any orientation equivalent); with fewer than `bits` of them the basis is
+    # zero-padded to `bits` columns.
+    pca = fit_pca(x, bits, fix_signs=False, what="ITQ training descriptors")
+    mean = pca.mean
     basis = np.zeros((d, bits))
-    keep = min(d, bits, len(vt))
-    basis[:, :keep] = vt[:keep].T
-    v = centred @ basis
+    basis[:, : pca.dim] = pca.components.T
+    v = (x - mean) @ basis
     rng = np.random.default_rng(seed)
     rotation, _ = np.linalg.qr(rng.normal(size=(bits, bits)))
     for _ in range(iterations):

@@ -4,8 +4,8 @@ descriptor binarised to 128 ITQ bits, written by the same ingestion pass as the 
 Token sources (``LocalConfig.kind``):
 
 - ``cnn``: a CNN stage's feature map (default: EfficientNet-Lite0's stride-16 stage, 112 channels,
-  with the shipped ImageNet weights); weight = the token's L2 norm; descriptor = the token
-  L2-normalised.
+  with the shipped ImageNet weights; :class:`embed.stages.CNNStageTokens`); weight = the token's L2
+  norm; descriptor = the token L2-normalised.
 - ``vit_ames``: ViT patch tokens through the AMES detector head (embed/local_vit.py).
 - ``sift``: kornia's SIFT / RootSIFT keypoints (embed/local_sift.py), weight-free.
 
@@ -41,6 +41,7 @@ from embed.extract import batches_by_shape
 from embed.itq import ITQ, load_itq
 from embed.models import build_global_model
 from embed.registry import RANDOM, LocalConfig, get_local_preset, get_model_config, resolve_package_file
+from embed.stages import CNNStageTokens
 from ingest.images import RESAMPLE, resized_size
 
 log = logging.getLogger(__name__)
@@ -56,26 +57,6 @@ class DenseLocalModel(Protocol):
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised images (B, 3, H, W) -> (descriptors (B, d, h, w) L2-normalised over d, weights (B, h, w))."""
         ...
-
-
-class CNNStageTokens(nn.Module):
-    """A timm CNN up to one block: its feature map's cells are the tokens, weighted by their L2 norm."""
-
-    def __init__(self, backbone: nn.Module, stage: int):
-        super().__init__()
-        if not hasattr(backbone, "blocks") or not 0 <= stage < len(backbone.blocks):
-            raise NeedleInputError(f"feature_stage {stage} is not a block of {type(backbone).__name__}")
-        self.stem = nn.Sequential(backbone.conv_stem, backbone.bn1)
-        self.blocks = backbone.blocks[: stage + 1]
-        self.dim = int(self.forward_map(torch.zeros(1, 3, 32, 32)).shape[1])
-
-    def forward_map(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(self.stem(x))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        features = self.forward_map(x).float()
-        weight = features.norm(dim=1)
-        return torch.nn.functional.normalize(features, dim=1), weight
 
 
 def resolve_itq(reference: str | None) -> tuple[ITQ | None, Path | None]:

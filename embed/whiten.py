@@ -17,8 +17,8 @@ Both are the same kind of file as a trained adapter (``x -> L2(W x + b)``, saved
 :func:`embed.adapt.save_adapter`), so ``needle index build --adapt`` and queries take them as they are.
 The regulariser ``r`` is ``eps`` times the mean eigenvalue (the trace over ``d``) of the matrix being
 inverted, so that the same ``eps`` suits descriptors of any dimension and scale. Everything is
-computed in float64; eigenvector signs are fixed (largest entry positive) so that results do not
-depend on the LAPACK build.
+computed in float64; the covariance's eigenpairs and their signs (largest entry positive, so that
+results do not depend on the LAPACK build) come from :func:`embed.pca.eigh_descending`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
-from embed.adapt import AdapterError, LinearAdapter, labelled_descriptors, read_labels, save_adapter
-from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global
 from core.atomic import write_json_atomic
+from embed.adapt import AdapterError, LinearAdapter, labelled_descriptors, read_labels, save_adapter
+from embed.pca import eigh_descending
+from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ class WhitenConfig:
     method: str = "pca"  # "pca": unsupervised PCA whitening; "learned": whitening learned from same-label pairs
     out_dim: int = 512  # kept dimensions (at most the descriptor dimension and the number of descriptors - 1)
     eps: float = DEFAULT_EPS  # regulariser added to the eigenvalues, as a fraction of their mean
-    max_pairs: int | None = None  # learned: at most this many positive pairs, a seeded uniform sample; None: all, in closed form
+    max_pairs: int | None = (
+        None  # learned: at most this many positive pairs, a seeded uniform sample; None: all, in closed form
+    )
     seed: int = 0  # learned: which pairs the sample holds when max_pairs caps them
 
 
@@ -68,8 +71,10 @@ def _check_matrix(x: np.ndarray, what: str = "descriptors") -> np.ndarray:
 
 def _check_out_dim(out_dim: int, n: int, d: int) -> None:
     if not 1 <= out_dim <= min(d, n - 1):
-        raise AdapterError(f"out_dim {out_dim} must be between 1 and min(d, n - 1) = {min(d, n - 1)} "
-                           f"for {n} descriptors of dimension {d}")
+        raise AdapterError(
+            f"out_dim {out_dim} must be between 1 and min(d, n - 1) = {min(d, n - 1)} "
+            f"for {n} descriptors of dimension {d}"
+        )
 
 
 def _moments(blocks: Iterable[np.ndarray]) -> tuple[int, np.ndarray, np.ndarray]:
@@ -99,16 +104,6 @@ def _symmetric(c: np.ndarray) -> np.ndarray:
     return (c + c.T) / 2
 
 
-def _eigh_descending(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Eigenvalues (descending, negatives from rounding clipped to 0) and eigenvectors (columns),
-    each column's largest-magnitude entry made positive."""
-    values, vectors = np.linalg.eigh(_symmetric(c))
-    order = np.argsort(values)[::-1]
-    values, vectors = np.clip(values[order], 0, None), vectors[:, order]
-    signs = np.sign(vectors[np.abs(vectors).argmax(0), np.arange(vectors.shape[1])])
-    return values, vectors * np.where(signs == 0, 1, signs)
-
-
 def _regulariser(values: np.ndarray, eps: float) -> float:
     if not eps >= 0:
         raise AdapterError(f"eps must be >= 0, got {eps}")
@@ -118,7 +113,7 @@ def _regulariser(values: np.ndarray, eps: float) -> float:
 def _inverse_sqrt(c: np.ndarray, eps: float) -> tuple[np.ndarray, float]:
     """(symmetric ``(C + r I)^-1/2``, r) of a covariance, ``r = eps * trace(C) / d``; raises
     AdapterError when ``C + r I`` is singular (``eps=0`` on rank-deficient data)."""
-    values, vectors = _eigh_descending(c)
+    values, vectors = eigh_descending(c)
     r = _regulariser(values, eps)
     if values[-1] + r <= 0:
         raise AdapterError(f"covariance of shape {c.shape} is singular (rank {int((values > 0).sum())}): give eps > 0")
@@ -138,19 +133,28 @@ def _to_adapter(weight: np.ndarray, bias: np.ndarray) -> LinearAdapter:
 # --- PCA whitening ------------------------------------------------------------------------------------
 
 
-def _fit_pca(n: int, mean: np.ndarray, cov: np.ndarray, out_dim: int, eps: float) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """(W, b, infos) of PCA whitening from the descriptors' moments."""
+def _fit_pca_whitening(
+    n: int, mean: np.ndarray, cov: np.ndarray, out_dim: int, eps: float
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """(W, b, infos) of PCA whitening from the descriptors' moments (the covariance's eigenpairs:
+    embed/pca.py)."""
     _check_out_dim(out_dim, n, len(mean))
-    values, vectors = _eigh_descending(cov)
+    values, vectors = eigh_descending(cov)
     r = _regulariser(values, eps)
     kept = values[:out_dim]
     if kept[-1] + r <= 0:
-        raise AdapterError(f"only {int((values > 0).sum())} of the {out_dim} components asked for have variance: "
-                           "give eps > 0 or a smaller out_dim")
+        raise AdapterError(
+            f"only {int((values > 0).sum())} of the {out_dim} components asked for have variance: "
+            "give eps > 0 or a smaller out_dim"
+        )
     weight = vectors[:, :out_dim].T / np.sqrt(kept + r)[:, None]
     total = float(values.sum())
-    infos = {"samples": n, "explained_variance": float(kept.sum() / total) if total > 0 else 0.0,
-             "eigenvalues_kept": [float(kept[0]), float(kept[-1])], "regulariser": r}
+    infos = {
+        "samples": n,
+        "explained_variance": float(kept.sum() / total) if total > 0 else 0.0,
+        "eigenvalues_kept": [float(kept[0]), float(kept[-1])],
+        "regulariser": r,
+    }
     return weight, -weight @ mean, infos
 
 
@@ -158,7 +162,7 @@ def pca_whitening(x: np.ndarray, out_dim: int, eps: float = DEFAULT_EPS) -> Line
     """PCA whitening of (n, d) descriptors as an adapter: ``W = diag(λ + r)^-1/2 Pᵀ`` (top ``out_dim``
     eigenpairs of the covariance), ``b = -W μ``, so that ``adapter(x) = L2(W (x - μ))``."""
     x = _check_matrix(x)
-    weight, bias, _ = _fit_pca(*_moments([x]), out_dim, eps)
+    weight, bias, _ = _fit_pca_whitening(*_moments([x]), out_dim, eps)
     return _to_adapter(weight, bias)
 
 
@@ -172,7 +176,9 @@ def _check_labels(x: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.nda
         raise AdapterError(f"need one label per descriptor: descriptors {x.shape}, labels {labels.shape}")
     _, classes, sizes = np.unique(labels, return_inverse=True, return_counts=True)
     if not (sizes >= 2).any():
-        raise AdapterError(f"no class of the {len(sizes)} labels has 2 descriptors: learned whitening needs matching pairs")
+        raise AdapterError(
+            f"no class of the {len(sizes)} labels has 2 descriptors: learned whitening needs matching pairs"
+        )
     return classes, sizes
 
 
@@ -182,7 +188,9 @@ def positive_pairs(labels: np.ndarray, max_pairs: int, seed: int = 0) -> tuple[n
     _, classes, sizes = np.unique(np.asarray(labels), return_inverse=True, return_counts=True)
     pair_counts = sizes * (sizes - 1) / 2
     if max_pairs < 1 or pair_counts.sum() == 0:
-        raise AdapterError(f"cannot draw {max_pairs} positive pairs from {len(sizes)} classes of sizes up to {sizes.max()}")
+        raise AdapterError(
+            f"cannot draw {max_pairs} positive pairs from {len(sizes)} classes of sizes up to {sizes.max()}"
+        )
     rng = np.random.default_rng(seed)
     members = np.argsort(classes, kind="stable")
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -192,8 +200,9 @@ def positive_pairs(labels: np.ndarray, max_pairs: int, seed: int = 0) -> tuple[n
     return members[starts[cls] + a], members[starts[cls] + b]
 
 
-def pair_difference_covariance(x: np.ndarray, labels: np.ndarray, max_pairs: int | None = None,
-                               seed: int = 0) -> tuple[np.ndarray, int]:
+def pair_difference_covariance(
+    x: np.ndarray, labels: np.ndarray, max_pairs: int | None = None, seed: int = 0
+) -> tuple[np.ndarray, int]:
     """(C_S, number of pairs): the mean of ``(x_i - x_j)(x_i - x_j)ᵀ`` over same-label pairs.
 
     All pairs use the closed form ``Σ_{i<j in c} (x_i - x_j)(x_i - x_j)ᵀ = n_c Σ_{i in c} (x_i - μ_c)(x_i - μ_c)ᵀ``
@@ -217,8 +226,9 @@ def pair_difference_covariance(x: np.ndarray, labels: np.ndarray, max_pairs: int
     return _symmetric(scatter / total_pairs), total_pairs
 
 
-def _fit_learned(x: np.ndarray, labels: np.ndarray, out_dim: int, eps: float, max_pairs: int | None,
-                 seed: int) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+def _fit_learned(
+    x: np.ndarray, labels: np.ndarray, out_dim: int, eps: float, max_pairs: int | None, seed: int
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """(W, b, infos) of learned whitening."""
     x = _check_matrix(x)
     _, sizes = _check_labels(x, labels)
@@ -226,15 +236,26 @@ def _fit_learned(x: np.ndarray, labels: np.ndarray, out_dim: int, eps: float, ma
     c_s, n_pairs = pair_difference_covariance(x, labels, max_pairs, seed)
     p1, r = _inverse_sqrt(c_s, eps)
     n, mean, cov = _moments([x])
-    values, vectors = _eigh_descending(p1 @ cov @ p1)  # p1 is symmetric
+    values, vectors = eigh_descending(p1 @ cov @ p1)  # p1 is symmetric
     weight = vectors[:, :out_dim].T @ p1
-    infos = {"samples": n, "pairs": n_pairs, "classes_with_pairs": int((sizes >= 2).sum()), "regulariser": r,
-             "explained_variance": float(values[:out_dim].sum() / values.sum()) if values.sum() > 0 else 0.0}
+    infos = {
+        "samples": n,
+        "pairs": n_pairs,
+        "classes_with_pairs": int((sizes >= 2).sum()),
+        "regulariser": r,
+        "explained_variance": float(values[:out_dim].sum() / values.sum()) if values.sum() > 0 else 0.0,
+    }
     return weight, -weight @ mean, infos
 
 
-def learned_whitening(x: np.ndarray, labels: np.ndarray, out_dim: int, eps: float = DEFAULT_EPS,
-                      max_pairs: int | None = None, seed: int = 0) -> LinearAdapter:
+def learned_whitening(
+    x: np.ndarray,
+    labels: np.ndarray,
+    out_dim: int,
+    eps: float = DEFAULT_EPS,
+    max_pairs: int | None = None,
+    seed: int = 0,
+) -> LinearAdapter:
     """Radenović-style learned whitening of (n, d) descriptors with one label each (any hashable
     values; pairs of equal labels are the matching pairs): ``W = P2ᵀ P1``, ``b = -W m``."""
     weight, bias, _ = _fit_learned(x, labels, out_dim, eps, max_pairs, seed)
@@ -268,7 +289,7 @@ def fit(conf: WhitenConfig, descriptors: Path, labels: Path | None = None) -> tu
         x, y, classes = labelled_descriptors(Path(descriptors), read_labels(Path(labels)))
     if conf.method == "pca":
         moments = _moments([x] if labels is not None else ok_descriptor_blocks(Path(descriptors)))
-        weight, bias, infos = _fit_pca(*moments, conf.out_dim, conf.eps)
+        weight, bias, infos = _fit_pca_whitening(*moments, conf.out_dim, conf.eps)
     else:
         weight, bias, infos = _fit_learned(x, y, conf.out_dim, conf.eps, conf.max_pairs, conf.seed)
         infos["classes"] = len(classes)
@@ -280,9 +301,23 @@ def main(conf: WhitenConfig, descriptors: Path, labels: Path | None, output: Pat
     start = time.perf_counter()
     adapter, infos = fit(conf, Path(descriptors), None if labels is None else Path(labels))
     path = save_adapter(adapter, Path(output))
-    record = {"method": f"whiten-{conf.method}", "config": asdict(conf), "descriptors": str(descriptors),
-              "labels": None if labels is None else str(labels), "in_dim": adapter.in_dim, "out_dim": adapter.out_dim,
-              **infos, "seconds": round(time.perf_counter() - start, 3)}
+    record = {
+        "method": f"whiten-{conf.method}",
+        "config": asdict(conf),
+        "descriptors": str(descriptors),
+        "labels": None if labels is None else str(labels),
+        "in_dim": adapter.in_dim,
+        "out_dim": adapter.out_dim,
+        **infos,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
     write_json_atomic(record, path.with_name(path.name + ".json"))
-    log.info("whitening %s (%s): %d -> %d from %d descriptors", path, conf.method, adapter.in_dim, adapter.out_dim, infos["samples"])
+    log.info(
+        "whitening %s (%s): %d -> %d from %d descriptors",
+        path,
+        conf.method,
+        adapter.in_dim,
+        adapter.out_dim,
+        infos["samples"],
+    )
     return path

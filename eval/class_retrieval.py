@@ -40,7 +40,9 @@ def label_ids(labels: Sequence[Hashable]) -> np.ndarray:
     return np.asarray([ids.setdefault(label, len(ids)) for label in labels], dtype=np.int64)
 
 
-def class_retrieval_per_query(scores: np.ndarray, labels: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def class_retrieval_per_query(
+    scores: np.ndarray, labels: Sequence[Hashable]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per query with R >= 1: (MAP@R, R-Precision, query index), each (q,), in [0, 1]; from an
     (n, n) similarity matrix (the diagonal is ignored) and the n images' labels."""
     scores = _check(scores, labels)

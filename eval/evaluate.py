@@ -35,15 +35,23 @@ from typing import Any
 
 import numpy as np
 
-from eval.ilias import CLUTTER_GROUPS, SCALE_GROUPS, is_ilias_dataset, load_ilias, text_query_texts, write_results_json, write_results_pickle
+from core.atomic import write_json_atomic
+from core.errors import NeedleInputError
+from core.tokens import LocalTokens
+from eval.ilias import (
+    CLUTTER_GROUPS,
+    SCALE_GROUPS,
+    is_ilias_dataset,
+    load_ilias,
+    text_query_texts,
+    write_results_json,
+    write_results_pickle,
+)
 from eval.metrics import average_precision_at_k, binned_ap, ilias_oracle, recall_at_k
 from index.search import SearchIndex, load_index
 from query.recorded import QueryFiles
 from query.retrieve import QueryConfig, adapt_queries, embed_texts, search, stored_tokens
-from rerank.rerank import Reranker, RerankConfig
-from core.tokens import LocalTokens
-from core.atomic import write_json_atomic
-from core.errors import NeedleInputError
+from rerank.rerank import RerankConfig, Reranker
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +74,9 @@ class EvalConfig:
 @dataclass
 class GroundTruth:
     queries: list[dict[str, Any]]  # {"key", "positives"[, "text"]}: "text" marks a text query
-    attributes: dict[str, tuple[list[tuple[float, float]], dict[str, float]]] = field(default_factory=dict)  # name -> (bins, value per positive)
+    attributes: dict[str, tuple[list[tuple[float, float]], dict[str, float]]] = field(
+        default_factory=dict
+    )  # name -> (bins, value per positive)
     source: str = ""
 
 
@@ -77,8 +87,10 @@ def _parse_attributes(path: Path, raw: Any) -> dict[str, tuple[list[tuple[float,
             bins = [(float(lo), float(hi)) for lo, hi in spec["bins"]]
             values = {str(k): float(v) for k, v in spec["values"].items()}
         except (KeyError, TypeError, ValueError) as exc:
-            raise NeedleInputError(f"ground truth {path}: attribute {name!r} needs 'bins' [[low, high], ...] and "
-                                   f"'values' {{key: number}} ({exc})") from exc
+            raise NeedleInputError(
+                f"ground truth {path}: attribute {name!r} needs 'bins' [[low, high], ...] and "
+                f"'values' {{key: number}} ({exc})"
+            ) from exc
         out[name] = (bins, values)
     return out
 
@@ -99,8 +111,9 @@ def load_truth(path: Path | str, text_queries: bool = False) -> GroundTruth:
         truth = json.loads(path.read_text())
         queries = truth["queries"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise NeedleInputError(f"ground truth {path}: expected JSON with a 'queries' list or an ILIAS dataset "
-                               f"directory ({exc})") from exc
+        raise NeedleInputError(
+            f"ground truth {path}: expected JSON with a 'queries' list or an ILIAS dataset directory ({exc})"
+        ) from exc
     for i, q in enumerate(queries):
         if not isinstance(q, dict) or "key" not in q or "positives" not in q:
             raise NeedleInputError(f"ground truth {path}: query {i} needs 'key' and 'positives'")
@@ -115,7 +128,10 @@ def ilias_truth(dataset_dir: Path, text_queries: bool = False) -> GroundTruth:
     queries = [{"key": q, "positives": sorted(gt.get(q.split("/")[0], ()))} for q in dataset.image_query_ids]
     if text_queries:
         texts = text_query_texts(dataset_dir, dataset.text_query_ids)
-        queries += [{"key": q, "positives": sorted(gt.get(q.split("/")[0], ())), "text": texts[q]} for q in dataset.text_query_ids]
+        queries += [
+            {"key": q, "positives": sorted(gt.get(q.split("/")[0], ())), "text": texts[q]}
+            for q in dataset.text_query_ids
+        ]
     attributes = {
         "scale": ([tuple(b) for b in SCALE_GROUPS], {p: s for p, (s, _) in dataset.positive_info.items()}),
         "clutter": ([tuple(b) for b in CLUTTER_GROUPS], {p: float(c) for p, (_, c) in dataset.positive_info.items()}),
@@ -140,13 +156,16 @@ def read_query_vectors(directory: str | Path, keys: list[str]) -> dict[str, np.n
                 found[key] = x[i].astype(np.float32)
     missing = [k for k in keys if k not in found]
     if missing:
-        raise NeedleInputError(f"query descriptors {directory} lack {len(missing)} of {len(keys)} queries "
-                               f"(or they failed to decode), e.g. {missing[:3]}")
+        raise NeedleInputError(
+            f"query descriptors {directory} lack {len(missing)} of {len(keys)} queries "
+            f"(or they failed to decode), e.g. {missing[:3]}"
+        )
     return found
 
 
-def _query_vectors(index: SearchIndex, chunk: list[dict[str, Any]], external: Mapping[str, np.ndarray] | None,
-                   files: QueryFiles) -> np.ndarray:
+def _query_vectors(
+    index: SearchIndex, chunk: list[dict[str, Any]], external: Mapping[str, np.ndarray] | None, files: QueryFiles
+) -> np.ndarray:
     """(n, d) vectors of a chunk of image queries: stored (already adapted) or from the query
     descriptors (adapted here, as the index was built)."""
     if external is None:
@@ -158,8 +177,13 @@ def _mean(values: list[float]) -> float:
     return 100.0 * float(np.mean(values)) if values else float("nan")
 
 
-def evaluate(index_dir: Path, queries: list[dict[str, Any]] | GroundTruth, conf: EvalConfig, ignore: Collection[str] = (),
-             index: SearchIndex | None = None) -> dict[str, Any]:
+def evaluate(
+    index_dir: Path,
+    queries: list[dict[str, Any]] | GroundTruth,
+    conf: EvalConfig,
+    ignore: Collection[str] = (),
+    index: SearchIndex | None = None,
+) -> dict[str, Any]:
     """Search every query and compute AP@k per query, mAP@k x 100, recall@k, ILIAS's oracle and
     the attribute breakdowns.
 
@@ -176,8 +200,9 @@ def evaluate(index_dir: Path, queries: list[dict[str, Any]] | GroundTruth, conf:
     image_queries = [q for q in usable if "text" not in q]
     text_queries = [q for q in usable if "text" in q]
     # +1: the query finds itself; ignored keys may take places in the shortlist too.
-    query_conf = QueryConfig(k=min(index.ntotal, conf.k + 1 + len(ignore)), nprobe=conf.nprobe, rerank=conf.rerank,
-                             qe_top=conf.qe_top)
+    query_conf = QueryConfig(
+        k=min(index.ntotal, conf.k + 1 + len(ignore)), nprobe=conf.nprobe, rerank=conf.rerank, qe_top=conf.qe_top
+    )
     reranker = Reranker(conf.rerank) if conf.rerank else None
     keys = [q["key"] for q in image_queries]
     external = read_query_vectors(conf.query_descriptors, keys) if conf.query_descriptors and keys else None
@@ -187,7 +212,9 @@ def evaluate(index_dir: Path, queries: list[dict[str, Any]] | GroundTruth, conf:
     chunks = [(image_queries[s : s + conf.batch], None) for s in range(0, len(image_queries), conf.batch)]
     if text_queries:
         xt = embed_texts(index, [q["text"] for q in text_queries], conf.files)
-        chunks += [(text_queries[s : s + conf.batch], xt[s : s + conf.batch]) for s in range(0, len(text_queries), conf.batch)]
+        chunks += [
+            (text_queries[s : s + conf.batch], xt[s : s + conf.batch]) for s in range(0, len(text_queries), conf.batch)
+        ]
     for chunk, text_vectors in chunks:
         xq = text_vectors if text_vectors is not None else _query_vectors(index, chunk, external, conf.files)
         tokens = None
@@ -195,27 +222,39 @@ def evaluate(index_dir: Path, queries: list[dict[str, Any]] | GroundTruth, conf:
             if text_vectors is not None:
                 tokens = [None] * len(chunk)  # a text has no local tokens: global order
             else:
-                tokens = [query_tokens[q["key"]] for q in chunk] if query_tokens else stored_tokens(index, [q["key"] for q in chunk])
+                tokens = (
+                    [query_tokens[q["key"]] for q in chunk]
+                    if query_tokens
+                    else stored_tokens(index, [q["key"] for q in chunk])
+                )
         start = time.perf_counter()
         D, I, _ = search(index, xq, query_conf, tokens, reranker)
         search_s += time.perf_counter() - start
         for q, row_keys, scores in zip(chunk, index.keys_of(I), D):
-            kept = [(k, float(s)) for k, s in zip(row_keys, scores) if k is not None and k != q["key"] and k not in ignore][: conf.k]
+            kept = [
+                (k, float(s)) for k, s in zip(row_keys, scores) if k is not None and k != q["key"] and k not in ignore
+            ][: conf.k]
             results.append((q, [k for k, _ in kept], [s for _, s in kept]))
     report = _scores(results, truth, conf.k)
     if conf.ilias_pickle:
-        write_results_pickle(conf.ilias_pickle, [q["key"] for q, _, _ in results], [r for _, r, _ in results], [s for _, _, s in results])
+        write_results_pickle(
+            conf.ilias_pickle, [q["key"] for q, _, _ in results], [r for _, r, _ in results], [s for _, _, s in results]
+        )
     if conf.ilias_json:
-        write_results_json(conf.ilias_json, [q["key"] for q, _, _ in results], [r for _, r, _ in results], [s for _, _, s in results])
-    report.update({
-        "skipped_without_positives": len(truth.queries) - len(usable),
-        "database_size": index.ntotal,
-        "search_ms_per_query": round(1000.0 * search_s / len(results), 3),
-        "index": str(Path(index.path).resolve()),
-        "index_kind": index.infos.get("kind"),
-        "ground_truth": truth.source,
-        "config": asdict(conf),
-    })
+        write_results_json(
+            conf.ilias_json, [q["key"] for q, _, _ in results], [r for _, r, _ in results], [s for _, _, s in results]
+        )
+    report.update(
+        {
+            "skipped_without_positives": len(truth.queries) - len(usable),
+            "database_size": index.ntotal,
+            "search_ms_per_query": round(1000.0 * search_s / len(results), 3),
+            "index": str(Path(index.path).resolve()),
+            "index_kind": index.infos.get("kind"),
+            "ground_truth": truth.source,
+            "config": asdict(conf),
+        }
+    )
     report["per_query"] = report.pop("per_query")  # last: the long part
     return report
 
@@ -224,10 +263,13 @@ def _scores(results: list[tuple[dict[str, Any], list[str], list[float]]], truth:
     per_query = []
     bins: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for q, ranking, _ in results:
-        entry = {"key": q["key"], "kind": "text" if "text" in q else "image",
-                 "ap": average_precision_at_k(ranking, q["positives"], k),
-                 "recall": recall_at_k(ranking, q["positives"], k),
-                 "oracle": ilias_oracle(ranking, q["positives"], k)}
+        entry = {
+            "key": q["key"],
+            "kind": "text" if "text" in q else "image",
+            "ap": average_precision_at_k(ranking, q["positives"], k),
+            "recall": recall_at_k(ranking, q["positives"], k),
+            "oracle": ilias_oracle(ranking, q["positives"], k),
+        }
         for name, (edges, values) in truth.attributes.items():
             for label, ap in binned_ap(ranking, q["positives"], values, edges, k).items():
                 bins[name][label].append(ap)
@@ -246,7 +288,9 @@ def _scores(results: list[tuple[dict[str, Any], list[str], list[float]]], truth:
             report[f"map_at_{k}_{kind}"] = _mean([p["ap"] for p in per_query if p["kind"] == kind])
             report[f"n_{kind}_queries"] = sum(p["kind"] == kind for p in per_query)
     if bins:
-        report["breakdowns"] = {name: {label: _mean(aps) for label, aps in by_bin.items()} for name, by_bin in bins.items()}
+        report["breakdowns"] = {
+            name: {label: _mean(aps) for label, aps in by_bin.items()} for name, by_bin in bins.items()
+        }
     report["per_query"] = per_query
     return report
 
@@ -275,7 +319,9 @@ def read_query_tokens(directory: str | Path, keys: list[str]) -> dict[str, Local
                 found[key] = tokens_from_records(records[offsets[i] : offsets[i + 1]], scales)
     missing = [k for k in keys if k not in found]
     if missing:
-        raise NeedleInputError(f"query descriptors {directory} lack local tokens of {len(missing)} queries, e.g. {missing[:3]}")
+        raise NeedleInputError(
+            f"query descriptors {directory} lack local tokens of {len(missing)} queries, e.g. {missing[:3]}"
+        )
     return found
 
 

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from core.errors import NeedleInputError
+from eval import kmeans as kmeans_lib
+from eval.kmeans import KMeansConfig
 
 
 class GroupEvalError(NeedleInputError):
@@ -49,7 +51,9 @@ class GroupEvalConfig:
 
     def __post_init__(self) -> None:
         if self.max_pairs < 1 or self.kmeans_restarts < 1 or self.kmeans_max_iter < 1 or self.odd_trials < 0:
-            raise GroupEvalError(f"max_pairs, kmeans_restarts, kmeans_max_iter must be >= 1 and odd_trials >= 0: {self}")
+            raise GroupEvalError(
+                f"max_pairs, kmeans_restarts, kmeans_max_iter must be >= 1 and odd_trials >= 0: {self}"
+            )
         if self.min_cluster_group < 1 or self.odd_group_size < 2:
             raise GroupEvalError(f"min_cluster_group must be >= 1 and odd_group_size >= 2: {self}")
 
@@ -107,7 +111,7 @@ def pool_retrieval(sim: np.ndarray, labels: Sequence[Any]) -> dict[str, Any]:
     return {
         "top1": 100.0 * float(hits[:, 0].mean()),
         "map": 100.0 * float(ap.mean()),
-        "queries": int(len(queries)),
+        "queries": len(queries),
         "pool": int(n),
     }
 
@@ -141,50 +145,15 @@ def adjusted_rand_index(truth: Sequence[Any], pred: Sequence[Any]) -> float:
     return (index - expected) / (maximum - expected)
 
 
-def _kmeans_pp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    centres = [x[rng.integers(len(x))]]
-    for _ in range(1, k):
-        d2 = ((x[:, None, :] - np.asarray(centres)[None]) ** 2).sum(-1).min(axis=1)
-        total = d2.sum()
-        # All points on the chosen centres (duplicates): any point will do.
-        probs = d2 / total if total > 0 else np.full(len(x), 1.0 / len(x))
-        centres.append(x[rng.choice(len(x), p=probs)])
-    return np.asarray(centres, dtype=np.float64)
-
-
-def _lloyd(x: np.ndarray, centres: np.ndarray, max_iter: int) -> tuple[np.ndarray, np.ndarray, float]:
-    labels = None
-    for _ in range(max_iter):
-        d2 = ((x[:, None, :] - centres[None]) ** 2).sum(-1)
-        new = d2.argmin(axis=1)
-        if labels is not None and np.array_equal(new, labels):
-            break
-        labels = new
-        for c in range(len(centres)):
-            members = x[labels == c]
-            if len(members):
-                centres[c] = members.mean(axis=0)
-            else:
-                # An empty cluster takes the point farthest from its centre, so K stays K.
-                far = int(d2[np.arange(len(x)), labels].argmax())
-                centres[c] = x[far]
-    d2 = ((x[:, None, :] - centres[None]) ** 2).sum(-1)
-    labels = d2.argmin(axis=1)
-    return labels, centres, float(d2[np.arange(len(x)), labels].sum())
-
-
 def kmeans(x: np.ndarray, k: int, seed: int = 0, restarts: int = 10, max_iter: int = 100) -> tuple[np.ndarray, float]:
-    """Lloyd's k-means with k-means++ seeding: (labels (n,), inertia) of the best of ``restarts``."""
-    x = np.asarray(x, dtype=np.float64)
-    if x.ndim != 2 or len(x) < k or k < 1:
-        raise GroupEvalError(f"k-means with k={k} needs an (n >= k, d) array, got shape {x.shape}")
-    rng = np.random.default_rng(seed)
-    best_labels, best_inertia = None, np.inf
-    for _ in range(restarts):
-        labels, _, inertia = _lloyd(x, _kmeans_pp(x, k, rng), max_iter)
-        if inertia < best_inertia - 1e-12:
-            best_labels, best_inertia = labels, inertia
-    return best_labels, float(best_inertia)
+    """Lloyd's k-means with k-means++ seeding (eval/kmeans.py; exact distances, an emptied
+    cluster's centre moved onto the worst-served point): (labels (n,), inertia) of the best of
+    ``restarts``."""
+    conf = KMeansConfig(
+        restarts=restarts, max_iter=max_iter, distances="direct", empty="move_centre", coincident_draw="choice"
+    )
+    result = kmeans_lib.kmeans(x, k, seed, conf, error=GroupEvalError)
+    return result.labels, result.inertia
 
 
 def group_pairs(labels: Sequence[Any], min_size: int, max_pairs: int, seed: int) -> list[tuple[int, int]]:
@@ -218,7 +187,9 @@ def pair_clustering_ari(x: np.ndarray, labels: Sequence[Any], conf: GroupEvalCon
 # --- odd-one-out -------------------------------------------------------------------------------
 
 
-def sample_odd_trials(labels: Sequence[Any], trials: int, group_size: int = 3, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def sample_odd_trials(
+    labels: Sequence[Any], trials: int, group_size: int = 3, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """(trials, group_size + 1) image indices in shown order, and each trial's odd position."""
     ids = _label_ids(labels)
     eligible = np.flatnonzero(np.bincount(ids) >= group_size)
@@ -254,8 +225,12 @@ def odd_one_out(sim: np.ndarray, labels: Sequence[Any], conf: GroupEvalConfig) -
     if len(shown) == 0:
         return {"accuracy": None, "trials": 0, "eligible_groups": eligible, "chance": 100.0 / (conf.odd_group_size + 1)}
     correct = odd_one_out_choices(sim, shown) == odd_at
-    return {"accuracy": 100.0 * float(correct.mean()), "trials": int(len(shown)), "eligible_groups": eligible,
-            "chance": 100.0 / (conf.odd_group_size + 1)}
+    return {
+        "accuracy": 100.0 * float(correct.mean()),
+        "trials": len(shown),
+        "eligible_groups": eligible,
+        "chance": 100.0 / (conf.odd_group_size + 1),
+    }
 
 
 def evaluate_groups(x: np.ndarray, labels: Sequence[Any], conf: GroupEvalConfig = GroupEvalConfig()) -> dict[str, Any]:
@@ -273,8 +248,8 @@ def evaluate_groups(x: np.ndarray, labels: Sequence[Any], conf: GroupEvalConfig 
         "ari": ari["ari"],
         "odd_one_out": odd["accuracy"],
         "counts": {
-            "images": int(len(x)),
-            "groups": int(len(np.unique(_label_ids(labels)))),
+            "images": len(x),
+            "groups": len(np.unique(_label_ids(labels))),
             "queries": retrieval["queries"],
             "ari_pairs": ari["pairs"],
             "ari_perfect_splits": ari["perfect_splits"],

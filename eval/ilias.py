@@ -35,8 +35,12 @@ from core.atomic import write_atomic
 from core.errors import NeedleInputError
 
 # The benchmark's bins of positive scale (object area fraction) and clutter.
-SCALE_GROUPS = ((0.0, 0.06880213760855043), (0.06880213760855043, 0.13526567164179104),
-                (0.13526567164179104, 0.2729876723163842), (0.2729876723163842, float("inf")))
+SCALE_GROUPS = (
+    (0.0, 0.06880213760855043),
+    (0.06880213760855043, 0.13526567164179104),
+    (0.13526567164179104, 0.2729876723163842),
+    (0.2729876723163842, float("inf")),
+)
 CLUTTER_GROUPS = ((0, 18), (18, 33), (33, 53), (53, float("inf")))
 
 
@@ -105,8 +109,12 @@ def load_ilias(dataset_dir: Path | str, with_distractors: bool = False) -> ILIAS
             raise ILIASDataError(f"ILIAS file {path} does not exist")
         with gzip.open(path, "rt") as f:
             distractors = [line.strip() for line in f if line.strip()]
-    return ILIASDataset(sorted(r[0] for r in _rows(ids / "image_query_ids.txt")),
-                        sorted(r[0] for r in _rows(ids / "text_query_ids.txt")), positives, distractors)
+    return ILIASDataset(
+        sorted(r[0] for r in _rows(ids / "image_query_ids.txt")),
+        sorted(r[0] for r in _rows(ids / "text_query_ids.txt")),
+        positives,
+        distractors,
+    )
 
 
 def sklearn_average_precision(y_true: np.ndarray, y_score: np.ndarray) -> float:
@@ -142,8 +150,9 @@ def _breakdown(bins, attribute: int, result_ids, scores, gt, info, k, out) -> No
             out[f"{low}-{high}"].append(100 * score_query(result_ids[keep], scores[keep], gt - excluded, k)[0])
 
 
-def evaluate_results(dataset: ILIASDataset, query_ids: list[str], db_ids: np.ndarray, sims: np.ndarray,
-                     ranks: np.ndarray, k: int = 1000) -> dict[str, Any]:
+def evaluate_results(
+    dataset: ILIASDataset, query_ids: list[str], db_ids: np.ndarray, sims: np.ndarray, ranks: np.ndarray, k: int = 1000
+) -> dict[str, Any]:
     """mAP@k, oracle and the scale/clutter breakdowns of results in the pickle layout (the keyword
     names are the pickle's: ``evaluate_results(dataset, **read_results_pickle(path))``)."""
     db_ids = np.asarray(db_ids)
@@ -161,7 +170,10 @@ def evaluate_results(dataset: ILIASDataset, query_ids: list[str], db_ids: np.nda
         _breakdown(SCALE_GROUPS, 0, result_ids, scores, truth, dataset.positive_info, k, scale)
         _breakdown(CLUTTER_GROUPS, 1, result_ids, scores, truth, dataset.positive_info, k, clutter)
     return {
-        "queries": list(query_ids), "map": float(np.mean(aps)), "aps": aps, "oracle": float(np.mean(oracles)),
+        "queries": list(query_ids),
+        "map": float(np.mean(aps)),
+        "aps": aps,
+        "oracle": float(np.mean(oracles)),
         "scale": {b: float(np.mean(v)) for b, v in scale.items()},
         "clutter": {b: float(np.mean(v)) for b, v in clutter.items()},
     }
@@ -173,7 +185,9 @@ def results_layout(rankings: list[list[str]], scores: list[list[float]]) -> tupl
     point at a real image)."""
     lengths = {len(r) for r in rankings} | {len(v) for v in scores}
     if len(lengths) > 1:
-        raise ILIASDataError(f"every query needs the same number of results for the ILIAS pickle, got lengths {sorted(lengths)}")
+        raise ILIASDataError(
+            f"every query needs the same number of results for the ILIAS pickle, got lengths {sorted(lengths)}"
+        )
     db_ids = sorted({i for ranking in rankings for i in ranking})
     position = {i: p for p, i in enumerate(db_ids)}
     sims = np.asarray(scores, np.float32).reshape(len(rankings), -1)
@@ -181,7 +195,9 @@ def results_layout(rankings: list[list[str]], scores: list[list[float]]) -> tupl
     return db_ids, sims, ranks
 
 
-def write_results_pickle(path: Path | str, query_ids: list[str], rankings: list[list[str]], scores: list[list[float]]) -> Path:
+def write_results_pickle(
+    path: Path | str, query_ids: list[str], rankings: list[list[str]], scores: list[list[float]]
+) -> Path:
     """The benchmark's pickle: its evaluation reads it with ``evaluate(**pickle.load(f))``."""
     db_ids, sims, ranks = results_layout(rankings, scores)
     payload = {"query_ids": list(query_ids), "db_ids": np.asarray(db_ids), "sims": sims, "ranks": ranks}
@@ -207,7 +223,9 @@ def read_results_pickle(path: Path | str) -> dict[str, Any]:
     return payload
 
 
-def write_results_json(path: Path | str, query_ids: list[str], rankings: list[list[str]], scores: list[list[float]]) -> Path:
+def write_results_json(
+    path: Path | str, query_ids: list[str], rankings: list[list[str]], scores: list[list[float]]
+) -> Path:
     """The benchmark's JSON: ``{query_id: {db_id: score}}`` in rank order."""
     payload = {q: {i: float(s) for i, s in zip(r, v)} for q, r, v in zip(query_ids, rankings, scores)}
     return write_atomic(Path(path), lambda tmp: Path(tmp).write_text(json.dumps(payload)))

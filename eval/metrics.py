@@ -60,7 +60,9 @@ def map_at_k(scores: np.ndarray, positives: Sequence[Collection[int]], k: int) -
     return 100.0 * float(np.mean(aps))
 
 
-def mean_average_precision(rankings: Sequence[Sequence[Hashable]], positives: Sequence[Collection[Hashable]], k: int) -> float:
+def mean_average_precision(
+    rankings: Sequence[Sequence[Hashable]], positives: Sequence[Collection[Hashable]], k: int
+) -> float:
     """mAP@k x 100 from precomputed rankings (e.g. an index's top-k keys) and positive id sets."""
     if len(rankings) != len(positives):
         raise NeedleInputError(f"{len(rankings)} rankings for {len(positives)} positive sets")
@@ -82,8 +84,13 @@ def ilias_oracle(ranking: Sequence[Hashable], positives: Collection[Hashable], k
     return sum(1 for item in top if item in positives) / len(top) * (k / len(positives))
 
 
-def binned_ap(ranking: Sequence[Hashable], positives: Collection[Hashable], value_of: dict[Hashable, float],
-              bins: Sequence[tuple[float, float]], k: int) -> dict[str, float]:
+def binned_ap(
+    ranking: Sequence[Hashable],
+    positives: Collection[Hashable],
+    value_of: dict[Hashable, float],
+    bins: Sequence[tuple[float, float]],
+    k: int,
+) -> dict[str, float]:
     """AP@k per bin of a per-positive attribute (ILIAS's scale and clutter breakdowns): for the bin
     [low, high), the positives outside it are removed from the ranking and from the ground truth;
     bins holding none of this query's positives are left out. Positives without a value belong to

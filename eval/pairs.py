@@ -52,7 +52,9 @@ def _check_ks(ks: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(k) for k in ks)
 
 
-def asymmetric_recall_from_scores(left_to_right: np.ndarray, right_to_left: np.ndarray, ks: Sequence[int]) -> dict[int, float]:
+def asymmetric_recall_from_scores(
+    left_to_right: np.ndarray, right_to_left: np.ndarray, ks: Sequence[int]
+) -> dict[int, float]:
     """aR@k x 100 for each k from the two directions' score matrices: row i of ``left_to_right``
     scores left_i against right_0..right_{n-1} then any distractors, and ``right_to_left`` the same
     for right_i against the lefts."""
@@ -60,13 +62,16 @@ def asymmetric_recall_from_scores(left_to_right: np.ndarray, right_to_left: np.n
     left_to_right = np.asarray(left_to_right)
     right_to_left = np.asarray(right_to_left)
     if left_to_right.shape[0] != right_to_left.shape[0] or left_to_right.shape[0] == 0:
-        raise NeedleInputError(f"both directions need the same n >= 1 rows, got {left_to_right.shape} and {right_to_left.shape}")
+        raise NeedleInputError(
+            f"both directions need the same n >= 1 rows, got {left_to_right.shape} and {right_to_left.shape}"
+        )
     rank = np.minimum(own_column_ranks(left_to_right), own_column_ranks(right_to_left))
     return {k: 100.0 * float(np.mean(rank < k)) for k in ks}
 
 
-def asymmetric_recall(left: np.ndarray, right: np.ndarray, ks: Sequence[int] = (1, 5, 20),
-                      distractors: np.ndarray | None = None) -> dict[int, float]:
+def asymmetric_recall(
+    left: np.ndarray, right: np.ndarray, ks: Sequence[int] = (1, 5, 20), distractors: np.ndarray | None = None
+) -> dict[int, float]:
     """aR@k x 100 of n pairs given their (n, d) left and right descriptors (cosine similarity),
     optionally with (m, d) distractors added to both directions' galleries."""
     left = np.asarray(left)

@@ -45,19 +45,33 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from core.atomic import write_atomic, write_json_atomic
+from core.errors import NeedleInputError
 from eval.evaluate import EvalConfig, GroundTruth, evaluate, load_truth
 from eval.ilias import is_ilias_dataset
 from ingest.descriptors import STATUS_OK, list_descriptor_files
-from core.atomic import write_atomic, write_json_atomic
-from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 
 STATUS_EXCLUDED = "excluded"  # rows left out of a distractor subset (never written by ingestion)
 BASE_KINDS = {"exact": "flat", "ivfpq": "ivfpq"}
 RERANK_METHODS = ("sp", "chamfer", "ames")
-DEFAULT_SIZES = (0, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000, 3_000_000, 10_000_000,
-                 30_000_000, 100_000_000)
+DEFAULT_SIZES = (
+    0,
+    100,
+    300,
+    1_000,
+    3_000,
+    10_000,
+    30_000,
+    100_000,
+    300_000,
+    1_000_000,
+    3_000_000,
+    10_000_000,
+    30_000_000,
+    100_000_000,
+)
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,7 @@ class ScalingConfig:
     nlist: int | None = None  # IVF lists; None: the builder's choice for each size
     memory_budget: str = "8GB"  # index build budget (index/build.py)
     shortlist: int = 1000  # global candidates re-ranked in the +rerank modes
-    rerank_lambda: float = 0.5  # weight of the global score in the re-ranking ensemble
+    rerank_lambda: float | None = None  # weight of the global score in the re-ranking ensemble (None: EnsembleConfig's)
     ames: str | None = None  # AMES checkpoint for +ames
     adapt: str | None = None  # adapter file applied to database and queries (needle adapt train / whiten)
     query_descriptors: str | None = None  # the query images' own descriptors (ILIAS); None: queries are indexed
@@ -86,8 +100,9 @@ def parse_modes(modes: tuple[str, ...]) -> list[tuple[str, str | None]]:
     for mode in modes:
         base, _, method = mode.partition("+")
         if base not in BASE_KINDS or (method and method not in RERANK_METHODS):
-            raise NeedleInputError(f"unknown scaling mode {mode!r}: use exact or ivfpq, optionally with "
-                                   f"+{'/+'.join(RERANK_METHODS)}")
+            raise NeedleInputError(
+                f"unknown scaling mode {mode!r}: use exact or ivfpq, optionally with +{'/+'.join(RERANK_METHODS)}"
+            )
         parsed.append((base, method or None))
     return parsed
 
@@ -97,12 +112,15 @@ def scan_keys(files: list[Path]) -> list[tuple[Path, list[str], np.ndarray]]:
     out = []
     for path in files:
         table = pq.read_table(path, columns=["key", "status"])
-        out.append((path, table["key"].to_pylist(), pc.equal(table["status"], STATUS_OK).to_numpy(zero_copy_only=False)))
+        out.append(
+            (path, table["key"].to_pylist(), pc.equal(table["status"], STATUS_OK).to_numpy(zero_copy_only=False))
+        )
     return out
 
 
-def distractor_order(scanned: list[tuple[Path, list[str], np.ndarray]], truth: GroundTruth, ground_truth: Path,
-                     conf: ScalingConfig) -> list[str]:
+def distractor_order(
+    scanned: list[tuple[Path, list[str], np.ndarray]], truth: GroundTruth, ground_truth: Path, conf: ScalingConfig
+) -> list[str]:
     """The distractors present in the descriptors, in the order whose prefixes are the subsets."""
     present = [k for _, keys, ok in scanned for k, good in zip(keys, ok) if good]
     listed = _listed_distractors(ground_truth)
@@ -125,7 +143,9 @@ def _listed_distractors(ground_truth: Path) -> list[str] | None:
     if is_ilias_dataset(ground_truth):
         path = Path(ground_truth) / "image_ids" / "distractor_ids.txt.gz"
         if not path.is_file():
-            raise NeedleInputError(f"ILIAS dataset {ground_truth} has no {path.name}: the scaling study needs the distractor list")
+            raise NeedleInputError(
+                f"ILIAS dataset {ground_truth} has no {path.name}: the scaling study needs the distractor list"
+            )
         with gzip.open(path, "rt") as f:
             return [line.strip().split(",")[0] for line in f if line.strip()]
     data = json.loads(Path(ground_truth).read_text())
@@ -142,12 +162,15 @@ def _excluded_copy(path: Path, keep: np.ndarray, out: Path) -> None:
         if name.startswith("local_"):
             column = table[name]
             empty = pa.scalar([], type=column.type)
-            table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), pc.if_else(mask, empty, column))
+            table = table.set_column(
+                table.schema.get_field_index(name), table.schema.field(name), pc.if_else(mask, empty, column)
+            )
     write_atomic(out, lambda tmp: pq.write_table(table, tmp))
 
 
-def write_subset(scanned: list[tuple[Path, list[str], np.ndarray]], chosen: set[str], distractors: set[str],
-                 directory: Path) -> Path:
+def write_subset(
+    scanned: list[tuple[Path, list[str], np.ndarray]], chosen: set[str], distractors: set[str], directory: Path
+) -> Path:
     """A descriptor directory of the core plus ``chosen`` distractors: whole files linked, cut
     files copied with their left-out rows excluded, files without a kept row left out."""
     if directory.exists():
@@ -172,8 +195,10 @@ def write_subset(scanned: list[tuple[Path, list[str], np.ndarray]], chosen: set[
 
 def memory_per_image(index_dir: Path, infos: dict[str, Any]) -> dict[str, float]:
     """Bytes per indexed image of a built index: its FAISS files, refine vectors and local store."""
+    from index.search import index_file_paths
+
     n = max(1, infos["ntotal"])
-    index_bytes = sum((index_dir / name).stat().st_size for name in infos["index_files"])
+    index_bytes = sum(path.stat().st_size for path in index_file_paths(index_dir, infos))
     locals_infos = infos.get("locals") or {}
     return {
         "index_bytes_per_image": round(index_bytes / n, 1),  # FAISS codes, ids and (amortised) centroids
@@ -182,8 +207,9 @@ def memory_per_image(index_dir: Path, infos: dict[str, Any]) -> dict[str, float]
     }
 
 
-def run_size(conf: ScalingConfig, subset: Path, truth: GroundTruth, n_distractors: int, work: Path,
-             with_locals: bool) -> list[dict[str, Any]]:
+def run_size(
+    conf: ScalingConfig, subset: Path, truth: GroundTruth, n_distractors: int, work: Path, with_locals: bool
+) -> list[dict[str, Any]]:
     """Build each base index over one subset and evaluate every mode on it."""
     from index.build import IndexConfig
     from index.build import main as build_index
@@ -195,35 +221,63 @@ def run_size(conf: ScalingConfig, subset: Path, truth: GroundTruth, n_distractor
     modes = parse_modes(conf.modes)
     for base in dict.fromkeys(b for b, _ in modes):
         index_dir = work / f"{base}_{n_distractors}"
-        index_conf = IndexConfig(kind=BASE_KINDS[base], memory_budget=conf.memory_budget, nlist=conf.nlist,
-                                 adapt=conf.adapt, locals=with_locals, **({"nprobe": conf.nprobe} if conf.nprobe else {}))
+        index_conf = IndexConfig(
+            kind=BASE_KINDS[base],
+            memory_budget=conf.memory_budget,
+            nlist=conf.nlist,
+            adapt=conf.adapt,
+            locals=with_locals,
+            **({"nprobe": conf.nprobe} if conf.nprobe else {}),
+        )
         build_index(index_conf, subset, index_dir)
         index = load_index(index_dir)
         memory = memory_per_image(index_dir, index.infos)
         for mode_base, method in modes:
             if mode_base != base:
                 continue
-            rerank = RerankConfig(method=method, shortlist=conf.shortlist, ensemble=EnsembleConfig(lam=conf.rerank_lambda),
-                                  ames=conf.ames) if method else None
-            eval_conf = EvalConfig(k=conf.k, nprobe=conf.nprobe, rerank=rerank, query_descriptors=conf.query_descriptors,
-                                   query_locals=conf.query_locals if method else None)
+            rerank = (
+                RerankConfig(
+                    method=method,
+                    shortlist=conf.shortlist,
+                    ensemble=EnsembleConfig() if conf.rerank_lambda is None else EnsembleConfig(lam=conf.rerank_lambda),
+                    ames=conf.ames,
+                )
+                if method
+                else None
+            )
+            eval_conf = EvalConfig(
+                k=conf.k,
+                nprobe=conf.nprobe,
+                rerank=rerank,
+                query_descriptors=conf.query_descriptors,
+                query_locals=conf.query_locals if method else None,
+            )
             report = evaluate(index_dir, truth, eval_conf, index=index)
-            points.append({
-                "mode": f"{base}+{method}" if method else base,
-                "distractors": n_distractors,
-                "database_size": index.ntotal,
-                "map": report[f"map_at_{conf.k}"],
-                "recall": report[f"recall_at_{conf.k}"],
-                "oracle": report[f"oracle_at_{conf.k}"],
-                "search_ms_per_query": report["search_ms_per_query"],
-                "n_queries": report["n_queries"],
-                "factory": index.infos["factory"],
-                "build_s": index.infos["build_s"],
-                **memory,
-                "local_bytes_per_image": memory["local_bytes_per_image"] if method else 0.0,
-            })
-            log.info("%s at %d distractors (database %d): mAP@%d %.2f, %.2f ms/query", points[-1]["mode"], n_distractors,
-                     index.ntotal, conf.k, points[-1]["map"], points[-1]["search_ms_per_query"])
+            points.append(
+                {
+                    "mode": f"{base}+{method}" if method else base,
+                    "distractors": n_distractors,
+                    "database_size": index.ntotal,
+                    "map": report[f"map_at_{conf.k}"],
+                    "recall": report[f"recall_at_{conf.k}"],
+                    "oracle": report[f"oracle_at_{conf.k}"],
+                    "search_ms_per_query": report["search_ms_per_query"],
+                    "n_queries": report["n_queries"],
+                    "factory": index.infos["factory"],
+                    "build_s": index.infos["build_s"],
+                    **memory,
+                    "local_bytes_per_image": memory["local_bytes_per_image"] if method else 0.0,
+                }
+            )
+            log.info(
+                "%s at %d distractors (database %d): mAP@%d %.2f, %.2f ms/query",
+                points[-1]["mode"],
+                n_distractors,
+                index.ntotal,
+                conf.k,
+                points[-1]["map"],
+                points[-1]["search_ms_per_query"],
+            )
         del index
         if not conf.keep_indexes:
             shutil.rmtree(index_dir, ignore_errors=True)
@@ -270,7 +324,9 @@ def main(conf: ScalingConfig, descriptors: Path | list[Path], ground_truth: Path
     sizes = sizes_to_run(conf.sizes, len(order))
     with_locals = _has_locals(files)
     if not with_locals and any("+" in m for m in conf.modes):
-        log.warning("the descriptors carry no local tokens: re-ranking modes %s skipped", [m for m in conf.modes if "+" in m])
+        log.warning(
+            "the descriptors carry no local tokens: re-ranking modes %s skipped", [m for m in conf.modes if "+" in m]
+        )
         conf = replace(conf, modes=tuple(m for m in conf.modes if "+" not in m))
     distractor_set = set(order)
     points = []
@@ -312,7 +368,9 @@ def plot_runs(runs: list[dict[str, Any]], path: Path) -> Path:
     for run in runs:
         for mode in dict.fromkeys(p["mode"] for p in run["points"]):
             pts = sorted((p for p in run["points"] if p["mode"] == mode), key=lambda p: p["database_size"])
-            ax.plot([p["database_size"] for p in pts], [p["map"] for p in pts], marker="o", label=f"{run['label']} · {mode}")
+            ax.plot(
+                [p["database_size"] for p in pts], [p["map"] for p in pts], marker="o", label=f"{run['label']} · {mode}"
+            )
     ax.set_xscale("log")
     ax.set_xlabel("database size (images, log scale)")
     ks = sorted({run["k"] for run in runs})

@@ -33,7 +33,9 @@ def check_labels(labels: Any) -> np.ndarray:
         raise TwoAFCError(f"labels must be a 1-d array, got shape {out.shape}")
     bad = np.flatnonzero(~np.isfinite(out) | (out < 0) | (out > 1))
     if len(bad):
-        raise TwoAFCError(f"labels must lie in [0, 1]; triplet {int(bad[0])} has {out[bad[0]]!r} ({len(bad)} bad in all)")
+        raise TwoAFCError(
+            f"labels must lie in [0, 1]; triplet {int(bad[0])} has {out[bad[0]]!r} ({len(bad)} bad in all)"
+        )
     return out
 
 
@@ -68,8 +70,13 @@ def summary(decisions: Any, labels: Any) -> dict[str, Any]:
     n = len(c)
     acc = float(c.mean()) if n else float("nan")
     stderr = math.sqrt(acc * (1 - acc) / n) if n else float("nan")
-    return {"accuracy_pct": round(100 * acc, 2), "stderr_pct": round(100 * stderr, 2), "n": n,
-            "credit": round(float(c.sum()), 2), "ties": int((d == 0).sum())}
+    return {
+        "accuracy_pct": round(100 * acc, 2),
+        "stderr_pct": round(100 * stderr, 2),
+        "n": n,
+        "credit": round(float(c.sum()), 2),
+        "ties": int((d == 0).sum()),
+    }
 
 
 def _check_margins(margins: Any) -> np.ndarray:

@@ -9,8 +9,14 @@ would take: each shard's list holds its members of it) and returns the top k of 
 scores. So a sharded index answers exactly like a single index over the same data, while the
 re-scoring runs in the shards, in parallel, next to their vectors.
 
-A sharded directory (``shard_*.faiss``) is searched shard by shard in this process;
-cluster/serve.py runs the same ``Shard.search`` in one Ray actor per shard.
+An index is one self-contained directory per shard (``shard_000/`` ...: its FAISS index, ids,
+float16 vectors, key files and local tokens, at shard-local positions, and ``shard_infos.json``),
+listed by the top-level ``index_infos.json``; directories built before that layout (files at the
+top, ``shard_*.faiss``) still load. The shards are searched one by one in this process;
+cluster/serve.py runs the same ``Shard.search`` in one Ray actor per shard, each opening its
+shard directory by itself (``open_shard``). Rows are addressed by a *position* (0..N-1, the
+shards' rows in order): a position (or a row id, through the small table of Parquet shard ids)
+is routed to the shard that owns it; nothing concatenates the shards' keys, vectors or tokens.
 
 A flat (exact) shard is searched by its FAISS index on the CPU, unless a GPU backend is present
 (faiss-gpu, or torch with CUDA: index/gpu.py) and the search is large enough to pay for copying
@@ -23,6 +29,7 @@ overrides the choice; "cuda" scans on the GPU at any size.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -34,10 +41,22 @@ import pyarrow.compute as pc
 import pyarrow.ipc
 
 from core.errors import NeedleInputError
-from index.build import DEFAULT_QUANTIZER_EF, IDS_FILE, INFOS_FILE, VECTORS_FILE, hnsw_quantizer
+from index.build import (
+    DEFAULT_QUANTIZER_EF,
+    IDS_FILE,
+    INDEX_FILE,
+    INFOS_FILE,
+    LAYOUT_SHARDS,
+    SHARD_INFOS_FILE,
+    VECTORS_FILE,
+    hnsw_quantizer,
+)
 from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available
-from index.locals import LocalStore, open_local_store
+from index.keys import KeyFileError, KeyStore, has_key_files
+from index.locals import LocalStore, LocalStoreError, open_local_store
 from ingest.descriptors import ROW_SHARD_SHIFT, STATUS_OK
+
+log = logging.getLogger(__name__)
 
 # A flat shard scans on the GPU from this many vectors and queries on ("auto"). Below them the
 # CPU's FAISS scan is cheap (the auto plan is flat only below 100k vectors), and a batch of few
@@ -151,10 +170,30 @@ class Shard:
     nprobe: int  # default lists visited
     quantizer_ef: int | None  # HNSW coarse quantizer depth recorded by the build
     device: str = "auto"  # flat shards on a GPU: large searches when one is present (auto), never (cpu), always (cuda)
+    files: ShardFiles | None = None  # a shard directory's own files (None: a shard of an old single directory)
 
     @property
     def ntotal(self) -> int:
         return int(self.index.ntotal)
+
+    def positions_of_rows(self, I: np.ndarray) -> np.ndarray:
+        """Row ids of this shard -> its own positions (-1 stays -1)."""
+        return positions_of_rows(I, self.offsets)
+
+    def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
+        """Row ids (nq, k) of this shard -> keys from its own key files, None for the -1 padding."""
+        if self.files is None:
+            raise IndexFileError("a shard of an index built before shard directories has no key files of its own")
+        I = np.atleast_2d(I)
+        flat = self.files.keys.keys_at(self.positions_of_rows(I))
+        return [flat[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
+
+    @cached_property
+    def local_store(self) -> LocalStore | None:
+        """This shard directory's local tokens, by its own positions (None: built without them)."""
+        if self.files is None:
+            raise IndexFileError("a shard of an index built before shard directories has no local store of its own")
+        return open_local_store(self.files.directory, self.files.infos)
 
     @cached_property
     def gpu_present(self) -> bool:
@@ -226,6 +265,8 @@ class SearchIndex:
     vectors: np.ndarray  # (N, d) float16, memory-mapped
     infos: dict[str, Any]  # index_infos.json
     path: Path
+    keys: KeyStore | ShardedKeys | None = None  # the key lookup files; None for an index built before them (scans)
+    layout: ShardLayout | None = None  # the shard directories (None: an index built before them, files at the top)
 
     @property
     def d(self) -> int:
@@ -287,11 +328,15 @@ class SearchIndex:
 
     @cached_property
     def offsets(self) -> tuple[np.ndarray, np.ndarray]:
-        return offset_table(self.infos)
+        return self.layout.offsets if self.layout is not None else offset_table(self.infos)
 
     @cached_property
     def local_store(self) -> LocalStore | None:
-        """The rows' binary local tokens (None: the index was built without them)."""
+        """The rows' binary local tokens by position (None: the index was built without them); over
+        shard directories, one store whose segments are the shards' own files, each at its shard's
+        first position."""
+        if self.layout is not None:
+            return self.layout.local_store(self.path, self.infos)
         return open_local_store(self.path, self.infos)
 
     def positions_of_rows(self, I: np.ndarray) -> np.ndarray:
@@ -305,9 +350,9 @@ class SearchIndex:
         return self.ids["row"].to_numpy()
 
     def position_of(self, key: str) -> int:
-        # A scan of the mapped key column (~0.1 s per 10M keys) rather than a dict of every key,
-        # which would cost gigabytes at 100M rows.
-        position = pc.index(self.ids["key"], key).as_py()
+        # The key files answer in O(log n) pages; an index built before them scans the mapped key
+        # column (~0.1 s per 10M keys).
+        position = self.keys.position_of(key) if self.keys is not None else pc.index(self.ids["key"], key).as_py()
         if position < 0:
             raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
         return position
@@ -326,10 +371,12 @@ class SearchIndex:
         """Row ids (nq, k) -> keys, None for the -1 padding."""
         I = np.atleast_2d(I)
         positions = self.positions_of_rows(I)
-        keys = self.ids["key"].take(pa.array(positions.clip(0).reshape(-1))).to_pylist()
-        flat_valid = (positions >= 0).reshape(-1)
-        out = [k if v else None for k, v in zip(keys, flat_valid)]
-        return [out[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
+        if self.keys is not None:
+            flat = self.keys.keys_at(positions)
+        else:  # an index built before the key files: a take over the whole chunked column
+            keys = self.ids["key"].take(pa.array(positions.clip(0).reshape(-1))).to_pylist()
+            flat = [k if v else None for k, v in zip(keys, (positions >= 0).reshape(-1))]
+        return [flat[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
 
 
 def map_vectors(path: Path) -> np.ndarray:
@@ -365,6 +412,10 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True, de
     """
     check_device(device)
     path = Path(path)
+    if (path / INFOS_FILE).is_file():
+        infos = read_infos(path)
+        if infos.get("layout") == LAYOUT_SHARDS:
+            return load_shard_directories(path, infos, mmap, with_shards, device)
     for name in (IDS_FILE, VECTORS_FILE, INFOS_FILE):
         if not (path / name).is_file():
             raise IndexFileError(f"index directory {path} has no {name}")
@@ -388,10 +439,23 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True, de
     if vectors.ndim != 2 or vectors.shape[1] != infos.get("dim") or any(s.d != vectors.shape[1] for s in faiss_indexes):
         raise IndexFileError(f"index {path}: {VECTORS_FILE} has shape {vectors.shape}, the index d={infos.get('dim')}")
     shards = [make_shard(index, vectors, infos, device) for index in faiss_indexes]
-    return SearchIndex(shards, ids, vectors, infos, path)
+    keys = KeyStore(path) if has_key_files(path) else None
+    if keys is not None and len(keys) != rows:
+        raise IndexFileError(f"index {path} is inconsistent: {len(keys)} keys in its key files, {rows} in {IDS_FILE}")
+    if keys is None:
+        log.warning(
+            "index %s has no key files (built before them): key lookups scan the key column; rebuild "
+            "the index to answer them in O(log n)",
+            path,
+        )
+    return SearchIndex(shards, ids, vectors, infos, path, keys)
 
 
-def make_shard(index: Any, vectors: np.ndarray, infos: dict[str, Any], device: str = "auto") -> Shard:
+def make_shard(
+    index: Any, vectors: np.ndarray, infos: dict[str, Any], device: str = "auto", files: ShardFiles | None = None
+) -> Shard:
+    """A shard over ``vectors`` whose positions ``infos["shard_offsets"]`` gives (the old
+    directory's infos, or a shard directory's ``shard_infos.json``)."""
     return Shard(
         index,
         vectors,
@@ -400,11 +464,279 @@ def make_shard(index: Any, vectors: np.ndarray, infos: dict[str, Any], device: s
         int(infos.get("nprobe", 64)),
         infos.get("quantizer_ef"),
         device,
+        files,
     )
 
 
 def open_shard(path: str | Path, name: str, device: str = "auto") -> Shard:
-    """One shard of an index directory, with its own memory maps (a Ray shard actor's view)."""
+    """One shard of an index, with its own memory maps (a Ray shard actor's view): the shard
+    directory ``path / name`` by itself (nothing outside it is read), or for an index built
+    before shard directories, its FAISS file ``name`` and the directory's shared files."""
     path = Path(path)
+    device = check_device(device)
+    if (path / name).is_dir():
+        files = open_shard_files(path / name)
+        return make_shard(files.index, files.vectors, files.infos, device, files)
     infos, vectors = read_infos_and_vectors(path)
-    return make_shard(read_faiss(path / name), vectors, infos, check_device(device))
+    return make_shard(read_faiss(path / name), vectors, infos, device)
+
+
+def read_infos(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / INFOS_FILE).read_text())
+    except Exception as exc:
+        raise IndexFileError(f"cannot read {path / INFOS_FILE}: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass
+class ShardFiles:
+    """A shard directory's own files, opened (memory-mapped) and checked against its ``shard_infos.json``."""
+
+    directory: Path
+    infos: dict[str, Any]  # shard_infos.json
+    ids: Any  # pyarrow Table (row, key, status) of its rows, memory-mapped
+    vectors: np.ndarray  # (rows, d) float16 memory map, shard-local positions
+    keys: KeyStore
+    index: Any | None  # FAISS index (None: not loaded)
+
+    @property
+    def rows(self) -> int:
+        return int(self.infos["rows"])
+
+
+def shard_error(directory: Path, message: str) -> IndexFileError:
+    return IndexFileError(f"index shard {directory.name} ({directory}): {message}")
+
+
+def open_shard_files(
+    directory: Path | str, entry: dict[str, Any] | None = None, with_index: bool = True, mmap: bool = True
+) -> ShardFiles:
+    """Open a shard directory's files, checking that each file its ``shard_infos.json`` lists is
+    there with its recorded size and that they agree (rows, vectors, keys, index size);
+    ``entry``: the top-level infos' record of this shard, which must agree too. Any failure is an
+    IndexFileError naming the shard and the file. (The SHA-256 of each file is checked by
+    ``verify_shard``, which reads every byte.)"""
+    directory = Path(directory)
+    infos_path = directory / SHARD_INFOS_FILE
+    if not infos_path.is_file():
+        raise shard_error(directory, f"no {SHARD_INFOS_FILE}")
+    try:
+        infos = json.loads(infos_path.read_text())
+        checksums = dict(infos["checksums"])
+    except Exception as exc:
+        raise shard_error(directory, f"cannot read {SHARD_INFOS_FILE}: {type(exc).__name__}: {exc}") from exc
+    for name, recorded in checksums.items():
+        file = directory / name
+        if not file.is_file():
+            raise shard_error(directory, f"{name} is missing")
+        size = file.stat().st_size
+        if size != recorded.get("bytes"):
+            raise shard_error(directory, f"{name} has {size} bytes, {SHARD_INFOS_FILE} says {recorded.get('bytes')}")
+    if entry is not None and (entry.get("rows") != infos.get("rows") or entry.get("ntotal") != infos.get("ntotal")):
+        raise shard_error(
+            directory,
+            f"{SHARD_INFOS_FILE} says {infos.get('rows')} rows, {infos.get('ntotal')} vectors; the index's "
+            f"{INFOS_FILE} says {entry.get('rows')}, {entry.get('ntotal')}",
+        )
+    reading = VECTORS_FILE
+    try:
+        vectors = map_vectors(directory / VECTORS_FILE)
+        reading = IDS_FILE
+        ids = read_ids(directory / IDS_FILE)
+        reading = "its key files"
+        keys = KeyStore(directory)
+    except (KeyFileError, Exception) as exc:  # numpy, pyarrow and the key files each raise their own types
+        raise shard_error(directory, f"cannot read {reading}: {type(exc).__name__}: {exc}") from exc
+    index = None
+    if with_index:
+        try:
+            index = read_faiss(directory / INDEX_FILE, mmap)
+        except IndexFileError as exc:
+            raise shard_error(directory, str(exc)) from exc
+    rows = infos.get("rows")
+    if not (ids.num_rows == len(vectors) == len(keys) == rows):
+        raise shard_error(
+            directory,
+            f"inconsistent: {ids.num_rows} ids in {IDS_FILE}, {len(vectors)} rows in {VECTORS_FILE}, "
+            f"{len(keys)} keys in its key files, {rows} rows in {SHARD_INFOS_FILE}",
+        )
+    if vectors.ndim != 2 or vectors.shape[1] != infos.get("dim") or (index is not None and index.d != infos.get("dim")):
+        raise shard_error(
+            directory, f"{VECTORS_FILE} has shape {vectors.shape}, {SHARD_INFOS_FILE} says d={infos.get('dim')}"
+        )
+    if index is not None and index.ntotal != infos.get("ntotal"):
+        raise shard_error(
+            directory,
+            f"inconsistent: {index.ntotal} vectors in {INDEX_FILE}, {infos.get('ntotal')} in {SHARD_INFOS_FILE}",
+        )
+    return ShardFiles(directory, infos, ids, vectors, keys, index)
+
+
+def verify_shard(directory: Path | str) -> dict[str, Any]:
+    """Open a shard directory (``open_shard_files``) and check every file's SHA-256 against its
+    ``shard_infos.json``; returns those infos, or IndexFileError naming the shard and the file."""
+    from core.hashing import file_sha256
+
+    files = open_shard_files(directory, with_index=False)
+    for name, recorded in files.infos["checksums"].items():
+        if file_sha256(files.directory / name) != recorded.get("sha256"):
+            raise shard_error(files.directory, f"{name} does not match its SHA-256 in {SHARD_INFOS_FILE}")
+    return files.infos
+
+
+class ShardedVectors:
+    """The float16 vectors of every position, read from the shard that holds it: indexing with a
+    position, an array of positions or a slice gathers only those rows (never a concatenation)."""
+
+    def __init__(self, arrays: list[np.ndarray], bases: np.ndarray):
+        self.arrays = arrays
+        self.bases = bases  # first position of each shard
+        self.dtype = np.dtype(np.float16)
+        self.shape = (int(sum(len(a) for a in arrays)), int(arrays[0].shape[1]) if arrays else 0)
+        self.ndim = 2
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        n, d = self.shape
+        if isinstance(key, (int, np.integer)):
+            position = int(key) + (n if key < 0 else 0)
+            if not 0 <= position < n:
+                raise IndexError(f"position {int(key)} is outside the {n} rows")
+            shard = int(np.searchsorted(self.bases, position, side="right")) - 1
+            return self.arrays[shard][position - self.bases[shard]]
+        positions = np.arange(n)[key] if isinstance(key, slice) else np.asarray(key)
+        if positions.dtype == bool:
+            positions = np.flatnonzero(positions)
+        flat = positions.reshape(-1).astype(np.int64)
+        flat = np.where(flat < 0, flat + n, flat)
+        if len(flat) and (flat.min() < 0 or flat.max() >= n):
+            raise IndexError(f"positions outside the {n} rows")
+        out = np.empty((len(flat), d), self.dtype)
+        shard_of = np.searchsorted(self.bases, flat, side="right") - 1
+        for shard in np.unique(shard_of):
+            take = np.flatnonzero(shard_of == shard)
+            local = flat[take] - self.bases[shard]
+            order = np.argsort(local, kind="stable")  # ascending: sequential reads of the map
+            out[take[order]] = self.arrays[shard][local[order]]
+        return out.reshape((*positions.shape, d))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
+
+
+class ShardedKeys:
+    """``keys_at(positions)`` and ``position_of(key)`` over the shards' own key files (index/keys.py)."""
+
+    def __init__(self, stores: list[KeyStore], bases: np.ndarray):
+        self.stores = stores
+        self.bases = bases
+
+    def __len__(self) -> int:
+        return int(sum(len(s) for s in self.stores))
+
+    def keys_at(self, positions: np.ndarray) -> list[str | None]:
+        flat = np.asarray(positions, dtype=np.int64).reshape(-1)
+        keys: list[str | None] = [None] * len(flat)
+        valid = np.flatnonzero(flat >= 0)
+        shard_of = np.searchsorted(self.bases, flat[valid], side="right") - 1
+        for shard in np.unique(shard_of):
+            take = valid[shard_of == shard]
+            for i, key in zip(take, self.stores[shard].keys_at(flat[take] - self.bases[shard])):
+                keys[i] = key
+        return keys
+
+    def position_of(self, key: str) -> int:
+        """The position of ``key`` (a binary search in each shard's key files), or -1."""
+        for base, store in zip(self.bases, self.stores):
+            position = store.position_of(key)
+            if position >= 0:
+                return int(base) + position
+        return -1
+
+
+@dataclass
+class ShardLayout:
+    """The shard directories of an index: names, first positions, their shard_infos.json."""
+
+    names: list[str]
+    bases: np.ndarray  # (shards,) first position of each shard
+    shard_infos: list[dict[str, Any]]
+
+    @cached_property
+    def offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first position, Parquet shard id) of every Parquet file, sorted by shard id: a row id's
+        Parquet shard id routes it to its index shard and position (one entry per Parquet file)."""
+        items = sorted(
+            (int(shard_id), int(base) + int(offset))
+            for base, infos in zip(self.bases, self.shard_infos)
+            for shard_id, offset in infos["shard_offsets"].items()
+        )
+        return np.array([o for _, o in items], np.int64), np.array([s for s, _ in items], np.int64)
+
+    def local_store(self, path: Path, infos: dict[str, Any]) -> LocalStore | None:
+        if not infos.get("locals"):
+            return None
+        segments = []
+        for name, base, shard in zip(self.names, self.bases, self.shard_infos):
+            if not shard.get("locals"):
+                raise LocalStoreError(f"index shard {name} of {path} lists no local segments")
+            for segment in shard["locals"]["segments"]:
+                segments.append(
+                    {
+                        **segment,
+                        "tokens": f"{name}/{segment['tokens']}",
+                        "offsets": f"{name}/{segment['offsets']}",
+                        "start": int(base) + int(segment["start"]),
+                    }
+                )
+        return LocalStore(path, {**infos["locals"], "segments": segments})
+
+
+def shard_names(infos: dict[str, Any]) -> list[str]:
+    """What ``open_shard`` takes for each shard: shard directories, or an old directory's FAISS files."""
+    if infos.get("layout") == LAYOUT_SHARDS:
+        return [entry["name"] for entry in infos["shards"]]
+    return list(infos.get("index_files", [INDEX_FILE]))
+
+
+def index_file_paths(path: Path | str, infos: dict[str, Any]) -> list[Path]:
+    """The FAISS index files of an index directory, in shard order."""
+    path = Path(path)
+    if infos.get("layout") == LAYOUT_SHARDS:
+        return [path / name / INDEX_FILE for name in shard_names(infos)]
+    return [path / name for name in shard_names(infos)]
+
+
+def load_shard_directories(
+    path: Path, infos: dict[str, Any], mmap: bool = True, with_shards: bool = True, device: str = "auto"
+) -> SearchIndex:
+    """An index of shard directories: each opened and checked by itself, then checked against the
+    top-level infos; positions run over the shards in order."""
+    entries = infos.get("shards") or []
+    if not entries:
+        raise IndexFileError(f"index {path}: {INFOS_FILE} lists no shards")
+    opened = []
+    for entry in entries:
+        directory = path / entry["name"]
+        if not directory.is_dir():
+            raise IndexFileError(f"index shard {entry['name']} ({directory}): the directory is missing")
+        opened.append(open_shard_files(directory, entry, with_index=with_shards, mmap=mmap))
+    rows = sum(o.rows for o in opened)
+    ntotal = sum(int(o.infos["ntotal"]) for o in opened)
+    if rows != infos.get("rows") or ntotal != infos.get("ntotal"):
+        raise IndexFileError(
+            f"index {path} is inconsistent: its shards hold {rows} rows, {ntotal} vectors; {INFOS_FILE} says "
+            f"{infos.get('rows')}, {infos.get('ntotal')}"
+        )
+    if any(o.infos.get("dim") != infos.get("dim") for o in opened):
+        raise IndexFileError(f"index {path}: shards of other dimensions than d={infos.get('dim')}")
+    bases = np.cumsum([0] + [o.rows for o in opened[:-1]]).astype(np.int64)
+    shards = [make_shard(o.index, o.vectors, o.infos, device, o) for o in opened] if with_shards else []
+    ids = pa.concat_tables([o.ids for o in opened])  # zero copy: the shards' mapped tables as chunks
+    layout = ShardLayout([o.directory.name for o in opened], bases, [o.infos for o in opened])
+    vectors = ShardedVectors([o.vectors for o in opened], bases)
+    keys = ShardedKeys([o.keys for o in opened], bases)
+    return SearchIndex(shards, ids, vectors, infos, path, keys, layout)

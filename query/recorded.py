@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.hashing import file_sha256
 from core.errors import NeedleInputError
+from core.hashing import file_sha256
 from embed.registry import PRETRAINED, RANDOM
 
 log = logging.getLogger(__name__)
-
 
 
 class RecordedFileError(NeedleInputError):
@@ -34,15 +33,16 @@ class RecordedFileError(NeedleInputError):
 class QueryFiles:
     """Files given in place of those the index records (each must hash to the recorded SHA-256)."""
 
-    weights: str | None = None  # --weights: the global model's weights
-    local_weights: str | None = None  # --local-weights: the local-token model's weights
-    itq: str | None = None  # --itq: the ITQ projection of the local tokens
-    detector_weights: str | None = None  # --detector-weights: the AMES detector of vit_ames local tokens
-    adapter: str | None = None  # --adapter: the adapter the indexed descriptors went through
+    weights: str | None = None  # the global model's weights
+    local_weights: str | None = None  # the local-token model's weights
+    itq: str | None = None  # the ITQ projection of the local tokens
+    detector_weights: str | None = None  # the AMES detector of vit_ames local tokens
+    adapter: str | None = None  # the adapter the indexed descriptors went through
 
 
-def verified_file(what: str, recorded: str, sha256: str | None, given: str | None, flag: str,
-                  packaged: Path | None = None) -> Path:
+def verified_file(
+    what: str, recorded: str, sha256: str | None, given: str | None, flag: str, packaged: Path | None = None
+) -> Path:
     """The file to load for ``what``: ``given`` (through ``flag``) or the ``recorded`` path (else the
     same bytes at ``packaged``), whichever applies, with the recorded ``sha256``."""
     if given is not None:
@@ -50,13 +50,17 @@ def verified_file(what: str, recorded: str, sha256: str | None, given: str | Non
         if not path.is_file():
             raise RecordedFileError(f"{what}: {path} (given with {flag}) does not exist")
         if sha256 is not None and file_sha256(path) != sha256:
-            raise RecordedFileError(f"{what}: {path} (given with {flag}) has SHA-256 {file_sha256(path)}, but the index "
-                                    f"was built with {recorded} (SHA-256 {sha256}): queries would not match the database")
+            raise RecordedFileError(
+                f"{what}: {path} (given with {flag}) has SHA-256 {file_sha256(path)}, but the index "
+                f"was built with {recorded} (SHA-256 {sha256}): queries would not match the database"
+            )
         return path
     path = Path(recorded)
     if sha256 is None:  # an index from before hashes were recorded: the path is all there is
         if not path.is_file():
-            raise RecordedFileError(f"{what}: {path}, recorded in the index, does not exist; give the same file with {flag}")
+            raise RecordedFileError(
+                f"{what}: {path}, recorded in the index, does not exist; give the same file with {flag}"
+            )
         log.warning("%s: %s is used as recorded, unverified (the index records no SHA-256)", what, path)
         return path
     if path.is_file() and file_sha256(path) == sha256:
@@ -65,8 +69,10 @@ def verified_file(what: str, recorded: str, sha256: str | None, given: str | Non
         log.info("%s: the recorded file %s is installed here at %s (same SHA-256)", what, path, packaged)
         return packaged
     if path.is_file():
-        raise RecordedFileError(f"{what}: {path} has changed since the index was built (SHA-256 {file_sha256(path)}, "
-                                f"recorded {sha256}); give the original file with {flag}")
+        raise RecordedFileError(
+            f"{what}: {path} has changed since the index was built (SHA-256 {file_sha256(path)}, "
+            f"recorded {sha256}); give the original file with {flag}"
+        )
     raise RecordedFileError(f"{what}: {path}, recorded in the index, does not exist; give the same file with {flag}")
 
 
@@ -77,16 +83,29 @@ def model_weights(info: dict[str, Any], model: str, given: str | None, flag: str
     if recorded in (PRETRAINED, RANDOM):
         if given is None:
             return recorded
-        log.warning("weights of %s: using %s (%s); the index recorded %r, which has no SHA-256 to check it against",
-                    model, given, flag, recorded)
+        log.warning(
+            "weights of %s: using %s (%s); the index recorded %r, which has no SHA-256 to check it against",
+            model,
+            given,
+            flag,
+            recorded,
+        )
         return verified_file(f"weights of model {model!r}", recorded, None, given, flag)
     if recorded is None:
         if given is None:
-            raise RecordedFileError(f"index {index_path} records no weights file for model {model!r} (made from an "
-                                    f"unrecorded random initialisation): give the weights it was built with, {flag} FILE")
+            raise RecordedFileError(
+                f"index {index_path} records no weights file for model {model!r} (made from an "
+                f"unrecorded random initialisation): give the weights it was built with, {flag} FILE"
+            )
         return verified_file(f"weights of model {model!r}", "(none recorded)", None, given, flag)
-    return verified_file(f"weights of model {model!r}", recorded, info.get("weights_sha256"), given, flag,
-                         packaged=_packaged_weights(model))
+    return verified_file(
+        f"weights of model {model!r}",
+        recorded,
+        info.get("weights_sha256"),
+        given,
+        flag,
+        packaged=_packaged_weights(model),
+    )
 
 
 def adapter_file(adapt: dict[str, Any], given: str | None) -> Path:
@@ -102,14 +121,29 @@ def local_files(info: dict[str, Any], files: QueryFiles, index_path: Any) -> dic
     if config.get("kind") != "sift":
         out["weights"] = model_weights(info, config["model"], files.local_weights, "--local-weights", index_path)
     if info.get("itq"):
-        out["itq"] = str(verified_file("ITQ projection of the local tokens", info["itq"], info.get("itq_sha256"), files.itq,
-                                       "--itq", packaged=_packaged_file(config.get("itq"))))
+        out["itq"] = str(
+            verified_file(
+                "ITQ projection of the local tokens",
+                info["itq"],
+                info.get("itq_sha256"),
+                files.itq,
+                "--itq",
+                packaged=_packaged_file(config.get("itq")),
+            )
+        )
     elif files.itq is not None:
         raise RecordedFileError(f"--itq {files.itq}: index {index_path} records no ITQ projection for its local tokens")
     detector = config.get("detector_weights")
     if detector and detector != RANDOM:
-        out["detector_weights"] = str(verified_file("AMES detector weights", detector, info.get("detector_weights_sha256"),
-                                                    files.detector_weights, "--detector-weights"))
+        out["detector_weights"] = str(
+            verified_file(
+                "AMES detector weights",
+                detector,
+                info.get("detector_weights_sha256"),
+                files.detector_weights,
+                "--detector-weights",
+            )
+        )
     return out
 
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from index.search import SearchIndex
 from core.errors import NeedleInputError
-from query.recorded import QueryFiles, adapter_file, local_files, model_weights
-from rerank.rerank import Reranker, RerankConfig
 from core.tokens import LocalTokens
+from index.search import SearchIndex
+from query.recorded import QueryFiles, adapter_file, local_files, model_weights
+from rerank.rerank import RerankConfig, Reranker
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +69,33 @@ def recorded_extractor(index: SearchIndex, files: QueryFiles | None = None) -> t
     return info, model_weights(info, info["model"]["name"], given, "--weights", index.path)
 
 
-def query_extractor(index: SearchIndex, files: QueryFiles | None = None, *, scales: tuple[float, ...] = (1.0,),
-                    rotations: int = 1):
+def query_extractor(
+    index: SearchIndex, files: QueryFiles | None = None, *, scales: tuple[float, ...] = (1.0,), rotations: int = 1
+):
     """The global extractor the index's descriptors were made with (same model, weights and resolution),
     averaging over ``scales`` x ``rotations`` variants when asked (query side only: whatever the
     index's own extractor info records about scales is not carried over)."""
     from embed.extract import GlobalExtractor
 
     info, weights = recorded_extractor(index, files)
-    return GlobalExtractor(info["model"]["name"], weights, resolution=info["resolution"], precision=info.get("precision", "auto"),
-                           scales=scales, rotations=rotations)
+    return GlobalExtractor(
+        info["model"]["name"],
+        weights,
+        resolution=info["resolution"],
+        precision=info.get("precision", "auto"),
+        scales=scales,
+        rotations=rotations,
+    )
 
 
-def embed_image_files(index: SearchIndex, paths: list[Path], files: QueryFiles | None = None, *,
-                      scales: tuple[float, ...] = (1.0,), rotations: int = 1) -> np.ndarray:
+def embed_image_files(
+    index: SearchIndex,
+    paths: list[Path],
+    files: QueryFiles | None = None,
+    *,
+    scales: tuple[float, ...] = (1.0,),
+    rotations: int = 1,
+) -> np.ndarray:
     """(n, d) float32 descriptors of image files, made as during ingestion (and, with ``scales`` or
     ``rotations``, averaged over the query-side variants)."""
     from ingest.images import decode_resized
@@ -121,7 +134,9 @@ def embed_texts(index: SearchIndex, texts: list[str], files: QueryFiles | None =
     info, weights = recorded_extractor(index, files)
     model = info["model"]
     if model.get("library") != "open_clip":
-        raise NeedleInputError(f"the index's model {model.get('name')!r} has no text tower: text queries need an open_clip model")
+        raise NeedleInputError(
+            f"the index's model {model.get('name')!r} has no text tower: text queries need an open_clip model"
+        )
     ensure_torchvision_importable()
     import open_clip
 
@@ -178,9 +193,15 @@ def load_vectors(path: Path, d: int) -> np.ndarray:
     return xq
 
 
-def query(index: SearchIndex, conf: QueryConfig, keys: list[str] = (), images: list[Path] = (),
-          texts: list[str] = (), vectors: np.ndarray | None = None,
-          text_queries: Sequence[tuple[str, str]] = ()) -> list[dict[str, Any]]:
+def query(
+    index: SearchIndex,
+    conf: QueryConfig,
+    keys: list[str] = (),
+    images: list[Path] = (),
+    texts: list[str] = (),
+    vectors: np.ndarray | None = None,
+    text_queries: Sequence[tuple[str, str]] = (),
+) -> list[dict[str, Any]]:
     """Search for every stored key, image file, text, (id, text) query (:func:`read_text_queries`)
     and vector; one result dict per query, in input order (texts before text queries)."""
     if not keys and not images and not texts and not text_queries and vectors is None:
@@ -201,10 +222,14 @@ def query(index: SearchIndex, conf: QueryConfig, keys: list[str] = (), images: l
         blocks.append(vectors)
         labels += [{"vector": i} for i in range(len(vectors))]
     tokens: list[LocalTokens | None] | None = None
-    if conf.rerank is not None:  # keys use their stored tokens, images their query-side tokens; texts and vectors have none
-        tokens = (stored_tokens(index, list(keys)) if keys else []) + \
-            (query_tokens_of_images(index, list(images), conf.rerank, conf.files) if images else []) + \
-            [None] * (len(texts) + len(text_queries) + (0 if vectors is None else len(vectors)))
+    if (
+        conf.rerank is not None
+    ):  # keys use their stored tokens, images their query-side tokens; texts and vectors have none
+        tokens = (
+            (stored_tokens(index, list(keys)) if keys else [])
+            + (query_tokens_of_images(index, list(images), conf.rerank, conf.files) if images else [])
+            + [None] * (len(texts) + len(text_queries) + (0 if vectors is None else len(vectors)))
+        )
     D, I, details = search(index, np.concatenate(blocks), conf, tokens)
     results = results_json(index, D, I)
     for res, detail in zip(results, details):
@@ -231,7 +256,9 @@ def recorded_local_extractor(index: SearchIndex) -> dict[str, Any]:
     """The local extractor's info recorded at ingestion (and copied into the index infos)."""
     info = (index.infos.get("locals") or {}).get("extractor")
     if not info:
-        raise NeedleInputError(f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank")
+        raise NeedleInputError(
+            f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank"
+        )
     return info
 
 
@@ -244,13 +271,21 @@ def query_local_extractor(index: SearchIndex, conf: RerankConfig, files: QueryFi
     info = recorded_local_extractor(index)
     found = local_files(info, files or QueryFiles(), index.path)
     recorded = LocalConfig(**dict(info["config"], scales=tuple(info["config"]["scales"])))
-    return build_local_extractor(recorded, found["weights"], scales=conf.query_scales, per_scale=True,
-                                 top_k=conf.query_top_k, keep_desc=False, itq=found["itq"],
-                                 detector_weights=found["detector_weights"])
+    return build_local_extractor(
+        recorded,
+        found["weights"],
+        scales=conf.query_scales,
+        per_scale=True,
+        top_k=conf.query_top_k,
+        keep_desc=False,
+        itq=found["itq"],
+        detector_weights=found["detector_weights"],
+    )
 
 
-def query_tokens_of_images(index: SearchIndex, paths: list[Path], conf: RerankConfig,
-                           files: QueryFiles | None = None) -> list[LocalTokens]:
+def query_tokens_of_images(
+    index: SearchIndex, paths: list[Path], conf: RerankConfig, files: QueryFiles | None = None
+) -> list[LocalTokens]:
     """Query-side local tokens of image files."""
     from ingest.images import decode_resized
 
@@ -270,7 +305,9 @@ def stored_tokens(index: SearchIndex, keys: list[str]) -> list[LocalTokens]:
     """Database-side tokens of stored keys, from the index's local store."""
     store = index.local_store
     if store is None:
-        raise NeedleInputError(f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank")
+        raise NeedleInputError(
+            f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank"
+        )
     return [store.tokens(index.position_of(key)) for key in keys]
 
 
@@ -288,8 +325,14 @@ def expand_queries(index: SearchIndex, xq: np.ndarray, conf: QueryConfig) -> np.
     return (expanded / np.linalg.norm(expanded, axis=1, keepdims=True)).astype(np.float32)
 
 
-def search(index: SearchIndex, xq: np.ndarray, conf: QueryConfig, tokens: list[LocalTokens | None] | None = None,
-           reranker: Reranker | None = None, evidence: bool = False) -> tuple[np.ndarray, np.ndarray, list[dict[str, Any]]]:
+def search(
+    index: SearchIndex,
+    xq: np.ndarray,
+    conf: QueryConfig,
+    tokens: list[LocalTokens | None] | None = None,
+    reranker: Reranker | None = None,
+    evidence: bool = False,
+) -> tuple[np.ndarray, np.ndarray, list[dict[str, Any]]]:
     """(D, I, per-query re-ranking details) for (nq, d) queries; re-ranked where ``conf.rerank``
     is set and the query has tokens (``tokens[q]``)."""
     if conf.qe_top:
@@ -301,7 +344,9 @@ def search(index: SearchIndex, xq: np.ndarray, conf: QueryConfig, tokens: list[L
         raise NeedleInputError(f"re-ranking needs the local tokens of each of the {len(xq)} queries")
     store = index.local_store
     if store is None:
-        raise NeedleInputError(f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank")
+        raise NeedleInputError(
+            f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank"
+        )
     reranker = reranker or Reranker(conf.rerank)
     k = min(conf.k, index.ntotal)
     D, I = index.search(xq, max(k, conf.rerank.shortlist), conf.nprobe, refine_factor=conf.refine_factor)
@@ -316,9 +361,12 @@ def search(index: SearchIndex, xq: np.ndarray, conf: QueryConfig, tokens: list[L
         candidates = store.batch(index.positions_of_rows(rows), conf.rerank.db_tokens)
         order, scores, local = reranker.rerank(rows, s_global, tokens[q], candidates)
         I[q, :n], D[q, :n] = rows[order], scores[order]
-        details.append({
-            "global_score": s_global[order], "local_score": local.raw[order],
-            "inliers": None if local.inliers is None else local.inliers[order],
-            "evidence": [local.evidence(i) for i in order[:k]] if evidence and local.evidence else None,
-        })
+        details.append(
+            {
+                "global_score": s_global[order],
+                "local_score": local.raw[order],
+                "inliers": None if local.inliers is None else local.inliers[order],
+                "evidence": [local.evidence(i) for i in order[:k]] if evidence and local.evidence else None,
+            }
+        )
     return D[:, :k], I[:, :k], details

@@ -47,8 +47,11 @@ def folder_groups(root: Path | str, min_size: int = 1) -> dict[str, list[Path]]:
     root = Path(root)
     if not root.is_dir():
         raise SimilarityDataError(f"class folder root {root} does not exist")
-    groups = {d.name: sorted(p for p in d.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-              for d in sorted(root.iterdir()) if d.is_dir()}
+    groups = {
+        d.name: sorted(p for p in d.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        for d in sorted(root.iterdir())
+        if d.is_dir()
+    }
     groups = {g: paths for g, paths in groups.items() if len(paths) >= min_size}
     if not groups:
         raise SimilarityDataError(f"{root} holds no class folder with at least {min_size} images")

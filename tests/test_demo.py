@@ -24,8 +24,12 @@ def busy_cpus():
 
 
 def test_demo_end_to_end_on_a_busy_machine(tmp_path, busy_cpus):
-    run = subprocess.run([sys.executable, "-m", "cluster.cli", "demo", "--workdir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=1500)
+    run = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "demo", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "mAP@1000" in run.stdout
     assert "swigfaiss" not in run.stdout + run.stderr  # FAISS's loader INFO lines are quiet

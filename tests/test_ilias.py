@@ -8,13 +8,21 @@ import pickle
 
 import numpy as np
 import pytest
-from sklearn.metrics import average_precision_score
-
-from eval.ilias import (SCALE_GROUPS, ILIASDataError, evaluate_results, load_ilias, read_results_pickle, score_query,
-                        sklearn_average_precision, write_results_json)
-from eval.metrics import average_precision_at_k
 from conftest import jpeg_bytes, write_tar
 from ilias_benchmark import ILIAS
+from sklearn.metrics import average_precision_score
+
+from eval.ilias import (
+    SCALE_GROUPS,
+    ILIASDataError,
+    evaluate_results,
+    load_ilias,
+    read_results_pickle,
+    score_query,
+    sklearn_average_precision,
+    write_results_json,
+)
+from eval.metrics import average_precision_at_k
 
 
 def test_average_precision_equals_scikit_learn_with_ties():
@@ -46,7 +54,8 @@ def test_benchmark_ap_equals_needle_ap_without_ties():
 def ilias_like(tmp_path, photos, extractor):
     """Tars named by instance (the ILIAS id layout): each instance tar holds a query view and two
     positives; a distractor tar holds other photos. Returns (index dir, ground truth, dataset dir)."""
-    from index.build import IndexConfig, main as build
+    from index.build import IndexConfig
+    from index.build import main as build
     from ingest.pipeline import process_shard
 
     names = list(photos)
@@ -57,7 +66,11 @@ def ilias_like(tmp_path, photos, extractor):
     queries, positives = [], []
     for i, name in enumerate(names[:3]):
         photo = photos[name]
-        views = [photo, np.ascontiguousarray(photo[:, ::-1]), np.ascontiguousarray(photo[photo.shape[0] // 6 :, : photo.shape[1] * 5 // 6])]
+        views = [
+            photo,
+            np.ascontiguousarray(photo[:, ::-1]),
+            np.ascontiguousarray(photo[photo.shape[0] // 6 :, : photo.shape[1] * 5 // 6]),
+        ]
         write_tar(shards / f"inst{i}.tar", [(f"v{j}.jpg", jpeg_bytes(v)) for j, v in enumerate(views)])
         queries.append(f"inst{i}/v0")
         positives += [(f"inst{i}/v1", 0.1 * (i + 1), 10 * i), (f"inst{i}/v2", 0.3, 40)]
@@ -68,7 +81,9 @@ def ilias_like(tmp_path, photos, extractor):
     (dataset / "image_query_ids.txt").write_text("".join(f"{q},query\n" for q in queries))
     (dataset / "text_query_ids.txt").write_text("".join(f"inst{i}/T{i:03d}\n" for i in range(3)))
     (dataset / "positive_ids.txt").write_text("".join(f"{p},{s},{c}\n" for p, s, c in positives))
-    truth = [{"key": q, "positives": [p for p, _, _ in positives if p.startswith(q.split("/")[0] + "/")]} for q in queries]
+    truth = [
+        {"key": q, "positives": [p for p, _, _ in positives if p.startswith(q.split("/")[0] + "/")]} for q in queries
+    ]
     return index, truth, tmp_path / "ilias"
 
 
@@ -93,7 +108,9 @@ def test_ilias_pickle_and_json_score_like_needle_eval(tmp_path, ilias_like):
     _assert_benchmark_agrees(from_pickle, report, k)
     ours = evaluate_results(load_ilias(dataset_dir), **payload, k=k)
     assert ours["map"] == pytest.approx(report[f"map_at_{k}"])
-    assert ours["scale"] == pytest.approx(from_pickle["scale"]) and ours["clutter"] == pytest.approx(from_pickle["clutter"])
+    assert ours["scale"] == pytest.approx(from_pickle["scale"]) and ours["clutter"] == pytest.approx(
+        from_pickle["clutter"]
+    )
     assert set(ours["scale"]) <= {f"{a}-{b}" for a, b in SCALE_GROUPS}
     # The JSON, read as the benchmark reads it, scores the same.
     from_json = json.loads((tmp_path / "r.json").read_text())
@@ -110,14 +127,19 @@ def test_result_pickles_of_either_revision_read_back(tmp_path):
     path = write_results_pickle(tmp_path / "r.pkl", ["a/q"], [["x/1", "a/2"]], [[0.9, 0.5]])
     payload = read_results_pickle(path)
     assert payload["db_ids"].tolist() == ["a/2", "x/1"] and payload["ranks"].tolist() == [[1, 0]]
-    legacy = {"query_ids": ["a/q"], "db_ids": payload["db_ids"], "similarities": payload["sims"], "ranks": payload["ranks"]}
+    legacy = {
+        "query_ids": ["a/q"],
+        "db_ids": payload["db_ids"],
+        "similarities": payload["sims"],
+        "ranks": payload["ranks"],
+    }
     (tmp_path / "old.pkl").write_bytes(pickle.dumps(legacy))
     np.testing.assert_array_equal(read_results_pickle(tmp_path / "old.pkl")["sims"], payload["sims"])
     (tmp_path / "bad.pkl").write_bytes(pickle.dumps({"query_ids": [], "scores": []}))
     with pytest.raises(ILIASDataError, match=r"bad\.pkl.*expected the keys"):
         read_results_pickle(tmp_path / "bad.pkl")
     (tmp_path / "junk.pkl").write_bytes(b"not a pickle")
-    with pytest.raises(ILIASDataError, match="junk.pkl"):
+    with pytest.raises(ILIASDataError, match=r"junk\.pkl"):
         read_results_pickle(tmp_path / "junk.pkl")
 
 
@@ -137,7 +159,7 @@ def test_breakdown_removes_positives_outside_the_bin():
 def test_bad_ilias_inputs_are_named(tmp_path):
     from eval.ilias import write_results_pickle
 
-    with pytest.raises(ILIASDataError, match="positive_ids.txt"):
+    with pytest.raises(ILIASDataError, match=r"positive_ids\.txt"):
         load_ilias(tmp_path)
     with pytest.raises(ILIASDataError, match="same number"):
         write_results_pickle(tmp_path / "r.pkl", ["a/q", "b/q"], [["x"], ["x", "y"]], [[1.0], [1.0, 0.5]])
@@ -167,7 +189,8 @@ def ilias_dataset(tmp_path, photos, extractor):
     """The real ILIAS workflow: instance tars of positives and a distractor tar form the database;
     the query images sit in their own instance-named tars, ingested on their own. Returns
     (index dir, query descriptor dir, dataset dir)."""
-    from index.build import IndexConfig, main as build
+    from index.build import IndexConfig
+    from index.build import main as build
     from ingest.pipeline import process_shard
 
     names = list(photos)
@@ -181,8 +204,13 @@ def ilias_dataset(tmp_path, photos, extractor):
         photo = photos[name]
         h, w = photo.shape[:2]
         write_tar(qs / f"inst{i}.tar", [("q0.jpg", jpeg_bytes(photo[h // 8 :, w // 8 :]))])
-        write_tar(db / f"inst{i}.tar", [("p1.jpg", jpeg_bytes(np.ascontiguousarray(photo[:, ::-1]))),
-                                        ("p2.jpg", jpeg_bytes(photo[: h * 3 // 4, : w * 3 // 4]))])
+        write_tar(
+            db / f"inst{i}.tar",
+            [
+                ("p1.jpg", jpeg_bytes(np.ascontiguousarray(photo[:, ::-1]))),
+                ("p2.jpg", jpeg_bytes(photo[: h * 3 // 4, : w * 3 // 4])),
+            ],
+        )
         queries.append(f"inst{i}/q0")
         positives += [(f"inst{i}/p1", 0.05 * (i + 1), 10 * i), (f"inst{i}/p2", 0.3, 40 + i)]
         (tmp_path / "ilias" / f"inst{i}").mkdir()
@@ -208,8 +236,27 @@ def test_eval_on_an_ilias_directory_scores_like_the_benchmark(tmp_path, ilias_da
 
     index, query_desc, dataset_dir = ilias_dataset
     k = 3
-    assert main(["eval", "--index", str(index), "--ground-truth", str(dataset_dir), "--query-descriptors", str(query_desc),
-                 "--k", str(k), "--out", str(tmp_path / "report.json"), "--ilias-pickle", str(tmp_path / "r.pkl")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "map",
+                "--index",
+                str(index),
+                "--ground-truth",
+                str(dataset_dir),
+                "--query-descriptors",
+                str(query_desc),
+                "--k",
+                str(k),
+                "--out",
+                str(tmp_path / "report.json"),
+                "--ilias-pickle",
+                str(tmp_path / "r.pkl"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["n_queries"] == 3 and report["database_size"] == 9
     payload = pickle.loads((tmp_path / "r.pkl").read_bytes())
@@ -227,13 +274,43 @@ def test_eval_on_an_ilias_directory_scores_like_the_benchmark(tmp_path, ilias_da
 
     vectors = read_query_vectors(query_desc, payload["query_ids"])
     loaded = load_index(index)
-    D, I = loaded.search(np.stack([vectors[q] for q in payload["query_ids"]]), k)
+    _, I = loaded.search(np.stack([vectors[q] for q in payload["query_ids"]]), k)
     assert [[payload["db_ids"][r] for r in row] for row in payload["ranks"]] == loaded.keys_of(I)
     # Without --query-descriptors the ILIAS queries are not in the index: a clear error.
-    assert main(["eval", "--index", str(index), "--ground-truth", str(dataset_dir), "--out", str(tmp_path / "x.json")]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "map",
+                "--index",
+                str(index),
+                "--ground-truth",
+                str(dataset_dir),
+                "--out",
+                str(tmp_path / "x.json"),
+            ]
+        )
+        == 2
+    )
     # Text queries need a model with a text tower: Lite0 has none.
-    assert main(["eval", "--index", str(index), "--ground-truth", str(dataset_dir), "--query-descriptors", str(query_desc),
-                 "--text-queries", "--out", str(tmp_path / "t.json")]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "map",
+                "--index",
+                str(index),
+                "--ground-truth",
+                str(dataset_dir),
+                "--query-descriptors",
+                str(query_desc),
+                "--text-queries",
+                "--out",
+                str(tmp_path / "t.json"),
+            ]
+        )
+        == 2
+    )
 
 
 def test_ilias_text_queries_read_their_files(ilias_dataset):
@@ -246,7 +323,7 @@ def test_ilias_text_queries_read_their_files(ilias_dataset):
     assert [q["key"] for q in texts] == ["inst0/T000.txt", "inst1/T001.txt", "inst2/T002.txt"]
     assert texts[0]["text"] == "a photo of astronaut" and texts[0]["positives"] == ["inst0/p1", "inst0/p2"]
     (dataset_dir / "inst1" / "T001.txt").write_text("  \n")
-    with pytest.raises(ILIASDataError, match="T001.txt is empty"):
+    with pytest.raises(ILIASDataError, match=r"T001\.txt is empty"):
         text_query_texts(dataset_dir, ["inst1/T001.txt"])
     with pytest.raises(ILIASDataError, match="no file"):
         text_query_texts(dataset_dir, ["inst9/T009"])

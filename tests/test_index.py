@@ -137,22 +137,32 @@ def test_non_finite_descriptors_rejected_and_counted(tmp_path):
 def test_inconsistent_or_missing_index_files_are_refused(tmp_path, collection):
     desc, _ = collection
     out = main(IndexConfig(), desc, tmp_path / "index")
-    table = read_ids(out / IDS_FILE)  # memory-mapped: write a new file and swap it in
+    shard = out / "shard_000"
+    table = read_ids(shard / IDS_FILE)  # memory-mapped: write a new file and swap it in
     with pa.OSFile(str(tmp_path / "ids.tmp"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table.slice(0, 10))
-    (tmp_path / "ids.tmp").replace(out / IDS_FILE)
-    with pytest.raises(IndexFileError, match="inconsistent"):
+    (tmp_path / "ids.tmp").replace(shard / IDS_FILE)
+    with pytest.raises(IndexFileError, match=rf"shard_000.*{IDS_FILE} has \d+ bytes"):
         load_index(out)
-    (out / IDS_FILE).unlink()
-    with pytest.raises(IndexFileError, match=IDS_FILE):
+    (shard / IDS_FILE).unlink()
+    with pytest.raises(IndexFileError, match=rf"shard_000.*{IDS_FILE} is missing"):
+        load_index(out)
+
+
+def test_infos_disagreeing_with_the_shards_are_refused(tmp_path, collection):
+    desc, _ = collection
+    out = main(IndexConfig(), desc, tmp_path / "index")
+    infos = json.loads((out / INFOS_FILE).read_text())
+    (out / INFOS_FILE).write_text(json.dumps({**infos, "rows": infos["rows"] + 1}))
+    with pytest.raises(IndexFileError, match="inconsistent"):
         load_index(out)
 
 
 def test_corrupted_index_file_is_refused(tmp_path, collection):
     desc, _ = collection
     out = main(IndexConfig(), desc, tmp_path / "index")
-    (out / "index.faiss").write_bytes(b"garbage")
-    with pytest.raises(IndexFileError, match=r"index\.faiss"):
+    (out / "shard_000" / "index.faiss").write_bytes(b"garbage")
+    with pytest.raises(IndexFileError, match=r"shard_000.*index\.faiss"):
         load_index(out)
 
 
@@ -198,7 +208,7 @@ def test_hnsw_quantizer_plan_builds_and_searches(tmp_path, collection):
     from index.build import hnsw_quantizer
 
     assert index.infos["quantizer_ef"] == conf.quantizer_ef == 128
-    graph = hnsw_quantizer(faiss.read_index(str(tmp_path / "index" / "index.faiss")))
+    graph = hnsw_quantizer(faiss.read_index(str(tmp_path / "index" / "shard_000" / "index.faiss")))
     assert graph is not None and graph.hnsw.efSearch == 128
     assert search_params(index.shards[0].index, 300, index.infos["quantizer_ef"]).referenced_objects[0].efSearch == 300
 
@@ -225,3 +235,12 @@ def test_process_memory_reads_linux_accounting():
     memory = process_memory()
     assert memory["rss"] > 10 * 2**20 and 0 < memory["pss_anon"] <= memory["pss"] <= memory["rss"]
     assert process_memory(pid=2**22 + 7) == {}  # no such process
+
+
+@pytest.mark.parametrize("url", ["s3:/bucket/idx", "gs://bucket/idx"])
+def test_url_output_is_refused_not_written_to_a_local_directory(tmp_path, collection, url, monkeypatch):
+    desc, _ = collection
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NeedleInputError, match="is a URL"):
+        main(IndexConfig(), desc, url)
+    assert not any(tmp_path.glob("*:*"))  # no local directory named "s3:" or "gs:"

@@ -414,7 +414,7 @@ def test_build_adds_through_the_stand_in_where_faiss_has_gpus(tmp_path, monkeypa
     monkeypatch.setattr(build_module, "add_quantizer", cpu_stand_in)
     through = main(conf, tmp_path / "desc", tmp_path / "through")
     assert len(stand_ins) == 1
-    a, b = (faiss.read_index(str(out / "index.faiss")) for out in (plain, through))
+    a, b = (faiss.read_index(str(out / "shard_000" / "index.faiss")) for out in (plain, through))
     assert (
         type(faiss.downcast_index(faiss.extract_index_ivf(b).quantizer)).__name__ == "IndexFlatIP"
     )  # not the stand-in
@@ -513,7 +513,7 @@ def test_gpu_kmeans_and_add_match_the_cpu(tmp_path, monkeypatch, factory):
     found = [(np.abs(load_index(out).search(xq, 10)[0] - D_ref) < 1e-5).mean() for out in (gpu_out, cpu_out)]
     assert found[0] >= found[1] - 0.05 and found[0] > 0.7, found  # 0.80 / 0.92 on the CPU
 
-    on_gpu, on_cpu = (faiss.read_index(str(gpu_out / "index.faiss")) for _ in range(2))
+    on_gpu, on_cpu = (faiss.read_index(str(gpu_out / "shard_000" / "index.faiss")) for _ in range(2))
     ids = np.arange(len(xb), dtype=np.int64)
     for index in (on_gpu, on_cpu):
         index.reset()

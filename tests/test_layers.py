@@ -140,7 +140,23 @@ def test_cycle_finder_finds_a_cycle():
 
 @pytest.mark.parametrize(
     "module",
-    ["core.errors", "core.atomic", "core.hashing", "core.checkpoint", "core.tokens", "embed.registry", "index.build"],
+    [
+        "core.errors",
+        "core.atomic",
+        "core.hashing",
+        "core.checkpoint",
+        "core.tokens",
+        "embed.registry",
+        "embed.pca",
+        "index.build",
+        "eval.kmeans",
+        "similarity.cli",
+        "similarity.afn_cli",
+        "similarity.adaptors_cli",
+        "similarity.ffa_cli",
+        "similarity.twoafc_cli",
+        "similarity.twoafc_registry",
+    ],
 )
 def test_light_modules_do_not_import_torch(module):
     code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"

@@ -56,12 +56,12 @@ def test_itq_reads_ames_files_without_mean_and_refuses_bad_ones(tmp_path):
     itq = load_itq(tmp_path / "ames.npz")
     assert not itq.mean.any() and itq.dim == 768
     np.savez(tmp_path / "bad.npz", proj=proj[:, :64])
-    with pytest.raises(ITQFileError, match="bad.npz"):
+    with pytest.raises(ITQFileError, match=r"bad\.npz"):
         load_itq(tmp_path / "bad.npz")
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(ITQFileError, match="junk.npz"):
+    with pytest.raises(ITQFileError, match=r"junk\.npz"):
         load_itq(tmp_path / "junk.npz")
-    with pytest.raises(ITQFileError, match="missing.npz"):
+    with pytest.raises(ITQFileError, match=r"missing\.npz"):
         load_itq(tmp_path / "missing.npz")
 
 
@@ -73,7 +73,11 @@ def test_list_columns_round_trip_every_value_kind():
     codes = [rng.integers(0, 256, (n, 16), dtype=np.uint8) if n is not None else None for n in (3, None, 0, 5)]
     descs = [rng.normal(size=(n, 7)).astype(np.float16) if n is not None else None for n in (3, None, 0, 5)]
     xs = [np.arange(n, dtype=np.int16) if n is not None else None for n in (3, None, 0, 5)]
-    for values, type_ in ((codes, pa.list_(pa.binary(16))), (descs, pa.list_(pa.list_(pa.float16(), 7))), (xs, pa.list_(pa.int16()))):
+    for values, type_ in (
+        (codes, pa.list_(pa.binary(16))),
+        (descs, pa.list_(pa.list_(pa.float16(), 7))),
+        (xs, pa.list_(pa.int16())),
+    ):
         column = list_column(values, type_)
         # Through Parquet and a slice, so that offsets do not start at 0.
         table = pq.read_table(pa.BufferReader(_parquet_bytes(pa.table({"c": column}))))
@@ -143,9 +147,9 @@ def test_multi_scale_tokens_per_scale_and_codes(photos):
 
 
 def test_local_extractor_refuses_missing_or_mismatched_itq(tmp_path):
+    from core.errors import NeedleInputError
     from embed.locals import LocalExtractor
     from embed.registry import LocalConfig
-    from core.errors import NeedleInputError
 
     with pytest.raises(NeedleInputError, match="ITQ"):
         LocalExtractor(LocalConfig(resolution=64, itq=None))
@@ -198,15 +202,17 @@ def test_schema_v2_rows_carry_their_tokens(local_descriptors, local_extractor):
 
 @pytest.mark.parametrize("shards", [1, 2])
 def test_local_store_returns_each_rows_tokens_exactly(tmp_path, local_descriptors, shards):
-    from index.build import IndexConfig, main as build
+    from index.build import IndexConfig
+    from index.build import main as build
     from index.locals import LocalStoreError, read_token_records
-    from index.search import load_index
+    from index.search import IndexFileError, load_index
 
     out = build(IndexConfig(kind="flat", shards=shards), local_descriptors, tmp_path / "idx")
     index = load_index(out)
     infos = index.infos["locals"]
-    assert len(infos["segments"]) == shards and infos["bytes_per_image"] > 0
+    assert infos["bytes_per_image"] > 0
     store = index.local_store
+    assert len(store.segments) == shards  # each shard directory holds its own segment
     expected = []
     for path in sorted(local_descriptors.glob("*.parquet")):
         offsets, records = read_token_records(path)
@@ -225,10 +231,10 @@ def test_local_store_returns_each_rows_tokens_exactly(tmp_path, local_descriptor
             np.testing.assert_array_equal(batch.weight[b, :n], expected[p]["weight"][:n].astype(np.float32))
     with pytest.raises(LocalStoreError, match="outside"):
         store.batch(np.array([len(expected)]))
-    segment = out / infos["segments"][0]["tokens"]
+    segment = out / store.segments[0].tokens
     segment.write_bytes(segment.read_bytes()[:-5])
-    with pytest.raises(LocalStoreError, match="bytes"):
-        load_index(out).local_store
+    with pytest.raises(IndexFileError, match=rf"shard_000.*{segment.name} has .* bytes"):
+        _ = load_index(out).local_store
 
 
 # --- ensemble -----------------------------------------------------------------------------------
@@ -255,7 +261,9 @@ def test_ensemble_map_equals_the_metric_and_grid_search_uses_validation_only():
         ranking = sorted(range(len(scores)), key=lambda i: (-scores[i], q.rows[i]))
         positives = set(np.flatnonzero(q.positive)) | {-1}  # one positive outside the shortlist
         brute.append(average_precision_at_k(ranking, positives, 10))
-        assert (combine("sp", q.s_global, q.raw_local, q.has_locals, conf)[~q.has_locals] == q.s_global[~q.has_locals]).all()
+        assert (
+            combine("sp", q.s_global, q.raw_local, q.has_locals, conf)[~q.has_locals] == q.s_global[~q.has_locals]
+        ).all()
     assert mean_ap(queries, "sp", conf, 10) == pytest.approx(100 * np.mean(brute))
     best, value = grid_search(queries[:10], "sp", k=10)
     assert value == pytest.approx(mean_ap(queries[:10], "sp", best, 10))
@@ -270,7 +278,8 @@ def test_ensemble_map_equals_the_metric_and_grid_search_uses_validation_only():
 def test_query_and_eval_rerank_with_local_tokens(tmp_path, local_descriptors, capsys):
     from cluster.cli import main as cli
     from eval.evaluate import EvalConfig, evaluate
-    from index.build import IndexConfig, main as build
+    from index.build import IndexConfig
+    from index.build import main as build
     from rerank.rerank import RerankConfig
 
     out = build(IndexConfig(kind="flat"), local_descriptors, tmp_path / "idx")
@@ -280,7 +289,10 @@ def test_query_and_eval_rerank_with_local_tokens(tmp_path, local_descriptors, ca
     reranked = evaluate(out, truth, EvalConfig(k=5, rerank=RerankConfig(method="chamfer", shortlist=4)))
     assert reranked["n_queries"] == plain["n_queries"] == 3
     assert 0 <= reranked["map_at_5"] <= 100
-    assert cli(["query", "--index", str(out), "--key", "000000/00000", "--k", "3", "--rerank", "sp", "--shortlist", "5"]) == 0
+    assert (
+        cli(["query", "--index", str(out), "--key", "000000/00000", "--k", "3", "--rerank", "sp", "--shortlist", "5"])
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["results"][0]["key"] == "000000/00000"  # itself: every token matches in place
     assert result["results"][0]["inliers"] >= 5
@@ -292,7 +304,10 @@ def test_train_itq_stage_learns_from_kept_descriptors(tmp_path, local_descriptor
     from ingest.descriptors import DescriptorFileError
 
     out = tmp_path / "itq.npz"
-    assert cli(["locals", "train-itq", "--descriptors", str(local_descriptors), "--out", str(out), "--iterations", "5"]) == 0
+    assert (
+        cli(["locals", "train-itq", "--descriptors", str(local_descriptors), "--out", str(out), "--iterations", "5"])
+        == 0
+    )
     itq = load_itq(out)
     assert itq.proj.shape == (112, 128)
     record = json.loads((tmp_path / "itq.npz.json").read_text())
@@ -301,7 +316,9 @@ def test_train_itq_stage_learns_from_kept_descriptors(tmp_path, local_descriptor
 
     v1 = tmp_path / "v1"
     v1.mkdir()
-    pq.write_table(pq.read_table(local_descriptors / "000000.parquet").drop_columns(["local_desc"]), v1 / "000000.parquet")
+    pq.write_table(
+        pq.read_table(local_descriptors / "000000.parquet").drop_columns(["local_desc"]), v1 / "000000.parquet"
+    )
     with pytest.raises(DescriptorFileError, match="local_desc"):
         main(TrainITQConfig(), v1, tmp_path / "x.npz")
 
@@ -313,7 +330,8 @@ def test_ames_train_cli_and_ames_reranking(tmp_path, local_descriptors, photos):
     from PIL import Image
 
     from cluster.cli import main as cli
-    from index.build import IndexConfig, main as build
+    from index.build import IndexConfig
+    from index.build import main as build
     from rerank.ames import load_ames
 
     images = tmp_path / "images"
@@ -321,17 +339,58 @@ def test_ames_train_cli_and_ames_reranking(tmp_path, local_descriptors, photos):
     for name, photo in photos.items():
         Image.fromarray(photo).save(images / f"{name}.jpg")
     ckpt = tmp_path / "ames.pt"
-    assert cli(["ames", "train", "--images", str(images), "--out", str(ckpt), "--pairs", "12", "--epochs", "2", "--layers", "1"]) == 0
+    assert (
+        cli(
+            [
+                "ames",
+                "train",
+                "--images",
+                str(images),
+                "--out",
+                str(ckpt),
+                "--pairs",
+                "12",
+                "--epochs",
+                "2",
+                "--layers",
+                "1",
+            ]
+        )
+        == 0
+    )
     model = load_ames(ckpt)
     assert model.conf.binarized and model.conf.local_dim == 112
     record = json.loads(ckpt.with_suffix(".json").read_text())
     assert record["pairs"] == 12 and len(record["loss_history"]) == 2
     out = build(IndexConfig(kind="flat"), local_descriptors, tmp_path / "idx")
     truth = tmp_path / "truth.json"
-    truth.write_text(json.dumps({"queries": [{"key": f"000000/00{i:03d}", "positives": [f"000001/01{i:03d}"]} for i in range(3)]}))
+    truth.write_text(
+        json.dumps({"queries": [{"key": f"000000/00{i:03d}", "positives": [f"000001/01{i:03d}"]} for i in range(3)]})
+    )
     report = tmp_path / "report.json"
-    assert cli(["eval", "--index", str(out), "--ground-truth", str(truth), "--out", str(report), "--k", "5",
-                "--rerank", "ames", "--ames", str(ckpt), "--shortlist", "4"]) == 0
+    assert (
+        cli(
+            [
+                "eval",
+                "map",
+                "--index",
+                str(out),
+                "--ground-truth",
+                str(truth),
+                "--out",
+                str(report),
+                "--k",
+                "5",
+                "--rerank",
+                "ames",
+                "--ames",
+                str(ckpt),
+                "--shortlist",
+                "4",
+            ]
+        )
+        == 0
+    )
     result = json.loads(report.read_text())
     assert result["config"]["rerank"]["method"] == "ames" and result["n_queries"] == 3
 
@@ -340,7 +399,8 @@ def test_serve_reranks_key_and_image_queries_with_evidence(tmp_path, local_descr
     import tarfile
 
     from cluster.serve import QueryService
-    from index.build import IndexConfig, main as build
+    from index.build import IndexConfig
+    from index.build import main as build
     from index.search import load_index
     from rerank.rerank import RerankConfig
 
@@ -366,7 +426,8 @@ def test_serve_image_queries_go_through_the_adapter_and_rerank_per_request(tmp_p
 
     from cluster.serve import QueryService
     from embed.adapt import LinearAdapter, save_adapter
-    from index.build import IndexConfig, main as build
+    from index.build import IndexConfig
+    from index.build import main as build
     from index.search import load_index
     from rerank.rerank import RerankConfig
 
@@ -378,7 +439,7 @@ def test_serve_image_queries_go_through_the_adapter_and_rerank_per_request(tmp_p
     [out] = service.search_image(data, 3, None)
     xq, tokens = service.embed_image(data)
     assert xq.shape == (1, 64) and tokens is None
-    D, I = index.search(xq, 3)
+    _, I = index.search(xq, 3)
     assert [r["key"] for r in out["results"]] == index.keys_of(I)[0]
     assert out["results"][0]["key"] == "000000/00001" and "inliers" not in out["results"][0]
     [reranked] = service.search_image(data, 3, None, rerank=RerankConfig(method="sp", shortlist=5))
@@ -388,7 +449,8 @@ def test_serve_image_queries_go_through_the_adapter_and_rerank_per_request(tmp_p
 @pytest.mark.ray
 def test_ray_sharded_index_reranks_like_the_single_process_one(tmp_path, local_descriptors, ray_local):
     from cluster.serve import serve_sharded
-    from index.build import IndexConfig, main as build
+    from index.build import IndexConfig
+    from index.build import main as build
     from index.search import load_index
     from query.retrieve import QueryConfig, search, stored_tokens
     from rerank.rerank import RerankConfig

@@ -15,7 +15,8 @@ import pytest
 from PIL import Image
 
 from core.errors import NeedleInputError, PackInputError
-from ingest.pack import INFO_NAME, PackConfig, main as pack, member_suffix, sample_key, unique_keys
+from ingest.pack import INFO_NAME, PackConfig, member_suffix, sample_key, unique_keys
+from ingest.pack import main as pack
 from tests.conftest import jpeg_bytes
 
 
@@ -114,13 +115,22 @@ def test_pack_writes_original_bytes_keys_and_json(tmp_path, folder):
         meta = json.loads(members[f"{key}.json"])
         with Image.open(io.BytesIO(folder[source])) as img:
             size, fmt = img.size, img.format
-        assert meta == {"key": key, "source": source, "bytes": len(folder[source]),
-                        "width": size[0], "height": size[1], "format": fmt}
+        assert meta == {
+            "key": key,
+            "source": source,
+            "bytes": len(folder[source]),
+            "width": size[0],
+            "height": size[1],
+            "format": fmt,
+        }
     info = json.loads((out / INFO_NAME).read_text())
     assert info["status"] == "complete" and info["images"] == 6 and info["ignored_files"] == 1
     assert info["source"] == str(tmp_path / "photos") and info["skipped"] == []
     assert {r["source"]: r["key"] for r in info["renamed_keys"]} == {
-        "a/b/photo.01.jpeg": "a/b/photo_01~1", "a/b/photo_01.png": "a/b/photo_01~2", "x.jpg": "x~1"}
+        "a/b/photo.01.jpeg": "a/b/photo_01~1",
+        "a/b/photo_01.png": "a/b/photo_01~2",
+        "x.jpg": "x~1",
+    }
     assert info["config"]["shard_size"] == 1000
 
 
@@ -134,7 +144,10 @@ def test_shards_split_by_shard_size(tmp_path, photos):
     assert [m.name for m in _members(tars[1])] == [f"img{i}.{s}" for i in (3, 4, 5) for s in ("jpg", "json")]
     info = json.loads((out / INFO_NAME).read_text())
     assert [(s["tar"], s["samples"], s["first_key"], s["last_key"]) for s in info["shards"]] == [
-        ("000000.tar", 3, "img0", "img2"), ("000001.tar", 3, "img3", "img5"), ("000002.tar", 1, "img6", "img6")]
+        ("000000.tar", 3, "img0", "img2"),
+        ("000001.tar", 3, "img3", "img5"),
+        ("000002.tar", 1, "img6", "img6"),
+    ]
     assert info["ingest_shards"] == str(out / "{000000..000002}.tar") and info["num_shards"] == 3
 
 
@@ -264,7 +277,7 @@ def test_list_file_and_path_list_give_the_directory_keys(tmp_path, folder):
     entries = [os.path.relpath(src / rel, lists) for rel in reversed(list(folder))]  # relative to the list, any order
     entries[0] = str(src / list(folder)[-1])  # an absolute path
     listing = lists / "images.txt"
-    listing.write_text("\n".join(entries + ["", entries[1], "../photos/notes.txt", "../photos/gone.jpg"]) + "\n")
+    listing.write_text("\n".join([*entries, "", entries[1], "../photos/notes.txt", "../photos/gone.jpg"]) + "\n")
     by_list = pack(PackConfig(shard_size=4), listing, tmp_path / "by_list")
     for name in ("000000.tar", "000001.tar"):
         assert _sha(by_list / name) == _sha(by_dir / name)
@@ -329,11 +342,19 @@ def test_packed_tars_through_process_shard(tmp_path, folder, extractor):
     for i, tar in enumerate(sorted(out.glob("*.tar"))):
         result = process_shard(str(tar), i, tmp_path / "desc", [extractor])
         assert result.status == "ok", result.reason
-    rows = [r for part in sorted((tmp_path / "desc").glob("*.parquet"))
-            for r in pq.read_table(part, columns=["key", "status", "width", "global"]).to_pylist()]
+    rows = [
+        r
+        for part in sorted((tmp_path / "desc").glob("*.parquet"))
+        for r in pq.read_table(part, columns=["key", "status", "width", "global"]).to_pylist()
+    ]
     assert [r["key"] for r in rows] == [
-        "000000/a/b/photo_01", "000000/a/b/photo_01~1", "000000/a/b/photo_01~2", "000000/holiday_2019/caf_",
-        "000001/x", "000001/x~1"]
+        "000000/a/b/photo_01",
+        "000000/a/b/photo_01~1",
+        "000000/a/b/photo_01~2",
+        "000000/holiday_2019/caf_",
+        "000001/x",
+        "000001/x~1",
+    ]
     assert all(r["status"] == "ok" for r in rows)
     assert all(abs(np.linalg.norm(np.asarray(r["global"], np.float32)) - 1) < 1e-2 for r in rows)
 

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import jpeg_bytes
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -23,8 +22,17 @@ def built_index(tmp_path_factory, photos):
     for s in range(2):
         names = list(photos)[3 * s : 3 * s + 3]
         write_tar(root / f"{s:06d}.tar", [(f"k{s}{i}.jpg", jpeg_bytes(photos[n])) for i, n in enumerate(names)])
-    run = needle("ingest", "--shards", str(root / "{000000..000001}.tar"), "--out", str(root / "desc"),
-                 "--resolution", "160", "--cpus-per-worker", "1")
+    run = needle(
+        "ingest",
+        "--shards",
+        str(root / "{000000..000001}.tar"),
+        "--out",
+        str(root / "desc"),
+        "--resolution",
+        "160",
+        "--cpus-per-worker",
+        "1",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     run = needle("index", "build", "--descriptors", str(root / "desc"), "--out", str(root / "index"))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -32,7 +40,9 @@ def built_index(tmp_path_factory, photos):
 
 
 def test_query_by_stored_key_returns_it_first(built_index):
-    run = needle("query", "--index", str(built_index / "index"), "--key", "000001/k11", "--k", "3", "--refine-factor", "3")
+    run = needle(
+        "query", "--index", str(built_index / "index"), "--key", "000001/k11", "--k", "3", "--refine-factor", "3"
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     assert out["results"][0]["key"] == "000001/k11"
@@ -58,8 +68,18 @@ def test_unknown_key_is_a_clear_error(built_index):
 def test_eval_writes_report(built_index, tmp_path):
     truth = {"queries": [{"key": "000000/k00", "positives": ["000000/k01"]}]}
     (tmp_path / "gt.json").write_text(json.dumps(truth))
-    run = needle("eval", "--index", str(built_index / "index"), "--ground-truth", str(tmp_path / "gt.json"),
-                 "--out", str(tmp_path / "report.json"), "--k", "5")
+    run = needle(
+        "eval",
+        "map",
+        "--index",
+        str(built_index / "index"),
+        "--ground-truth",
+        str(tmp_path / "gt.json"),
+        "--out",
+        str(tmp_path / "report.json"),
+        "--k",
+        "5",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["n_queries"] == 1 and 0 <= report["map_at_5"] <= 100

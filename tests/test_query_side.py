@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import jpeg_bytes
 from PIL import Image
 
-from conftest import jpeg_bytes
-from embed.extract import GlobalExtractor, check_scales_rotations, parse_scales
 from core.errors import NeedleInputError
+from embed.extract import GlobalExtractor, check_scales_rotations, parse_scales
 
 ILIAS_SCALES = (0.707, 1.0, 1.414)
 RES = 96  # small: every test image and variant stays cheap on 2 CPU cores
@@ -60,7 +60,11 @@ def brute_force(extractor: GlobalExtractor, image: np.ndarray, scales, rotations
     h, w = image.shape[:2]
     acc = np.zeros(extractor.dim, np.float64)
     for s in scales:
-        scaled = image if s == 1.0 else np.asarray(Image.fromarray(image).resize((int(w * s), int(h * s)), Image.Resampling.BICUBIC))
+        scaled = (
+            image
+            if s == 1.0
+            else np.asarray(Image.fromarray(image).resize((int(w * s), int(h * s)), Image.Resampling.BICUBIC))
+        )
         for r in range(rotations):
             turned = np.array(np.rot90(scaled, k=r * (4 // rotations)))  # a writable, contiguous copy
             d = extractor.forward_uint8(turned[None])[0].astype(np.float64)
@@ -134,10 +138,19 @@ def test_empty_batch(multi):
     assert multi([])["global"].shape == (0, multi.dim)
 
 
-@pytest.mark.parametrize("scales,rotations,named", [
-    ((), 1, "()"), ((0.0, 1.0), 1, "0.0"), ((-1.0,), 1, "-1.0"), (("big",), 1, "big"), ((float("nan"),), 1, "nan"),
-    ((1.0,), 3, "3"), ((1.0,), 0, "0"), ((1.0,), True, "True"),
-])
+@pytest.mark.parametrize(
+    "scales,rotations,named",
+    [
+        ((), 1, "()"),
+        ((0.0, 1.0), 1, "0.0"),
+        ((-1.0,), 1, "-1.0"),
+        (("big",), 1, "big"),
+        ((float("nan"),), 1, "nan"),
+        ((1.0,), 3, "3"),
+        ((1.0,), 0, "0"),
+        ((1.0,), True, "True"),
+    ],
+)
 def test_bad_values_are_refused(scales, rotations, named):
     with pytest.raises(NeedleInputError, match=named.replace("(", r"\(").replace(")", r"\)")):
         check_scales_rotations(scales, rotations)
@@ -149,11 +162,11 @@ def test_bad_values_refused_by_extractor_and_configs():
 
     with pytest.raises(NeedleInputError, match="rotations"):
         GlobalExtractor(resolution=64, rotations=3)
-    with pytest.raises(NeedleInputError, match="-0.5"):
+    with pytest.raises(NeedleInputError, match=r"-0\.5"):
         GlobalExtractor(resolution=64, scales=(1.0, -0.5))
     with pytest.raises(NeedleInputError, match="rotations"):
         IngestConfig(query_rotations=5)
-    with pytest.raises(NeedleInputError, match="0.0"):
+    with pytest.raises(NeedleInputError, match=r"0\.0"):
         IngestConfig(query_scales=(0.0,))
     with pytest.raises(NeedleInputError, match="rotations"):
         QueryConfig(rotations=3)
@@ -164,7 +177,7 @@ def test_bad_values_refused_by_extractor_and_configs():
 def test_parse_scales():
     assert parse_scales("0.707,1,1.414") == ILIAS_SCALES
     assert parse_scales(" 1 ") == (1.0,)
-    with pytest.raises(NeedleInputError, match="0.7;1"):
+    with pytest.raises(NeedleInputError, match=r"0\.7;1"):
         parse_scales("0.7;1")
     with pytest.raises(NeedleInputError, match="positive"):
         parse_scales("1,0")
@@ -203,7 +216,12 @@ def test_ingest_cli_flags_reach_the_config(monkeypatch, tmp_path):
 
     seen = {}
     monkeypatch.setattr(cluster.ingest_job, "main", lambda conf, shards, out: seen.setdefault("conf", conf))
-    assert main(["ingest", "--shards", "x.tar", "--out", str(tmp_path), "--multiscale", "0.707,1,1.414", "--rotations", "4"]) == 0
+    assert (
+        main(
+            ["ingest", "--shards", "x.tar", "--out", str(tmp_path), "--multiscale", "0.707,1,1.414", "--rotations", "4"]
+        )
+        == 0
+    )
     assert seen["conf"].query_scales == ILIAS_SCALES and seen["conf"].query_rotations == 4
     assert main(["ingest", "--shards", "x.tar", "--out", str(tmp_path), "--multiscale", "1,zero"]) == 2
 
@@ -217,6 +235,7 @@ def write_ingest_info(directory: Path, extractor_info: dict) -> None:
 def image_index(tmp_path_factory, photos, plain):
     """A flat index of the six photos, described at RES by the default extractor."""
     from helpers_index import write_descriptor_file
+
     from index.build import IndexConfig, main
     from ingest.images import decode_resized
 
@@ -243,8 +262,24 @@ def test_image_query_with_multiscale_and_rotations(image_index, photos, multi, t
     assert cosine(xq, expected)[0] > 1 - 1e-3
     assert cosine(xq, embed_image_files(index, [path]))[0] < 0.999  # the flags change the query
 
-    assert main(["query", "--index", str(image_index / "index"), "--image", str(path), "--k", "2",
-                 "--multiscale", "0.707,1,1.414", "--rotations", "4"]) == 0
+    assert (
+        main(
+            [
+                "query",
+                "--index",
+                str(image_index / "index"),
+                "--image",
+                str(path),
+                "--k",
+                "2",
+                "--multiscale",
+                "0.707,1,1.414",
+                "--rotations",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["query"] == {"image": str(path)} and out["results"][0]["key"] == "000000/00002"  # coffee
     assert out["results"][0]["score"] == pytest.approx(float(cosine(xq, index.vector_of("000000/00002"))[0]), abs=1e-2)
@@ -286,16 +321,16 @@ def test_read_text_queries_refuses_bad_input(ilias_text_tree, tmp_path):
     empty = ilias_text_tree / "inst_c" / "T003.txt"
     empty.parent.mkdir()
     empty.write_text(" \n\t")
-    with pytest.raises(NeedleInputError, match="T003.txt is empty"):
+    with pytest.raises(NeedleInputError, match=r"T003\.txt is empty"):
         read_text_queries(ilias_text_tree)
-    with pytest.raises(NeedleInputError, match="nope.txt does not exist"):
+    with pytest.raises(NeedleInputError, match=r"nope\.txt does not exist"):
         read_text_queries([tmp_path / "nope.txt"])
     (tmp_path / "bare").mkdir()
-    with pytest.raises(NeedleInputError, match="no T.*bare"):
+    with pytest.raises(NeedleInputError, match=r"no T.*bare"):
         read_text_queries(tmp_path / "bare")
     binary = tmp_path / "T9.txt"
     binary.write_bytes(b"\xff\xfe\x00bad")
-    with pytest.raises(NeedleInputError, match="cannot read text-query file .*T9.txt"):
+    with pytest.raises(NeedleInputError, match=r"cannot read text-query file .*T9\.txt"):
         read_text_queries([binary])
     with pytest.raises(NeedleInputError, match="no text-query files"):
         read_text_queries([])
@@ -321,14 +356,25 @@ def clip_index(tmp_path_factory):
     """A flat index of random 512-d vectors recorded as made by the (seeded random initialisation, as
     `--random-init` records it: no weights are downloaded) open_clip ViT-B/16: enough to exercise the
     text tower end to end."""
-    from embed.registry import describe
     from helpers_index import clustered_unit_vectors, write_descriptor_file
+
+    from embed.registry import describe
     from index.build import IndexConfig, main
 
     root = tmp_path_factory.mktemp("clip_index")
     write_descriptor_file(root / "desc", "000000", 0, clustered_unit_vectors(40, 512, seed=3))
-    write_ingest_info(root / "desc", {"extractor": "global", "model": describe("open_clip.ViT-B-16.head"), "weights": "random",
-                                      "resolution": 224, "precision": "fp32", "dim": 512, "dtype": "float16"})
+    write_ingest_info(
+        root / "desc",
+        {
+            "extractor": "global",
+            "model": describe("open_clip.ViT-B-16.head"),
+            "weights": "random",
+            "resolution": 224,
+            "precision": "fp32",
+            "dim": 512,
+            "dtype": "float16",
+        },
+    )
     main(IndexConfig(kind="flat"), root / "desc", root / "index")
     return root / "index"
 

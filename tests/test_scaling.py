@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from helpers_index import write_descriptor_file
 
 from eval.metrics import average_precision_at_k
-from helpers_index import write_descriptor_file
 
 CORE_INSTANCES, PER_INSTANCE, DIM = 6, 5, 32
 
@@ -69,8 +69,14 @@ def test_scaling_points_equal_brute_force_on_the_same_nested_databases(tmp_path,
     distractors = [k for k in vectors if not k.startswith("core/")]  # file order
     # IVF-PQ, all lists probed, refine shortlist 2 x (k + 1) past the largest database: exact too.
     ivf_k = 150
-    ivf = json.loads(main(ScalingConfig(sizes=(0, 100, 250), modes=("ivfpq",), k=ivf_k, nlist=8, nprobe=8), [desc], truth,
-                          tmp_path / "scaling_ivf").read_text())
+    ivf = json.loads(
+        main(
+            ScalingConfig(sizes=(0, 100, 250), modes=("ivfpq",), k=ivf_k, nlist=8, nprobe=8),
+            [desc],
+            truth,
+            tmp_path / "scaling_ivf",
+        ).read_text()
+    )
     assert {p["factory"].split(",")[0] for p in ivf["points"]} == {"IVF8"}
     for p, kk in [(p, k) for p in result["points"]] + [(p, ivf_k) for p in ivf["points"]]:
         n = p["distractors"]
@@ -115,7 +121,7 @@ def test_distractor_list_in_the_ground_truth_sets_the_order(tmp_path, scaling_da
     from eval.scaling import ScalingConfig, distractor_order, scan_keys
     from ingest.descriptors import list_descriptor_files
 
-    desc, truth_path, queries, _ = scaling_data
+    desc, _, queries, _ = scaling_data
     listed = [f"dist2/{i:05d}" for i in range(10)] + ["dist0/00003", "missing/00000"]
     custom = tmp_path / "gt_listed.json"
     custom.write_text(json.dumps({"queries": queries, "distractors": listed}))
@@ -124,8 +130,8 @@ def test_distractor_list_in_the_ground_truth_sets_the_order(tmp_path, scaling_da
 
 
 def test_bad_scaling_inputs_are_named(tmp_path, scaling_data):
-    from eval.scaling import ScalingConfig, main
     from core.errors import NeedleInputError
+    from eval.scaling import ScalingConfig, main
 
     desc, truth, _, _ = scaling_data
     with pytest.raises(NeedleInputError, match="unknown scaling mode 'hnsw'"):
@@ -138,16 +144,84 @@ def test_cli_scaling_and_plot_overlay(tmp_path, scaling_data, capsys):
     from cluster.cli import main
 
     desc, truth, _, _ = scaling_data
-    assert main(["eval", "scaling", "--descriptors", str(desc), "--ground-truth", str(truth), "--sizes", "0,100",
-                 "--modes", "exact", "--k", "10", "--out", str(tmp_path / "a"), "--label", "model A"]) == 0
-    assert main(["eval", "scaling", "--descriptors", str(desc), "--ground-truth", str(truth), "--sizes", "0,300",
-                 "--modes", "exact,exact+sp", "--k", "10", "--order", "shuffle", "--out", str(tmp_path / "b")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "scaling",
+                "--descriptors",
+                str(desc),
+                "--ground-truth",
+                str(truth),
+                "--sizes",
+                "0,100",
+                "--modes",
+                "exact",
+                "--k",
+                "10",
+                "--out",
+                str(tmp_path / "a"),
+                "--label",
+                "model A",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "eval",
+                "scaling",
+                "--descriptors",
+                str(desc),
+                "--ground-truth",
+                str(truth),
+                "--sizes",
+                "0,300",
+                "--modes",
+                "exact,exact+sp",
+                "--k",
+                "10",
+                "--order",
+                "shuffle",
+                "--out",
+                str(tmp_path / "b"),
+            ]
+        )
+        == 0
+    )
     run_b = json.loads((tmp_path / "b" / "scaling.json").read_text())
     assert {p["mode"] for p in run_b["points"]} == {"exact"}  # no local tokens: +sp skipped
     assert run_b["label"] == "descriptors"
-    assert main(["eval", "plot", str(tmp_path / "a" / "scaling.json"), str(tmp_path / "b" / "scaling.json"),
-                 "--out", str(tmp_path / "both.png")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "plot",
+                str(tmp_path / "a" / "scaling.json"),
+                str(tmp_path / "b" / "scaling.json"),
+                "--out",
+                str(tmp_path / "both.png"),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
-    assert main(["eval", "--index", str(tmp_path)]) == 2  # plain eval without --ground-truth/--out: a named error
-    assert main(["eval", "scaling", "--descriptors", str(desc), "--ground-truth", str(truth), "--sizes", "1,x",
-                 "--out", str(tmp_path / "c")]) == 2
+    assert main(["eval", "map", "--index", str(tmp_path)]) == 2  # eval map without --ground-truth/--out: a named error
+    assert (
+        main(
+            [
+                "eval",
+                "scaling",
+                "--descriptors",
+                str(desc),
+                "--ground-truth",
+                str(truth),
+                "--sizes",
+                "1,x",
+                "--out",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 2
+    )

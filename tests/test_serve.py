@@ -8,8 +8,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-
 from helpers_index import clustered_unit_vectors, write_descriptor_file
+
 from index.build import IndexConfig, main
 from index.search import load_index
 
@@ -78,19 +78,22 @@ def test_http_search_by_key_and_vector(client, built):
     assert response.status_code == 200 and response.json() == {"ntotal": 480, "d": 32, "shards": 1, "kind": "ivfpq"}
 
 
-@pytest.mark.parametrize("path,body,message", [
-    ("/search", {"vectors": [[0.0] * 31], "k": 2}, "expects (n, 32)"),
-    ("/search", {"keys": ["000000/00001"], "k": 100000}, "larger than the index"),
-    ("/search", {"text": "   ", "k": 2}, "non-empty string"),
-    ("/search", {"keys": ["nope"], "k": 2}, "not in the index"),
-    ("/search", {"k": 2}, "exactly one of"),
-    ("/search", {"keys": ["000000/00001"], "k": 2, "refine_factor": 0}, "refine_factor must be"),
-    ("/search", b"{not json", "not JSON"),
-    ("/search", b"[1, 2]", "must be a JSON object"),
-    ("/search/image?k=2", b"definitely not an image", "cannot decode"),
-    ("/search/image?k=2", b"", "empty request body"),
-    ("/search/image?k=two", b"\xff\xd8", "bad query parameter"),
-])
+@pytest.mark.parametrize(
+    "path,body,message",
+    [
+        ("/search", {"vectors": [[0.0] * 31], "k": 2}, "expects (n, 32)"),
+        ("/search", {"keys": ["000000/00001"], "k": 100000}, "larger than the index"),
+        ("/search", {"text": "   ", "k": 2}, "non-empty string"),
+        ("/search", {"keys": ["nope"], "k": 2}, "not in the index"),
+        ("/search", {"k": 2}, "exactly one of"),
+        ("/search", {"keys": ["000000/00001"], "k": 2, "refine_factor": 0}, "refine_factor must be"),
+        ("/search", b"{not json", "not JSON"),
+        ("/search", b"[1, 2]", "must be a JSON object"),
+        ("/search/image?k=2", b"definitely not an image", "cannot decode"),
+        ("/search/image?k=2", b"", "empty request body"),
+        ("/search/image?k=two", b"\xff\xd8", "bad query parameter"),
+    ],
+)
 def test_http_bad_input_is_a_4xx_with_a_message(client, path, body, message):
     status, out = post(client, path, body)
     assert status == 400 and message in out["error"]
@@ -128,7 +131,7 @@ def test_search_image_reads_the_body_in_memory(client, service, monkeypatch):
         return [{"query": {"image": f"{len(data)} bytes"}, "k": k, "results": []}]
 
     monkeypatch.setattr(service, "search_image", fake)
-    status, out = post(client, "/search/image?k=3&nprobe=2", b"\x89PNG fake", "image/png")
+    status, _ = post(client, "/search/image?k=3&nprobe=2", b"\x89PNG fake", "image/png")
     assert status == 200 and seen == {"data": b"\x89PNG fake", "k": 3, "nprobe": 2}
 
 
@@ -159,7 +162,9 @@ def test_uvicorn_answers_concurrent_requests_like_sequential_ones(service, built
 
     from cluster.webapp import create_app
 
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=free_port(), log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(service), host="127.0.0.1", port=free_port(), log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -171,7 +176,8 @@ def test_uvicorn_answers_concurrent_requests_like_sequential_ones(service, built
         index = load_index(built / "single")
         keys = [f"{s:06d}/{i:05d}" for s in range(4) for i in range(0, 120, 20)]
         bodies = [{"keys": [key], "k": 7} for key in keys] + [
-            {"vectors": [index.vector_of(key).tolist()], "k": 7, "nprobe": 8} for key in keys]
+            {"vectors": [index.vector_of(key).tolist()], "k": 7, "nprobe": 8} for key in keys
+        ]
         sequential = [urlopen_json(f"{url}/search", body) for body in bodies]
         with ThreadPoolExecutor(8) as pool:
             concurrent = list(pool.map(lambda body: urlopen_json(f"{url}/search", body), bodies))
@@ -232,5 +238,7 @@ def test_serve_flags():
 
     args = build_parser().parse_args(["serve", "--index", "x"])
     assert (args.host, args.port, args.ray, args.replicas, args.ray_shards) == ("127.0.0.1", 8000, False, 1, False)
-    args = build_parser().parse_args(["serve", "--index", "x", "--ray", "--replicas", "3", "--ray-shards", "--rerank", "sp"])
+    args = build_parser().parse_args(
+        ["serve", "--index", "x", "--ray", "--replicas", "3", "--ray-shards", "--rerank", "sp"]
+    )
     assert (args.ray, args.replicas, args.ray_shards, args.rerank) == (True, 3, True, "sp")

@@ -1,4 +1,4 @@
-"""Adaptors with attention fusion on a frozen backbone (similarity/adaptors.py) and the class-level
+"""Adaptors with attention fusion on a frozen backbone (similarity/adaptors_*.py) and the class-level
 retrieval metrics MAP@R and R-Precision (eval/class_retrieval.py), each against a brute-force
 reference."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from eval.class_retrieval import class_retrieval_from_embeddings, class_retrieval_per_query, class_retrieval_scores
 from core.errors import NeedleInputError
+from eval.class_retrieval import class_retrieval_from_embeddings, class_retrieval_per_query, class_retrieval_scores
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -104,7 +104,7 @@ def test_class_retrieval_from_embeddings_and_errors():
 
 
 def test_kmeans_fixed_point_and_blobs():
-    from similarity.adaptors import kmeans
+    from similarity.adaptors_clusters import pseudo_labels as kmeans
 
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(5, 8)) * 10
@@ -123,7 +123,8 @@ def test_kmeans_fixed_point_and_blobs():
 
 
 def test_kmeans_no_empty_cluster_and_errors():
-    from similarity.adaptors import AdaptorsError, kmeans
+    from similarity.adaptors_clusters import pseudo_labels as kmeans
+    from similarity.adaptors_config import AdaptorsError
 
     x = np.concatenate([np.zeros((10, 2)), np.ones((2, 2))])  # many duplicates: clusters could empty
     _, labels = kmeans(x, 4, seed=0)
@@ -135,7 +136,7 @@ def test_kmeans_no_empty_cluster_and_errors():
 
 
 def test_nearest_neighbours_brute_force():
-    from similarity.adaptors import nearest_neighbours
+    from similarity.adaptors_clusters import nearest_neighbours
 
     rng = np.random.default_rng(3)
     x = rng.integers(0, 3, (20, 4)).astype(float)  # integer vectors: many tied similarities
@@ -153,8 +154,16 @@ def test_nearest_neighbours_brute_force():
 def tiny_vit():
     import timm
 
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
-                             embed_dim=32, depth=3, num_heads=2, num_classes=0).eval()
+    return timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        embed_dim=32,
+        depth=3,
+        num_heads=2,
+        num_classes=0,
+    ).eval()
 
 
 def tiny_lite0():
@@ -167,7 +176,8 @@ def test_vit_frozen_path_is_the_backbone_and_zero_adaptors_are_identity():
     import torch
     import torch.nn.functional as F
 
-    from similarity.adaptors import FUSED, make_adapted_net
+    from similarity.adaptors_config import FUSED
+    from similarity.adaptors_net import make_adapted_net
 
     torch.manual_seed(0)
     vit = tiny_vit()
@@ -185,7 +195,7 @@ def test_cnn_frozen_path_is_the_global_model():
 
     from embed.models import GlobalModel
     from embed.registry import get_model_config
-    from similarity.adaptors import make_adapted_net
+    from similarity.adaptors_net import make_adapted_net
 
     torch.manual_seed(0)
     lite = tiny_lite0()
@@ -211,12 +221,17 @@ def _randomise_adaptors(net, seed: int = 0):
 def test_fusion_matches_brute_force(kind):
     import torch
 
-    from similarity.adaptors import make_adapted_net
+    from similarity.adaptors_net import make_adapted_net
 
     torch.manual_seed(0)
     backbone = tiny_vit() if kind == "vit" else tiny_lite0()
-    net = make_adapted_net(backbone, granularities=(2, 3, 4), pooling="cls" if kind == "vit" else "gem",
-                           stages=(1,) if kind == "vit" else (6,), fusion_dim=8).eval()
+    net = make_adapted_net(
+        backbone,
+        granularities=(2, 3, 4),
+        pooling="cls" if kind == "vit" else "gem",
+        stages=(1,) if kind == "vit" else (6,),
+        fusion_dim=8,
+    ).eval()
     _randomise_adaptors(net)
     slot = next(iter(net.slots.values()))
     h = torch.randn(2, 5, 32) if kind == "vit" else torch.randn(2, 320, 3, 2)
@@ -238,7 +253,7 @@ def test_fusion_matches_brute_force(kind):
 def test_attention_propagation_loss_brute_force():
     import torch
 
-    from similarity.adaptors import attention_propagation_loss
+    from similarity.adaptors_training import attention_propagation_loss
 
     g = torch.Generator().manual_seed(0)
     bank = torch.softmax(torch.randn(10, 2, 3, generator=g), -1)
@@ -260,7 +275,9 @@ def _state(module):
 def test_training_keeps_backbone_frozen_and_only_adaptors_learn(kind):
     import torch
 
-    from similarity.adaptors import FUSED, AdaptorsConfig, make_adapted_net, train_adaptor, train_fusion
+    from similarity.adaptors_config import FUSED, AdaptorsConfig
+    from similarity.adaptors_net import make_adapted_net
+    from similarity.adaptors_training import train_adaptor, train_fusion
 
     torch.manual_seed(0)
     backbone = tiny_vit() if kind == "vit" else tiny_lite0()
@@ -302,7 +319,10 @@ def test_training_keeps_backbone_frozen_and_only_adaptors_learn(kind):
 def test_train_adaptors_is_deterministic_and_round_trips(tmp_path):
     import torch
 
-    from similarity.adaptors import FUSED, AdaptorsConfig, load_adaptors, make_adapted_net, save_adaptors, train_adaptors
+    from similarity.adaptors_config import FUSED, AdaptorsConfig
+    from similarity.adaptors_files import load_adaptors, save_adaptors
+    from similarity.adaptors_net import make_adapted_net
+    from similarity.adaptors_training import train_adaptors
 
     conf = AdaptorsConfig(granularities=(2, 3), epochs=1, fusion_epochs=1, batch_size=4, neighbours=2)
     outs = []
@@ -321,8 +341,20 @@ def test_train_adaptors_is_deterministic_and_round_trips(tmp_path):
     assert [g["k"] for g in record["granularities"]] == [2, 3]
     assert set(record["fusion_mean_weights"]) == {"stage_0", "stage_1", "stage_2"}
 
-    path = save_adaptors(net, conf, {"name": "tiny-vit", "pooling": "cls", "gem_p": 3.0, "weights": None,
-                                     "weights_sha256": None, "mean": [0.5] * 3, "std": [0.5] * 3}, tmp_path / "a.pt")
+    path = save_adaptors(
+        net,
+        conf,
+        {
+            "name": "tiny-vit",
+            "pooling": "cls",
+            "gem_p": 3.0,
+            "weights": None,
+            "weights_sha256": None,
+            "mean": [0.5] * 3,
+            "std": [0.5] * 3,
+        },
+        tmp_path / "a.pt",
+    )
     loaded, conf2, record2 = load_adaptors(path, backbone=vit)
     assert conf2.granularities == (2, 3) and record2["name"] == "tiny-vit"
     with torch.no_grad():
@@ -331,7 +363,9 @@ def test_train_adaptors_is_deterministic_and_round_trips(tmp_path):
 
 
 def test_bad_inputs_are_typed_errors(tmp_path):
-    from similarity.adaptors import AdaptorsError, load_adaptors, make_adapted_net, parse_ints
+    from similarity.adaptors_config import AdaptorsError, parse_ints
+    from similarity.adaptors_files import load_adaptors
+    from similarity.adaptors_net import make_adapted_net
 
     with pytest.raises(AdaptorsError, match="stages must be increasing"):
         make_adapted_net(tiny_vit(), granularities=(2,), pooling="cls", stages=(2, 1))
@@ -351,7 +385,7 @@ def test_bad_inputs_are_typed_errors(tmp_path):
 
 
 def test_training_images_of_a_realbench_directory_are_its_distractors_only(tmp_path):
-    from similarity.adaptors import training_images
+    from similarity.adaptors_images import training_images
 
     (tmp_path / "images").mkdir()
     (tmp_path / "distractors").mkdir()
@@ -361,7 +395,10 @@ def test_training_images_of_a_realbench_directory_are_its_distractors_only(tmp_p
     (tmp_path / "groups.csv").write_text("key,group,source\nq1,g,x\nq2,g,x\n")
     (tmp_path / "distractors.csv").write_text("file,source_repo,source_path,license\nd1.jpg,r,p,l\n")
     assert training_images(tmp_path) == [tmp_path / "distractors" / "d1.jpg"]
-    assert sorted(training_images(tmp_path / "images")) == [tmp_path / "images" / "q1.jpg", tmp_path / "images" / "q2.jpg"]
+    assert sorted(training_images(tmp_path / "images")) == [
+        tmp_path / "images" / "q1.jpg",
+        tmp_path / "images" / "q2.jpg",
+    ]
 
 
 def _write_photos(root, photos, names, variants):
@@ -386,14 +423,51 @@ def test_cli_train_and_eval_end_to_end(tmp_path, photos, capsys):
     _write_photos(tmp_path / "unlabelled", photos, ["astronaut", "coffee", "rocket"], 4)
     _write_photos(tmp_path / "classes", photos, ["chelsea", "camera", "coins"], 3)
     out = tmp_path / "adaptors.pt"
-    assert main(["similarity", "adaptors", "train", "--images", str(tmp_path / "unlabelled"), "--out", str(out),
-                 "--granularities", "2,3", "--resolution", "64", "--epochs", "1", "--fusion-epochs", "1",
-                 "--batch-size", "8"]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "adaptors",
+                "train",
+                "--images",
+                str(tmp_path / "unlabelled"),
+                "--out",
+                str(out),
+                "--granularities",
+                "2,3",
+                "--resolution",
+                "64",
+                "--epochs",
+                "1",
+                "--fusion-epochs",
+                "1",
+                "--batch-size",
+                "8",
+            ]
+        )
+        == 0
+    )
     made = json.loads((tmp_path / "adaptors.pt.json").read_text())
     assert made["trained_on"] == 12 and made["stages"] == [5, 6]
     capsys.readouterr()
-    assert main(["similarity", "adaptors", "eval", "--classes", str(tmp_path / "classes"), "--model", str(out),
-                 "--resolution", "64", "--out", str(tmp_path / "m.json")]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "adaptors",
+                "eval",
+                "--classes",
+                str(tmp_path / "classes"),
+                "--model",
+                str(out),
+                "--resolution",
+                "64",
+                "--out",
+                str(tmp_path / "m.json"),
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert set(result["results"]) == {"frozen", "single_k2", "single_k3", "fused"}
     assert result["images"] == 9 and result["groups"] == 3
@@ -408,16 +482,33 @@ def test_cli_train_and_eval_end_to_end(tmp_path, photos, capsys):
 def test_cli_bad_input_exits_2(tmp_path):
     from cluster.cli import main
 
-    assert main(["similarity", "adaptors", "train", "--images", str(tmp_path / "none"), "--out", str(tmp_path / "a.pt")]) == 2
-    assert main(["similarity", "adaptors", "train", "--images", str(tmp_path), "--out", str(tmp_path / "a.pt"),
-                 "--granularities", "8,x"]) == 2
+    assert (
+        main(["similarity", "adaptors", "train", "--images", str(tmp_path / "none"), "--out", str(tmp_path / "a.pt")])
+        == 2
+    )
+    assert (
+        main(
+            [
+                "similarity",
+                "adaptors",
+                "train",
+                "--images",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "a.pt"),
+                "--granularities",
+                "8,x",
+            ]
+        )
+        == 2
+    )
     assert main(["similarity", "adaptors", "eval", "--classes", str(tmp_path / "none")]) == 2
 
 
 def test_untrained_fusion_is_the_mean_of_the_adaptors():
     import torch
 
-    from similarity.adaptors import make_adapted_net
+    from similarity.adaptors_net import make_adapted_net
 
     torch.manual_seed(0)
     net = make_adapted_net(tiny_lite0(), granularities=(2, 3, 4), pooling="gem", stages=(6,)).eval()

@@ -1,4 +1,4 @@
-"""The adaptation function (similarity/adaptation_function.py) and asymmetric recall (eval/pairs.py):
+"""The adaptation function (similarity/afn_*.py) and asymmetric recall (eval/pairs.py):
 every fast computation against an explicit reference, pair sources, features, training, the CLI."""
 
 from __future__ import annotations
@@ -13,10 +13,16 @@ import pytest
 import torch
 from PIL import Image
 
+from core.errors import NeedleInputError
 from eval.metrics import rank_by_score
 from eval.pairs import asymmetric_recall, asymmetric_recall_from_scores, cosine_matrix, own_column_ranks
-from core.errors import NeedleInputError
-from similarity import adaptation_function as afn
+from similarity.afn_config import HEAD, MODEL_FORMAT, AdaptationFunctionError, AfnConfig, EvalConfig, FeatureConfig
+from similarity.afn_evaluation import evaluate_splits, split_indices
+from similarity.afn_features import build_layer_model, extract_features
+from similarity.afn_model import fit_afn, fit_pca, load_model, save_model
+from similarity.afn_pair_features import PairFeatures
+from similarity.afn_pairs import load_pairs
+from similarity.afn_training import symmetric_loss, train_adaptation
 from similarity.data import SimilarityDataError
 
 torch.set_num_threads(1)
@@ -99,7 +105,7 @@ def test_symmetric_loss_matches_explicit_softmax(sigma):
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=(5, 6)), rng.normal(size=(5, 6))
     a[1] = 0.0
-    got = float(afn.symmetric_loss(torch.tensor(a), torch.tensor(b), sigma))
+    got = float(symmetric_loss(torch.tensor(a), torch.tensor(b), sigma))
 
     def cos(u, v):
         nu, nv = max(math.sqrt(sum(x * x for x in u)), 1e-8), max(math.sqrt(sum(x * x for x in v)), 1e-8)
@@ -117,79 +123,90 @@ def test_pca_matches_sklearn_and_caps_its_dimension(caplog):
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 12)) @ rng.normal(size=(12, 12))
-    ours = afn.fit_pca(x, 5)
+    ours = fit_pca(x, 5)
     ref = PCA(5).fit(x)
     np.testing.assert_allclose(ours.mean, ref.mean_)
     # Components agree up to sign; the projections then too.
     np.testing.assert_allclose(np.abs(ours.components @ ref.components_.T), np.eye(5), atol=1e-8)
     np.testing.assert_allclose(np.abs(ours.apply(x)), np.abs(ref.transform(x)), rtol=1e-4, atol=1e-4)
     with caplog.at_level("WARNING"):
-        capped = afn.fit_pca(x[:6], 256)
+        capped = fit_pca(x[:6], 256)
     assert capped.dim == 5 and "PCA to 5 dimensions" in caplog.text
-    with pytest.raises(afn.AdaptationFunctionError, match="PCA needs"):
-        afn.fit_pca(x[:1], 4)
+    with pytest.raises(AdaptationFunctionError, match="PCA needs"):
+        fit_pca(x[:1], 4)
 
 
-def _hidden_pairs(n: int, seed: int = 0) -> afn.PairFeatures:
+def _hidden_pairs(n: int, seed: int = 0) -> PairFeatures:
     """Pairs that share 6 signal dimensions, buried under 26 larger, independent nuisance ones:
     raw cosine confuses them; a learned projection does not."""
     rng = np.random.default_rng(seed)
     signal = rng.normal(size=(n, 6))
     left = np.concatenate([signal + 0.1 * rng.normal(size=(n, 6)), 1.5 * rng.normal(size=(n, 26))], axis=1)
     right = np.concatenate([signal + 0.1 * rng.normal(size=(n, 6)), 1.5 * rng.normal(size=(n, 26))], axis=1)
-    return afn.PairFeatures(left.astype(np.float32), right.astype(np.float32), [f"p{i}" for i in range(n)], {"toy": 1})
+    return PairFeatures(left.astype(np.float32), right.astype(np.float32), [f"p{i}" for i in range(n)], {"toy": 1})
 
 
 def test_adaptation_learns_a_pairing_raw_cosine_misses():
     feats = _hidden_pairs(80)
-    conf = afn.AfnConfig(pca_dim=32, hidden_dim=64, epochs=150, lr=1e-2)
-    result = afn.evaluate_splits(feats, conf, afn.EvalConfig(splits=2, ks=(1, 5)), sigmas=(15.0,))
+    conf = AfnConfig(pca_dim=32, hidden_dim=64, epochs=150, lr=1e-2)
+    result = evaluate_splits(feats, conf, EvalConfig(splits=2, ks=(1, 5)), sigmas=(15.0,))
     before, after = result["pairs"]["before_raw"]["aR@1"]["mean"], result["pairs"]["sigma=15"]["aR@1"]["mean"]
     assert after > before + 20, (before, after)
     assert result["protocol"]["train_pairs"] == 60 and result["protocol"]["test_pairs"] == 20
     # Deterministic for a seed.
-    again = afn.evaluate_splits(feats, conf, afn.EvalConfig(splits=2, ks=(1, 5)), sigmas=(15.0,))
+    again = evaluate_splits(feats, conf, EvalConfig(splits=2, ks=(1, 5)), sigmas=(15.0,))
     assert again["pairs"] == result["pairs"]
 
 
 def test_training_lowers_the_loss_and_minibatches_cover_every_pair():
     feats = _hidden_pairs(31)
     for batch in (0, 8):  # 31 = 3 x 8 + 7; the last batch is kept (>= 2 pairs)
-        module, history = afn.train_adaptation(feats.left, feats.right, afn.AfnConfig(hidden_dim=16, epochs=30, lr=1e-2, batch_size=batch))
+        module, history = train_adaptation(
+            feats.left, feats.right, AfnConfig(hidden_dim=16, epochs=30, lr=1e-2, batch_size=batch)
+        )
         assert history[-1] < history[0]
         assert module.weight_matrix.bias is None and module.weight_matrix.weight.shape == (16, 32)
-    with pytest.raises(afn.AdaptationFunctionError, match="batch_size"):
-        afn.AfnConfig(batch_size=1)
+    with pytest.raises(AdaptationFunctionError, match="batch_size"):
+        AfnConfig(batch_size=1)
 
 
 def test_model_round_trip_and_bad_files(tmp_path):
     feats = _hidden_pairs(20)
-    model, _ = afn.fit_afn(feats, afn.AfnConfig(pca_dim=8, hidden_dim=16, epochs=3))
-    path = afn.save_model(model, tmp_path / "m.pt")
-    loaded = afn.load_model(path)
+    model, _ = fit_afn(feats, AfnConfig(pca_dim=8, hidden_dim=16, epochs=3))
+    path = save_model(model, tmp_path / "m.pt")
+    loaded = load_model(path)
     np.testing.assert_allclose(loaded.embed(feats.left), model.embed(feats.left), rtol=1e-6)
     # embed == ReLU(W (x - mean) P^T), computed the long way.
-    ref = np.maximum((feats.left.astype(np.float64) - model.pca.mean) @ model.pca.components.T @ model.weight.T.astype(np.float64), 0)
+    ref = np.maximum(
+        (feats.left.astype(np.float64) - model.pca.mean) @ model.pca.components.T @ model.weight.T.astype(np.float64), 0
+    )
     np.testing.assert_allclose(model.embed(feats.left), ref, rtol=1e-4, atol=1e-5)
     assert loaded.feature_config == {"toy": 1} and loaded.pca.dim == 8
     (tmp_path / "bad.pt").write_bytes(b"not a model")
-    with pytest.raises(afn.AdaptationFunctionError, match="bad.pt"):
-        afn.load_model(tmp_path / "bad.pt")
-    torch.save({"format": afn.MODEL_FORMAT, "pca_mean": torch.zeros(4), "pca_components": torch.zeros(2, 5),
-                "weight": torch.zeros(3, 2)}, tmp_path / "shapes.pt")
-    with pytest.raises(afn.AdaptationFunctionError, match="inconsistent shapes"):
-        afn.load_model(tmp_path / "shapes.pt")
+    with pytest.raises(AdaptationFunctionError, match=r"bad.pt"):
+        load_model(tmp_path / "bad.pt")
+    torch.save(
+        {
+            "format": MODEL_FORMAT,
+            "pca_mean": torch.zeros(4),
+            "pca_components": torch.zeros(2, 5),
+            "weight": torch.zeros(3, 2),
+        },
+        tmp_path / "shapes.pt",
+    )
+    with pytest.raises(AdaptationFunctionError, match="inconsistent shapes"):
+        load_model(tmp_path / "shapes.pt")
 
 
 def test_split_indices_are_disjoint_deterministic_and_sized():
-    train, test = afn.split_indices(56, 0.25, 3)
+    train, test = split_indices(56, 0.25, 3)
     assert len(test) == 14 and len(train) == 42
     assert sorted([*train, *test]) == list(range(56))
-    t2, s2 = afn.split_indices(56, 0.25, 3)
+    t2, s2 = split_indices(56, 0.25, 3)
     assert (t2 == train).all() and (s2 == test).all()
-    assert not np.array_equal(afn.split_indices(56, 0.25, 4)[1], test)
-    with pytest.raises(afn.AdaptationFunctionError, match="cannot be split"):
-        afn.split_indices(3, 0.25, 0)
+    assert not np.array_equal(split_indices(56, 0.25, 4)[1], test)
+    with pytest.raises(AdaptationFunctionError, match="cannot be split"):
+        split_indices(3, 0.25, 0)
 
 
 # --- pair sources ---------------------------------------------------------------------------------
@@ -208,7 +225,7 @@ def test_pairs_from_groups_take_the_first_two_images_of_each_group(tmp_path):
         _img(tmp_path / "images" / f"{key}.jpg", i)
     with open(tmp_path / "groups.csv", "w", newline="") as f:
         csv.writer(f).writerows([("key", "group", "source"), *[(k, g, "x") for k, g in rows]])
-    pairs = afn.load_pairs(tmp_path)
+    pairs = load_pairs(tmp_path)
     assert pairs.names == ("A", "B")  # C is a singleton
     assert [p.stem for p in pairs.left] == ["a1", "b1"] and [p.stem for p in pairs.right] == ["a2", "b2"]
 
@@ -217,25 +234,27 @@ def test_tll_layout_and_csv_pairs(tmp_path):
     for name in ("x.jpg", "y.jpg"):
         _img(tmp_path / "tll" / "left" / name, 1)
         _img(tmp_path / "tll" / "right" / name, 2)
-    pairs = afn.load_pairs(tmp_path / "tll")
+    pairs = load_pairs(tmp_path / "tll")
     assert pairs.names == ("x.jpg", "y.jpg") and pairs.left[1].parent.name == "left"
     _img(tmp_path / "tll" / "right" / "z.jpg", 3)
-    with pytest.raises(SimilarityDataError, match="only in right/: \\['z.jpg'\\]"):
-        afn.load_pairs(tmp_path / "tll")
+    with pytest.raises(SimilarityDataError, match=r"only in right/: \['z.jpg'\]"):
+        load_pairs(tmp_path / "tll")
 
     _img(tmp_path / "imgs" / "a.png", 4)
     _img(tmp_path / "imgs" / "b.png", 5)
-    (tmp_path / "pairs.csv").write_text(f"left,right\nimgs/a.png,imgs/b.png\n{tmp_path / 'imgs' / 'b.png'},imgs/a.png\n")
-    pairs = afn.load_pairs(tmp_path / "pairs.csv")
+    (tmp_path / "pairs.csv").write_text(
+        f"left,right\nimgs/a.png,imgs/b.png\n{tmp_path / 'imgs' / 'b.png'},imgs/a.png\n"
+    )
+    pairs = load_pairs(tmp_path / "pairs.csv")
     assert pairs.left == (tmp_path / "imgs" / "a.png", tmp_path / "imgs" / "b.png")
     (tmp_path / "bad.csv").write_text("left,right\nimgs/a.png,imgs/missing.png\n")
-    with pytest.raises(SimilarityDataError, match="line 2 column right names 'imgs/missing.png'"):
-        afn.load_pairs(tmp_path / "bad.csv")
+    with pytest.raises(SimilarityDataError, match=r"line 2 column right names 'imgs/missing.png'"):
+        load_pairs(tmp_path / "bad.csv")
     (tmp_path / "cols.csv").write_text("a,b\n1,2\n")
     with pytest.raises(SimilarityDataError, match="left,right"):
-        afn.load_pairs(tmp_path / "cols.csv")
+        load_pairs(tmp_path / "cols.csv")
     with pytest.raises(SimilarityDataError, match="neither"):
-        afn.load_pairs(tmp_path / "nothing_here")
+        load_pairs(tmp_path / "nothing_here")
 
 
 # --- features (the real Lite0 weights, tiny images) ------------------------------------------------
@@ -243,8 +262,8 @@ def test_tll_layout_and_csv_pairs(tmp_path):
 
 @pytest.fixture(scope="module")
 def lite0_small():
-    conf = afn.FeatureConfig(layers=("blocks.2", "blocks.5", afn.HEAD), resolution=64, batch_size=4)
-    return conf, afn.build_layer_model(conf)
+    conf = FeatureConfig(layers=("blocks.2", "blocks.5", HEAD), resolution=64, batch_size=4)
+    return conf, build_layer_model(conf)
 
 
 def test_features_are_per_layer_normalised_spatial_means(tmp_path, lite0_small):
@@ -252,7 +271,7 @@ def test_features_are_per_layer_normalised_spatial_means(tmp_path, lite0_small):
     net, mean, std, weights = model
     assert weights is not None  # the shipped ImageNet weights, not a random init
     paths = [_img(tmp_path / f"{i}.png", i, size) for i, size in enumerate([(40, 30), (30, 40), (40, 30)])]
-    feats = afn.extract_features(paths, conf, model=model)
+    feats = extract_features(paths, conf, model=model)
     assert feats.shape == (3, 40 + 192 + 1280) and feats.dtype == np.float32
 
     # Reference: timm's own forward_features, stage outputs caught by hooks, one image at a time.
@@ -261,7 +280,10 @@ def test_features_are_per_layer_normalised_spatial_means(tmp_path, lite0_small):
     backbone = net.backbone
     for i, path in enumerate(paths):
         caught = {}
-        hooks = [backbone.blocks[b].register_forward_hook(lambda _m, _i, out, b=b: caught.__setitem__(b, out)) for b in (2, 5)]
+        hooks = [
+            backbone.blocks[b].register_forward_hook(lambda _m, _i, out, b=b, caught=caught: caught.__setitem__(b, out))
+            for b in (2, 5)
+        ]
         x = torch.from_numpy(load_rgb(path, 64).copy()).permute(2, 0, 1)[None].float() / 255.0
         x = (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
         with torch.inference_mode():
@@ -271,9 +293,11 @@ def test_features_are_per_layer_normalised_spatial_means(tmp_path, lite0_small):
         parts = [caught[2], caught[5], head]
         ref = np.concatenate([(p.mean(dim=(2, 3)) / p.mean(dim=(2, 3)).norm()).numpy()[0] for p in parts])
         np.testing.assert_allclose(feats[i], ref, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose([np.linalg.norm(feats[0, a:b]) for a, b in ((0, 40), (40, 232), (232, 1512))], 1, atol=1e-5)
-    with pytest.raises(afn.AdaptationFunctionError, match="unknown layer"):
-        afn.build_layer_model(afn.FeatureConfig(layers=("blocks.9",)))
+    np.testing.assert_allclose(
+        [np.linalg.norm(feats[0, a:b]) for a, b in ((0, 40), (40, 232), (232, 1512))], 1, atol=1e-5
+    )
+    with pytest.raises(AdaptationFunctionError, match="unknown layer"):
+        build_layer_model(FeatureConfig(layers=("blocks.9",)))
 
 
 # --- CLI ------------------------------------------------------------------------------------------
@@ -287,7 +311,7 @@ def test_cli_features_train_eval(tmp_path, photos, capsys):
         (tmp_path / "tll" / "left").mkdir(parents=True, exist_ok=True)
         (tmp_path / "tll" / "right").mkdir(parents=True, exist_ok=True)
         Image.fromarray(image).save(tmp_path / "tll" / "left" / f"{name}.jpg")
-        h, w = image.shape[:2]
+        h = image.shape[0]
         Image.fromarray(np.ascontiguousarray(image[h // 10 :, ::-1])).save(tmp_path / "tll" / "right" / f"{name}.jpg")
     small = ["--resolution", "64", "--layers", "blocks.4", "head"]
     feats = tmp_path / "feats.npz"
@@ -296,17 +320,68 @@ def test_cli_features_train_eval(tmp_path, photos, capsys):
     assert record["pairs_count"] == 5 and record["dim"] == 112 + 1280
 
     model = tmp_path / "model.pt"
-    assert main(["similarity", "afn", "train", "--pairs", str(feats), "--out", str(model), "--epochs", "5", "--sigma", "1.5"]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "afn",
+                "train",
+                "--pairs",
+                str(feats),
+                "--out",
+                str(model),
+                "--epochs",
+                "5",
+                "--sigma",
+                "1.5",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "model.pt.json").read_text())["pca_dim"] == 9  # 10 images: capped at n - 1
     capsys.readouterr()
     # A model evaluated on raw pairs extracts with the model's own feature settings.
-    assert main(["similarity", "afn", "eval", "--pairs", str(tmp_path / "tll"), "--model", str(model), "--out", str(tmp_path / "r.json")]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "afn",
+                "eval",
+                "--pairs",
+                str(tmp_path / "tll"),
+                "--model",
+                str(model),
+                "--out",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     assert set(printed["pairs"]) == {"before_raw", "before_pca", "after"} and printed["protocol"]["sigma"] == 1.5
     assert json.loads((tmp_path / "r.json").read_text())["pairs"] == printed["pairs"]
 
-    assert main(["similarity", "afn", "eval", "--pairs", str(feats), "--splits", "2", "--epochs", "3", "--sigma", "1", "15",
-                 "--test-fraction", "0.4"]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "afn",
+                "eval",
+                "--pairs",
+                str(feats),
+                "--splits",
+                "2",
+                "--epochs",
+                "3",
+                "--sigma",
+                "1",
+                "15",
+                "--test-fraction",
+                "0.4",
+            ]
+        )
+        == 0
+    )
     split_result = json.loads(capsys.readouterr().out)
     assert set(split_result["pairs"]) == {"before_raw", "before_pca", "sigma=1", "sigma=15"}
     assert split_result["pairs"]["sigma=15"]["aR@20"] == {"mean": 100.0, "two_std": 0.0}  # 2 test pairs

@@ -1,4 +1,4 @@
-"""Foreground feature averaging (similarity/ffa.py) and the grouped evaluation (eval/groups.py):
+"""Foreground feature averaging (similarity/ffa_*.py) and the grouped evaluation (eval/groups.py):
 every vectorised computation against a brute-force reference, ARI against scikit-learn."""
 
 from __future__ import annotations
@@ -26,20 +26,16 @@ from eval.groups import (
     sample_odd_trials,
 )
 from eval.metrics import average_precision_at_k
-from similarity.ffa import (
-    FFAConfig,
-    FFAError,
+from similarity.ffa_config import FFAConfig, FFAError
+from similarity.ffa_descriptors import crop_resized, ffa_descriptors, foreground_box, pool_tokens
+from similarity.ffa_masks import (
     FullMask,
     NormMask,
     PCAMask,
     PixelMaskFn,
     centredness,
-    crop_resized,
-    ffa_descriptors,
     first_component_projection,
-    foreground_box,
     grid_mask_from_pixels,
-    pool_tokens,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,14 +58,17 @@ def test_ari_matches_sklearn(seed):
     assert adjusted_rand_index(truth, pred) == pytest.approx(adjusted_rand_score(truth, pred), abs=1e-12)
 
 
-@pytest.mark.parametrize("truth, pred", [
-    ([0, 0, 0, 0], [1, 1, 1, 1]),  # one cluster both
-    ([0, 1, 2, 3], [3, 2, 1, 0]),  # all apart both
-    ([0, 0, 0, 0], [0, 1, 2, 3]),  # one cluster against all apart
-    ([0, 0, 1, 1], [0, 1, 0, 1]),  # the worst 2+2 split
-    ([0], [5]),
-    (["a", "a", "b"], ["x", "y", "y"]),
-])
+@pytest.mark.parametrize(
+    "truth, pred",
+    [
+        ([0, 0, 0, 0], [1, 1, 1, 1]),  # one cluster both
+        ([0, 1, 2, 3], [3, 2, 1, 0]),  # all apart both
+        ([0, 0, 0, 0], [0, 1, 2, 3]),  # one cluster against all apart
+        ([0, 0, 1, 1], [0, 1, 0, 1]),  # the worst 2+2 split
+        ([0], [5]),
+        (["a", "a", "b"], ["x", "y", "y"]),
+    ],
+)
 def test_ari_degenerate_cases_match_sklearn(truth, pred):
     from sklearn.metrics import adjusted_rand_score
 
@@ -128,7 +127,7 @@ def test_kmeans_is_a_lloyd_fixed_point(seed):
 def brute_force_best_split(x: np.ndarray) -> float:
     best = np.inf
     for bits in itertools.product([0, 1], repeat=len(x) - 1):
-        labels = np.array((0,) + bits)
+        labels = np.array((0, *bits))
         if labels.min() == labels.max():
             continue
         best = min(best, sum(((x[labels == c] - x[labels == c].mean(axis=0)) ** 2).sum() for c in (0, 1)))
@@ -266,7 +265,7 @@ def test_pca_mask_finds_a_central_object_whatever_its_sign():
 
 
 def test_pca_mask_threshold_and_constant_tokens():
-    tokens, truth = object_tokens()
+    tokens, _truth = object_tokens()
     strict = PCAMask(threshold=10.0)(tokens, None)
     assert not strict.any()  # nothing 10 std above the mean: the caller falls back
     assert not PCAMask()(np.ones((3, 3, 2), np.float32), None).any()
@@ -417,7 +416,7 @@ def test_empty_masks_fall_back_and_bad_masks_are_named():
 
 
 def test_mask_choice_follows_the_config():
-    from similarity.ffa import get_mask_fn
+    from similarity.ffa_masks import get_mask_fn
 
     assert get_mask_fn(FFAConfig(mask="pca", pca_threshold=0.5)) == PCAMask(0.5)
     assert get_mask_fn(FFAConfig(mask="norm", norm_fraction=0.3)) == NormMask(0.3)
@@ -440,7 +439,7 @@ def test_config_is_checked():
 def lite0_tokens():
     import torch
 
-    from similarity.ffa import TokenMaps
+    from similarity.ffa_tokens import TokenMaps
 
     torch.set_num_threads(1)
     return TokenMaps()
@@ -477,16 +476,55 @@ def test_cli_eval_and_embed(tmp_path, photos):
     torch.set_num_threads(1)
     src = write_class_folders(tmp_path / "classes", photos)
     out = tmp_path / "report.json"
-    args = ["similarity", "ffa", "eval", "--groups", str(src), "--mask", "pca", "--mode", "crop-img",
-            "--resolution", "96", "--odd-trials", "40", "--out", str(out)]
+    args = [
+        "similarity",
+        "ffa",
+        "eval",
+        "--groups",
+        str(src),
+        "--mask",
+        "pca",
+        "--mode",
+        "crop-img",
+        "--resolution",
+        "96",
+        "--odd-trials",
+        "40",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     report = json.loads(out.read_text())
-    assert report["counts"] == {"images": 10, "groups": 4, "queries": 9, "ari_pairs": 3, "ari_perfect_splits": report["counts"]["ari_perfect_splits"],
-                                "odd_trials": 40, "odd_eligible_groups": 3}
+    assert report["counts"] == {
+        "images": 10,
+        "groups": 4,
+        "queries": 9,
+        "ari_pairs": 3,
+        "ari_perfect_splits": report["counts"]["ari_perfect_splits"],
+        "odd_trials": 40,
+        "odd_eligible_groups": 3,
+    }
     assert report["ffa"]["mask"] == "pca" and report["masks"]["mask"] == "pca" and report["extractor"]["weights_sha256"]
     assert report["top1"] > 60 and report["odd_one_out"] > 50  # real weights on near-duplicates, chance 33 / 25
     npz = tmp_path / "desc.npz"
-    assert main(["similarity", "ffa", "embed", "--groups", str(src), "--mask", "norm", "--resolution", "96", "--out", str(npz)]) == 0
+    assert (
+        main(
+            [
+                "similarity",
+                "ffa",
+                "embed",
+                "--groups",
+                str(src),
+                "--mask",
+                "norm",
+                "--resolution",
+                "96",
+                "--out",
+                str(npz),
+            ]
+        )
+        == 0
+    )
     with np.load(npz) as f:
         assert f["descriptors"].shape == (10, 1280) and list(f["labels"][:3]) == ["astronaut"] * 3
         np.testing.assert_allclose(np.linalg.norm(f["descriptors"], axis=1), 1.0, rtol=1e-5)
@@ -496,8 +534,26 @@ def test_cli_eval_and_embed(tmp_path, photos):
 def test_cli_bad_input_exits_2(tmp_path):
     from cluster.cli import main
 
-    assert main(["similarity", "ffa", "eval", "--groups", str(tmp_path / "missing"), "--out", str(tmp_path / "r.json")]) == 2
-    assert main(["similarity", "ffa", "eval", "--groups", str(tmp_path), "--norm-fraction", "2", "--out", str(tmp_path / "r.json")]) == 2
+    assert (
+        main(["similarity", "ffa", "eval", "--groups", str(tmp_path / "missing"), "--out", str(tmp_path / "r.json")])
+        == 2
+    )
+    assert (
+        main(
+            [
+                "similarity",
+                "ffa",
+                "eval",
+                "--groups",
+                str(tmp_path),
+                "--norm-fraction",
+                "2",
+                "--out",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 2
+    )
     assert not (tmp_path / "r.json").exists()
 
 
@@ -506,7 +562,7 @@ def test_load_rgb_names_an_undecodable_or_missing_image(tmp_path):
 
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"\xff\xd8 not a jpeg")
-    with pytest.raises(SimilarityDataError, match="cannot decode image .*bad.jpg"):
+    with pytest.raises(SimilarityDataError, match=r"cannot decode image .*bad.jpg"):
         load_rgb(bad, 64)
-    with pytest.raises(SimilarityDataError, match="cannot read image .*missing.jpg"):
+    with pytest.raises(SimilarityDataError, match=r"cannot read image .*missing.jpg"):
         load_rgb(tmp_path / "missing.jpg", 64)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import jpeg_bytes, write_tar
 
 CHROMIUM = "/usr/bin/chromium"
@@ -29,7 +28,8 @@ def web_index(tmp_path_factory, photos, extractor):
     and an eval report, and a scaling plot."""
     from embed.locals import LocalExtractor
     from embed.registry import LITE0_ITQ, LocalConfig
-    from index.build import IndexConfig, main as build
+    from index.build import IndexConfig
+    from index.build import main as build
     from ingest.pipeline import process_shard
 
     root = tmp_path_factory.mktemp("web")
@@ -37,9 +37,12 @@ def web_index(tmp_path_factory, photos, extractor):
     shards = []
     for s in range(2):
         members = []
-        for i, name in enumerate(names[3 * s: 3 * s + 3]):
+        for i, name in enumerate(names[3 * s : 3 * s + 3]):
             image = photos[name] if s == 0 else np.ascontiguousarray(photos[name][:, ::-1])
-            members += [(f"{s:02d}{i:03d}.jpg", jpeg_bytes(image)), (f"{s:02d}{i:03d}.json", json.dumps({"photo": name}).encode())]
+            members += [
+                (f"{s:02d}{i:03d}.jpg", jpeg_bytes(image)),
+                (f"{s:02d}{i:03d}.json", json.dumps({"photo": name}).encode()),
+            ]
         (root / "tars").mkdir(exist_ok=True)
         shards.append(write_tar(root / "tars" / f"{s:06d}.tar", members))
     local = LocalExtractor(LocalConfig(resolution=192, top_k=30, itq=LITE0_ITQ))
@@ -48,13 +51,24 @@ def web_index(tmp_path_factory, photos, extractor):
         assert process_shard(str(shard), i, desc, [extractor, local]).status == "ok"
     (desc / "ingest_info.json").write_text(json.dumps({"extractors": [extractor.info(), local.info()]}))
     # What the ingestion job records beside its parts: each shard's URL.
-    (desc / "manifest.json").write_text(json.dumps({"shards": {f"{s:06d}": {"url": str(p), "state": "committed"} for s, p in enumerate(shards)}}))
+    (desc / "manifest.json").write_text(
+        json.dumps({"shards": {f"{s:06d}": {"url": str(p), "state": "committed"} for s, p in enumerate(shards)}})
+    )
     index_dir = build(IndexConfig(kind="flat"), desc, root / "idx")
     truth = root / "truth.json"
     truth.write_text(json.dumps({"queries": [{"key": "000000/00000", "positives": ["000001/01000", "000001/01001"]}]}))
     report = root / "report.json"
-    report.write_text(json.dumps({"map_at_5": 50.0, "k": 5, "n_queries": 1, "ground_truth": str(truth),
-                                  "per_query": [{"key": "000000/00000", "kind": "image", "ap": 50.0, "recall": 50.0}]}))
+    report.write_text(
+        json.dumps(
+            {
+                "map_at_5": 50.0,
+                "k": 5,
+                "n_queries": 1,
+                "ground_truth": str(truth),
+                "per_query": [{"key": "000000/00000", "kind": "image", "ap": 50.0, "recall": 50.0}],
+            }
+        )
+    )
     from PIL import Image
 
     plot = root / "scaling.png"
@@ -69,8 +83,9 @@ def app(web_index):
     from index.search import load_index
 
     service = QueryService(load_index(web_index["index"]))
-    conf = PageConfig(report=str(web_index["report"]), scaling_plot=str(web_index["plot"]),
-                      max_upload_bytes=200_000, thumbnail_px=96)
+    conf = PageConfig(
+        report=str(web_index["report"]), scaling_plot=str(web_index["plot"]), max_upload_bytes=200_000, thumbnail_px=96
+    )
     try:
         from cluster.webapp import create_app
     except ImportError:  # the JSON API not there: the page on a bare app
@@ -103,7 +118,9 @@ def member(path: Path, name: str) -> bytes:
 def test_page_and_static_files_are_served(client):
     page = client.get("/")
     assert page.status_code == 200 and 'id="error"' in page.text and "/web/app.js" in page.text
-    assert "http://" not in page.text.replace("http://www.w3.org", "") and "https://" not in page.text  # nothing fetched from elsewhere
+    assert (
+        "http://" not in page.text.replace("http://www.w3.org", "") and "https://" not in page.text
+    )  # nothing fetched from elsewhere
     js = client.get("/web/app.js")
     assert js.status_code == 200 and "page/search" in js.text and "https://" not in js.text
     assert client.get("/web/style.css").status_code == 200
@@ -161,19 +178,22 @@ def test_search_by_uploaded_image_reranked(client, web_index):
     assert top["key"] == "000000/00002" and top["inliers"] >= 5 and len(top["matches"]["db_xy"]) == top["inliers"]
 
 
-@pytest.mark.parametrize("path,kwargs,status,message", [
-    ("/page/search/image?k=3", {"content": b"definitely not an image"}, 400, "not an image"),
-    ("/page/search/image?k=3", {"content": b""}, 400, "empty"),
-    ("/page/search/image?k=3", {"content": b"x" * 300_000}, 413, "over the limit"),
-    ("/page/search/image?k=abc", {"content": b"x"}, 400, "bad query parameter"),
-    ("/page/search", {"json": {"text": "  ", "k": 3}}, 400, "empty"),
-    ("/page/search", {"json": {"text": "a red car", "k": 3}}, 400, "no text tower"),
-    ("/page/search", {"json": {"key": "nope/1", "k": 3}}, 400, "not in the index"),
-    ("/page/search", {"json": {"key": "000000/00001", "k": 1000}}, 400, "larger than the index"),
-    ("/page/search", {"json": {"key": "000000/00001", "k": 3, "rerank": True, "shortlist": 0}}, 400, "shortlist"),
-    ("/page/search", {"json": {"k": 3}}, 400, "exactly one of"),
-    ("/page/search", {"content": b"{nope"}, 400, "not JSON"),
-])
+@pytest.mark.parametrize(
+    "path,kwargs,status,message",
+    [
+        ("/page/search/image?k=3", {"content": b"definitely not an image"}, 400, "not an image"),
+        ("/page/search/image?k=3", {"content": b""}, 400, "empty"),
+        ("/page/search/image?k=3", {"content": b"x" * 300_000}, 413, "over the limit"),
+        ("/page/search/image?k=abc", {"content": b"x"}, 400, "bad query parameter"),
+        ("/page/search", {"json": {"text": "  ", "k": 3}}, 400, "empty"),
+        ("/page/search", {"json": {"text": "a red car", "k": 3}}, 400, "no text tower"),
+        ("/page/search", {"json": {"key": "nope/1", "k": 3}}, 400, "not in the index"),
+        ("/page/search", {"json": {"key": "000000/00001", "k": 1000}}, 400, "larger than the index"),
+        ("/page/search", {"json": {"key": "000000/00001", "k": 3, "rerank": True, "shortlist": 0}}, 400, "shortlist"),
+        ("/page/search", {"json": {"k": 3}}, 400, "exactly one of"),
+        ("/page/search", {"content": b"{nope"}, 400, "not JSON"),
+    ],
+)
 def test_bad_input_is_a_json_error(client, path, kwargs, status, message):
     response = client.post(path, **kwargs)
     assert response.status_code == status and message in response.json()["error"]
@@ -196,9 +216,17 @@ def test_report_missed_positives_from_recorded_rankings(tmp_path, web_index):
     from index.search import load_index
 
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({"k": 2, "per_query": [
-        {"key": "a", "ap": 10.0, "positives": ["p1", "p2", "p3"], "ranking": ["x", "p1", "y", "p2"]},
-        {"key": "b", "ap": 0.0}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "k": 2,
+                "per_query": [
+                    {"key": "a", "ap": 10.0, "positives": ["p1", "p2", "p3"], "ranking": ["x", "p1", "y", "p2"]},
+                    {"key": "b", "ap": 0.0},
+                ],
+            }
+        )
+    )
     out = page_report(PageConfig(report=str(path)), PageSearch(QueryService(load_index(web_index["index"]))))
     assert out["per_query"][0]["missed"] == [{"key": "p2", "rank": 4}, {"key": "p3", "rank": None}]
     assert "missed" not in out["per_query"][1]
@@ -251,8 +279,16 @@ def test_page_in_chromium(live_server, web_index, tmp_path):
     query.write_bytes(member(web_index["shards"][0], "00001.jpg"))
     junk = tmp_path / "notes.txt"
     junk.write_bytes(b"this is not an image")
-    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    args = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ]
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=args, headless=True)
         try:
@@ -300,7 +336,9 @@ def test_page_in_chromium(live_server, web_index, tmp_path):
             # A known key works again and clears the message.
             page.fill("#key", "000001/01000")
             page.click("#key-go")
-            page.wait_for_function("document.querySelector('#results .card .key').textContent === '000001/01000'", timeout=30000)
+            page.wait_for_function(
+                "document.querySelector('#results .card .key').textContent === '000001/01000'", timeout=30000
+            )
             assert page.is_hidden("#error")
             assert not page_errors, page_errors
         finally:
@@ -311,8 +349,24 @@ def test_serve_flags_make_the_page_config(tmp_path):
     from cluster.cli import _page_config, build_parser
     from cluster.webpage import PageConfig
 
-    args = build_parser().parse_args(["serve", "--index", str(tmp_path), "--report", "r.json", "--scaling-plot", "s.png",
-                                      "--shard-dir", "a", "--shard-dir", "b", "--max-upload-mb", "2"])
-    assert _page_config(args) == PageConfig(report="r.json", scaling_plot="s.png", shard_dirs=("a", "b"),
-                                            max_upload_bytes=2 << 20)
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--index",
+            str(tmp_path),
+            "--report",
+            "r.json",
+            "--scaling-plot",
+            "s.png",
+            "--shard-dir",
+            "a",
+            "--shard-dir",
+            "b",
+            "--max-upload-mb",
+            "2",
+        ]
+    )
+    assert _page_config(args) == PageConfig(
+        report="r.json", scaling_plot="s.png", shard_dirs=("a", "b"), max_upload_bytes=2 << 20
+    )
     assert _page_config(build_parser().parse_args(["serve", "--index", str(tmp_path)])) == PageConfig()

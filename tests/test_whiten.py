@@ -11,20 +11,22 @@ import tarfile
 import numpy as np
 import pytest
 import torch
+from helpers_index import write_descriptor_file
 from PIL import Image
 
 from embed.adapt import AdapterError, load_adapter, save_adapter
 from embed.augment import AugmentConfig, AugmentError, augmented_views
 from embed.augment import main as make_classes
-from embed.whiten import (WhitenConfig, learned_whitening, pair_difference_covariance, pca_whitening, positive_pairs)
+from embed.whiten import WhitenConfig, learned_whitening, pair_difference_covariance, pca_whitening, positive_pairs
 from embed.whiten import main as whiten
-from helpers_index import write_descriptor_file
 
 torch.set_num_threads(1)
 
 
 def _weights(adapter) -> tuple[np.ndarray, np.ndarray]:
-    return adapter.layer.weight.detach().numpy().astype(np.float64), adapter.layer.bias.detach().numpy().astype(np.float64)
+    return adapter.layer.weight.detach().numpy().astype(np.float64), adapter.layer.bias.detach().numpy().astype(
+        np.float64
+    )
 
 
 def _correlated(n: int, d: int, seed: int = 0) -> np.ndarray:
@@ -172,9 +174,28 @@ def test_whiten_stage_round_trips_and_records_the_method(tmp_path):
     keys = [f"{shard}/{i:05d}" for shard in ("000000", "000001") for i in range(40)]
     (tmp_path / "labels.csv").write_text("key,label\n" + "".join(f"{k},c{l}\n" for k, l in zip(keys, labels)))
     learned = tmp_path / "learned.pt"
-    assert cli(["adapt", "whiten", "--method", "learned", "--descriptors", str(desc), "--labels", str(tmp_path / "labels.csv"),
-                "--dim", "8", "--out", str(learned)]) == 0
-    np.testing.assert_allclose(load_adapter(learned).apply(x16), learned_whitening(x16, labels, 8).apply(x16), atol=1e-5)
+    assert (
+        cli(
+            [
+                "adapt",
+                "whiten",
+                "--method",
+                "learned",
+                "--descriptors",
+                str(desc),
+                "--labels",
+                str(tmp_path / "labels.csv"),
+                "--dim",
+                "8",
+                "--out",
+                str(learned),
+            ]
+        )
+        == 0
+    )
+    np.testing.assert_allclose(
+        load_adapter(learned).apply(x16), learned_whitening(x16, labels, 8).apply(x16), atol=1e-5
+    )
     record = json.loads((tmp_path / "learned.pt.json").read_text())
     assert record["method"] == "whiten-learned" and record["classes"] == 8 and record["pairs"] == 8 * 45
     assert cli(["adapt", "whiten", "--method", "learned", "--descriptors", str(desc), "--out", str(learned)]) == 2
@@ -217,8 +238,11 @@ def test_make_classes_is_deterministic_labels_match_tars_and_bad_images_are_skip
 
     with open(labels_a, newline="") as f:
         rows = list(csv.DictReader(f))
-    members = {f"{name[: -len('.tar')]}/{member.rsplit('.', 1)[0]}": (name, member)
-               for name in tars for member in _tar_members(tmp_path / "a" / name)}
+    members = {
+        f"{name[: -len('.tar')]}/{member.rsplit('.', 1)[0]}": (name, member)
+        for name in tars
+        for member in _tar_members(tmp_path / "a" / name)
+    }
     assert sorted(r["key"] for r in rows) == sorted(members)
     assert len(rows) == 12 and len({r["label"] for r in rows}) == 4
     for row in rows:
@@ -231,17 +255,25 @@ def test_make_classes_is_deterministic_labels_match_tars_and_bad_images_are_skip
     assert info["skipped"] == 2 and sorted(info["skipped_files"]) == ["broken.jpg", "truncated.jpg"]
     assert info["classes"] == 4 and info["samples"] == 12
 
-    other = make_classes(AugmentConfig(views=3, seed=8, max_side=96, samples_per_tar=5), tmp_path / "in", tmp_path / "c")
+    other = make_classes(
+        AugmentConfig(views=3, seed=8, max_side=96, samples_per_tar=5), tmp_path / "in", tmp_path / "c"
+    )
     assert (tmp_path / "c" / "classes-000001.tar").read_bytes() != (tmp_path / "a" / "classes-000001.tar").read_bytes()
     assert other.read_text() == labels_a.read_text()  # same keys and classes, other views
     # A smaller re-run into the same directory leaves no tar of the earlier run behind.
     make_classes(AugmentConfig(views=1, seed=7, max_side=96, samples_per_tar=5), tmp_path / "in", tmp_path / "a")
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["augment_info.json", "classes-000000.tar", "labels.csv"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "augment_info.json",
+        "classes-000000.tar",
+        "labels.csv",
+    ]
 
 
 def test_augmented_views_differ_and_the_first_is_the_resized_original():
     rng = np.random.default_rng(0)
-    image = Image.fromarray(rng.integers(0, 256, size=(12, 16, 3), dtype=np.uint8)).resize((320, 240), Image.Resampling.BICUBIC)
+    image = Image.fromarray(rng.integers(0, 256, size=(12, 16, 3), dtype=np.uint8)).resize(
+        (320, 240), Image.Resampling.BICUBIC
+    )
     conf = AugmentConfig(max_side=100)
     views = augmented_views(image, 6, np.random.default_rng(1), conf)
     assert len(views) == 6 and all(max(v.size) <= 100 and v.mode == "RGB" for v in views)
@@ -257,8 +289,25 @@ def test_make_classes_cli_and_bad_inputs(tmp_path):
     from cluster.cli import main as cli
 
     _images(tmp_path / "in", 3, seed=1)
-    assert cli(["adapt", "make-classes", "--images", str(tmp_path / "in"), "--out", str(tmp_path / "out"),
-                "--views", "2", "--seed", "1", "--max-side", "64"]) == 0
+    assert (
+        cli(
+            [
+                "adapt",
+                "make-classes",
+                "--images",
+                str(tmp_path / "in"),
+                "--out",
+                str(tmp_path / "out"),
+                "--views",
+                "2",
+                "--seed",
+                "1",
+                "--max-side",
+                "64",
+            ]
+        )
+        == 0
+    )
     rows = (tmp_path / "out" / "labels.csv").read_text().splitlines()
     assert rows[0] == "key,label" and rows[1] == "classes-000000/c000000_v00,c000000" and len(rows) == 7
     assert cli(["adapt", "make-classes", "--images", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2

@@ -1,0 +1,194 @@
+"""``needle ingest``, ``pack``, ``locals``, ``index``, ``models`` and ``demo``: the commands that
+build a collection (tars, descriptors, local-token projections, indexes). Each parses its flags
+into the stage's frozen config (cluster.cli_flags) and calls the stage's ``main``; stage modules
+are imported inside the handlers, so that parsing imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from cluster.cli_flags import add_config_flags, config_from_args, source_constant
+
+log = logging.getLogger("needle")
+
+INGEST_CONFIG = "cluster.ingest_job:IngestConfig"
+ROTATIONS = "embed.extract:ROTATIONS"  # query-side rotation counts (also needle query's)
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    from cluster.ingest_job import IngestConfig, IngestFailed, main
+
+    # The published weights, fetched through timm/open_clip, or a seeded random initialisation
+    # (embed.registry.PRETRAINED, RANDOM).
+    asked = [
+        flag
+        for flag, on in (
+            ("--weights", args.weights),
+            ("--pretrained", args.pretrained),
+            ("--random-init", args.random_init),
+        )
+        if on
+    ]
+    if len(asked) > 1:
+        print(f"error: give one of {', '.join(asked)}, not several", file=sys.stderr)
+        return 2
+    weights = "pretrained" if args.pretrained else "random" if args.random_init else args.weights
+    conf = config_from_args(IngestConfig, args, weights=weights, overwrite=args.overwrite and not args.resume)
+    try:
+        main(conf, args.shards, Path(args.out))
+    except IngestFailed as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+def _pack(args: argparse.Namespace) -> int:
+    from ingest.pack import PackConfig, main
+
+    main(config_from_args(PackConfig, args), Path(args.source), Path(args.out))
+    return 0
+
+
+def _train_itq(args: argparse.Namespace) -> int:
+    from embed.train_itq import TrainITQConfig, main
+
+    main(config_from_args(TrainITQConfig, args), Path(args.descriptors), Path(args.out))
+    return 0
+
+
+def _local_presets(args: argparse.Namespace) -> int:
+    from embed.registry import LOCAL_PRESETS
+
+    for name, conf in sorted(LOCAL_PRESETS.items()):
+        scales = "/".join(f"{s:g}" for s in conf.scales)
+        print(
+            f"{name:20s} {conf.kind:9s} {conf.resolution:4d}px scales {scales:14s} top-{conf.top_k}"
+            f"{' per scale' if conf.per_scale else '':10s} itq {conf.itq or '(give --local-itq)'}"
+        )
+    return 0
+
+
+def _index_build(args: argparse.Namespace) -> int:
+    from index.build import IndexConfig
+
+    conf = config_from_args(IndexConfig, args, **({"kind": "flat"} if args.exact else {}))
+    if args.ray:
+        from cluster.index_job import main
+
+        main(conf, args.descriptors, _index_out(args.out), args.address)
+    else:
+        from index.build import main
+
+        main(conf, args.descriptors, _index_out(args.out))
+    return 0
+
+
+def _index_out(out: str) -> Path | str:
+    """An s3:// output as given (a Path would fold its '//'); a local directory as a Path."""
+    return out if out.startswith("s3://") else Path(out)
+
+
+def _models(args: argparse.Namespace) -> int:
+    from embed.registry import MODELS, describe
+
+    print(f"{'name':34s} {'library':9s} {'train':>5s} {'test':>5s} {'pooling':7s} {'dim':>5s}  description")
+    for name in sorted(MODELS):
+        record = describe(name)
+        dim = str(record["dim"]) if record.get("dim") else "?"
+        print(
+            f"{name:34s} {record['library']:9s} {record['train_resolution']:5d} {record['resolution']:5d} "
+            f"{record['pooling']:7s} {dim:>5s}  {record['description']}"
+        )
+    print("\nAny other model: 'timm:<name>[@gem|cls|head]' or 'open_clip:<arch>[/<tag>]'.")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from cluster.demo import DemoRunConfig, main
+
+    main(config_from_args(DemoRunConfig, args), Path(args.workdir))
+    return 0
+
+
+def add_build_parsers(sub: argparse._SubParsersAction) -> None:
+    """ingest, pack, locals {train-itq, presets}, index build."""
+    p = sub.add_parser("ingest", help="describe the images of WebDataset tars (Ray job), one Parquet per tar")
+    p.add_argument("--shards", nargs="+", required=True, help="tar paths, globs or brace patterns, local or s3://")
+    p.add_argument("--out", required=True, help="output directory or s3:// prefix of Parquet files")
+    add_config_flags(
+        p,
+        INGEST_CONFIG,
+        overrides={
+            "precision": {"choices": source_constant("embed.extract:PRECISIONS")},
+            "num_workers": {"flag": "--workers"},
+            "decoder": {"choices": source_constant("cluster.ingest_job:DECODERS")},
+            "query_scales": {"flag": "--multiscale", "metavar": "S1,S2,..."},
+            "query_rotations": {"flag": "--rotations", "choices": source_constant(ROTATIONS)},
+        },
+    )
+    p.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="fetch the model's published weights through timm/open_clip (needs the network or their cache)",
+    )
+    p.add_argument(
+        "--random-init",
+        action="store_true",
+        help="a seeded random initialisation of every model (tests and timing only; recorded, queries rebuild it)",
+    )
+    p.add_argument("--resume", action="store_true", help="skip committed shards (the default; overrides --overwrite)")
+    p.set_defaults(func=_ingest)
+
+    p = sub.add_parser(
+        "pack", help="a folder of images (or a list of image files) as WebDataset tars for needle ingest"
+    )
+    p.add_argument("source", help="directory of images (walked recursively), or a text file of image paths, one a line")
+    p.add_argument("--out", required=True, help="output directory: 000000.tar, 000001.tar, ... and pack_info.json")
+    add_config_flags(p, "ingest.pack:PackConfig")
+    p.set_defaults(func=_pack)
+
+    p = sub.add_parser("locals", help="local-descriptor commands")
+    lsub = p.add_subparsers(dest="locals_command", required=True)
+    t = lsub.add_parser(
+        "train-itq", help="learn the 128-bit ITQ projection from descriptors kept with --keep-local-desc"
+    )
+    t.add_argument("--descriptors", required=True, help="descriptor directory or Parquet file")
+    t.add_argument("--out", required=True, help=".npz file to write (keys proj, mean)")
+    add_config_flags(t, "embed.train_itq:TrainITQConfig")
+    t.set_defaults(func=_train_itq)
+    t = lsub.add_parser("presets", help="list the local-token presets")
+    t.set_defaults(func=_local_presets)
+
+    p = sub.add_parser("index", help="index commands")
+    isub = p.add_subparsers(dest="index_command", required=True)
+    b = isub.add_parser("build", help="build a FAISS index over descriptor Parquet files, within a memory budget")
+    b.add_argument(
+        "--descriptors", required=True, nargs="+", help="directories, files or s3:// prefixes of descriptor Parquet"
+    )
+    b.add_argument(
+        "--out", required=True, help="index directory to write, or an s3:// prefix (one task per shard uploads it)"
+    )
+    add_config_flags(
+        b,
+        "index.build:IndexConfig",
+        skip=("flat_threshold", "seed", "locals"),
+        overrides={"kind": {"choices": ("auto", "flat", "ivfpq")}},
+    )
+    b.add_argument("--exact", action="store_true", help="an exact flat index (the ILIAS baseline)")
+    b.add_argument("--ray", action="store_true", help="run the add parts as Ray tasks")
+    b.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else a local instance)")
+    b.set_defaults(func=_index_build)
+
+
+def add_tool_parsers(sub: argparse._SubParsersAction) -> None:
+    """demo, models."""
+    p = sub.add_parser("demo", help="the whole pipeline on the built-in demo collection (local Ray)")
+    p.add_argument("--workdir", default="demo_run", help="where the demo data and outputs go")
+    add_config_flags(p, "cluster.demo:DemoRunConfig", only=("num_cpus", "address"))
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("models", help="list the model presets (train/test resolution, pooling, dim)")
+    p.set_defaults(func=_models)

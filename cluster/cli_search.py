@@ -1,0 +1,149 @@
+"""``needle query`` and ``needle serve``, and the flags they share with ``needle eval map``: the
+re-ranking settings (RerankConfig, EnsembleConfig, MatchConfig) and the files given in place of
+those an index records (QueryFiles). Handlers import the stages; parsing imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from cluster.cli_flags import add_config_flags, config_from_args, source_constant
+
+log = logging.getLogger("needle")
+
+
+def add_rerank_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("re-ranking with local tokens (index built from --locals descriptors)")
+    add_config_flags(
+        g,
+        "rerank.rerank:RerankConfig",
+        only=("method", "shortlist", "ames"),
+        overrides={
+            "method": {
+                "flag": "--rerank",
+                "default": None,
+                "choices": source_constant("rerank.ensemble:METHODS"),
+                "help": "re-rank the global shortlist: spatial verification, Chamfer or AMES",
+            },
+        },
+    )
+    add_config_flags(
+        g,
+        "rerank.ensemble:EnsembleConfig",
+        only=("lam", "gamma"),
+        overrides={"lam": {"flag": "--rerank-lambda"}, "gamma": {"flag": "--rerank-gamma"}},
+    )
+    add_config_flags(g, "rerank.matching:MatchConfig", overrides={"max_distance": {"flag": "--max-hamming"}})
+
+
+def rerank_config(args: argparse.Namespace):
+    """The re-ranking flags as a RerankConfig (None without --rerank)."""
+    if not args.rerank:
+        return None
+    from rerank.ensemble import EnsembleConfig
+    from rerank.matching import MatchConfig
+    from rerank.rerank import RerankConfig
+
+    return config_from_args(
+        RerankConfig, args, ensemble=config_from_args(EnsembleConfig, args), match=config_from_args(MatchConfig, args)
+    )
+
+
+def add_file_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("files the index was built with, when not at their recorded paths (same SHA-256 required)")
+    add_config_flags(g, "query.recorded:QueryFiles")
+
+
+def query_files(args: argparse.Namespace):
+    from query.recorded import QueryFiles
+
+    return config_from_args(QueryFiles, args)
+
+
+def _query(args: argparse.Namespace) -> int:
+    from cluster.serve import open_index
+    from query.retrieve import QueryConfig, read_text_queries
+    from query.stage import QueryInputs, answer, main
+
+    # Bad text-query files fail before the index loads.
+    text_queries = tuple(read_text_queries(args.text_file)) if args.text_file else ()
+    if (args.multiscale is not None or args.rotations != 1) and not args.image:
+        log.warning("--multiscale and --rotations apply to --image queries only: ignored")
+    conf = config_from_args(QueryConfig, args, files=query_files(args), rerank=rerank_config(args))
+    inputs = QueryInputs(
+        keys=tuple(args.key or ()),
+        images=tuple(args.image or ()),
+        texts=tuple(args.text or ()),
+        text_queries=text_queries,
+        vectors=args.vectors,
+    )
+    index = open_index(args.index, args.ray_shards, args.address)
+    if args.out:
+        main(conf, index, inputs, Path(args.out))
+    else:
+        print(json.dumps(answer(conf, index, inputs), indent=2))
+    return 0
+
+
+def page_config(args: argparse.Namespace):
+    """The web page's PageConfig from the serve flags."""
+    from cluster.webpage import PageConfig
+
+    return config_from_args(PageConfig, args, max_upload_bytes=args.max_upload_mb << 20)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.serve_run import ServeConfig, run
+
+    run(config_from_args(ServeConfig, args), args.index, query_files(args), rerank_config(args), page_config(args))
+    return 0
+
+
+def add_search_parsers(sub: argparse._SubParsersAction) -> None:
+    """query, serve."""
+    p = sub.add_parser("query", help="top-k keys and scores for images or stored keys, as JSON")
+    p.add_argument("--index", required=True, help="index directory")
+    p.add_argument("--image", nargs="+", help="query image files")
+    p.add_argument("--key", nargs="+", help="stored keys to query with")
+    p.add_argument("--text", nargs="+", help="text queries (open_clip models)")
+    p.add_argument(
+        "--text-file",
+        nargs="+",
+        help="text-query files, or directories of ILIAS-style <instance>/.../T*.txt "
+        "files (open_clip models); results carry each query's id",
+    )
+    p.add_argument("--vectors", help=".npy file of query vectors, (d,) or (n, d)")
+    p.add_argument("--out", help="JSON file to write the results to (and its .info.json beside it); default: stdout")
+    add_config_flags(
+        p,
+        "query.retrieve:QueryConfig",
+        overrides={
+            "qe_top": {"flag": "--qe"},
+            "scales": {"flag": "--multiscale", "default": None, "metavar": "S1,S2,..."},  # None: not given
+            "rotations": {"choices": source_constant("embed.extract:ROTATIONS")},
+        },
+    )
+    add_file_flags(p)
+    p.add_argument("--ray-shards", action="store_true", help="search the shards in Ray actors")
+    p.add_argument("--address", help="Ray cluster for --ray-shards (default: $RAY_ADDRESS, else local)")
+    add_rerank_flags(p)
+    p.set_defaults(func=_query)
+
+    p = sub.add_parser("serve", help="HTTP search app and its OpenAPI page at /docs (127.0.0.1 by default)")
+    p.add_argument("--index", required=True, help="index directory")
+    add_config_flags(p, "cluster.serve_run:ServeConfig")
+    add_file_flags(p)
+    g = p.add_argument_group("web page (/)")
+    add_config_flags(
+        g,
+        "cluster.webpage:PageConfig",
+        only=("report", "scaling_plot", "shard_dirs"),
+        overrides={
+            "shard_dirs": {"flag": "--shard-dir", "action": "append", "default": [], "type": str, "metavar": None}
+        },
+    )
+    g.add_argument("--max-upload-mb", type=int, default=16, help="largest query image accepted")
+    add_rerank_flags(p)
+    p.set_defaults(func=_serve)

@@ -1,0 +1,135 @@
+"""Keys of an index's rows, looked up in both directions at a cost that does not grow with N.
+
+At 100M rows the key column is ~3 GB. Answering a request must touch only the pages it needs:
+``keys_at`` (positions -> keys, every answer) reads two offsets and one key per position, and
+``position_of`` (key -> position: key queries, thumbnails) binary-searches a sorted permutation,
+touching O(log n) pages. Three files beside the index, all memory-mapped:
+
+- ``keys.bin``: the UTF-8 bytes of every key, concatenated in row (file) order;
+- ``key_offsets.npy``: (n + 1,) int64, key i is ``keys.bin[offsets[i]:offsets[i + 1]]``;
+- ``key_order.npy``: (n,) int64 positions sorted by key bytes (ties by position).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from core.atomic import atomic_path, write_atomic
+from core.errors import NeedleInputError
+
+KEYS_FILE = "keys.bin"
+KEY_OFFSETS_FILE = "key_offsets.npy"
+KEY_ORDER_FILE = "key_order.npy"
+KEY_FILES = (KEYS_FILE, KEY_OFFSETS_FILE, KEY_ORDER_FILE)
+
+
+class KeyFileError(NeedleInputError):
+    """Key files that are missing, truncated, or disagree with each other."""
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as f:  # np.save given a name would append ".npy" to the temporary path
+        np.save(f, array)
+
+
+def write_key_files(chunks: Iterable[pa.Array], directory: Path, sort_keys: pa.ChunkedArray | None = None) -> int:
+    """Write the three key files for the string arrays ``chunks`` (row order), streaming: memory
+    holds one chunk, the (n + 1,) offsets and, for the sort, the (n,) order. ``sort_keys``: the
+    same keys as one (memory-mapped) column to sort, where the caller has it; else the chunks are
+    gathered for the sort. Returns n."""
+    directory = Path(directory)
+    offsets = [np.zeros(1, np.int64)]
+    gathered: list[pa.Array] = []
+    end = 0
+    with atomic_path(directory / KEYS_FILE) as tmp, open(tmp, "wb") as data:
+        for chunk in chunks:
+            chunk = chunk.cast(pa.large_string())
+            if chunk.null_count:
+                raise KeyFileError(f"{chunk.null_count} null keys: every row needs a key")
+            value_offsets = np.frombuffer(chunk.buffers()[1], np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
+            start, stop = int(value_offsets[0]), int(value_offsets[-1])
+            data.write(memoryview(chunk.buffers()[2])[start:stop] if stop > start else b"")
+            offsets.append(value_offsets[1:] - start + end)
+            end += stop - start
+            if sort_keys is None:
+                gathered.append(chunk)
+    offsets_array = np.concatenate(offsets)
+    column = sort_keys if sort_keys is not None else pa.chunked_array(gathered, pa.large_string())
+    if len(column) != len(offsets_array) - 1:
+        raise KeyFileError(f"{len(column)} keys to sort, {len(offsets_array) - 1} written")
+    # Stable sort by key, so equal keys (there should be none) keep row order.
+    order = pc.sort_indices(column).to_numpy().astype(np.int64)
+    write_atomic(directory / KEY_OFFSETS_FILE, lambda tmp: _save_npy(tmp, offsets_array))
+    write_atomic(directory / KEY_ORDER_FILE, lambda tmp: _save_npy(tmp, order))
+    return len(order)
+
+
+def has_key_files(directory: Path) -> bool:
+    return all((Path(directory) / name).is_file() for name in KEY_FILES)
+
+
+class _SortedKeys:
+    """The keys in sorted order as a read-only sequence, for ``bisect`` (reads only what it compares)."""
+
+    def __init__(self, store: KeyStore):
+        self.store = store
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, i: int) -> bytes:
+        return self.store.key_bytes(int(self.store.order[i]))
+
+
+class KeyStore:
+    """Memory-mapped key files: ``keys_at(positions)`` and ``position_of(key)``."""
+
+    def __init__(self, directory: Path | str):
+        self.directory = Path(directory)
+        try:
+            self.offsets = np.load(self.directory / KEY_OFFSETS_FILE, mmap_mode="r")
+            self.order = np.load(self.directory / KEY_ORDER_FILE, mmap_mode="r")
+            size = (self.directory / KEYS_FILE).stat().st_size
+            self.data = np.memmap(self.directory / KEYS_FILE, np.uint8, "r") if size else np.zeros(0, np.uint8)
+        except (OSError, ValueError) as exc:
+            raise KeyFileError(f"cannot read the key files in {self.directory}: {exc}") from exc
+        n = len(self.order)
+        if self.offsets.shape != (n + 1,) or int(self.offsets[-1]) != size:
+            raise KeyFileError(
+                f"key files in {self.directory} disagree: {len(self.offsets)} offsets for {n} keys, "
+                f"last offset {int(self.offsets[-1]) if len(self.offsets) else None} for {size} bytes in {KEYS_FILE}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def key_bytes(self, position: int) -> bytes:
+        start, stop = self.offsets[position : position + 2]
+        return self.data[int(start) : int(stop)].tobytes()
+
+    def keys_at(self, positions: np.ndarray) -> list[str | None]:
+        """Positions (any shape, flattened) -> keys; None for a negative position (FAISS's -1 padding)."""
+        flat = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if len(flat) and int(flat.max()) >= len(self):
+            raise KeyFileError(f"position {int(flat.max())} is past the {len(self)} keys in {self.directory}")
+        valid = flat >= 0
+        starts = np.zeros(len(flat), np.int64)
+        stops = np.zeros(len(flat), np.int64)
+        starts[valid] = self.offsets[flat[valid]]
+        stops[valid] = self.offsets[flat[valid] + 1]
+        return [self.data[a:b].tobytes().decode() if ok else None for a, b, ok in zip(starts, stops, valid)]
+
+    def position_of(self, key: str) -> int:
+        """The position of ``key``, or -1 where it is not there."""
+        target = key.encode()
+        sorted_keys = _SortedKeys(self)
+        i = bisect.bisect_left(sorted_keys, target)
+        if i < len(self) and sorted_keys[i] == target:
+            return int(self.order[i])
+        return -1
