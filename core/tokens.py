@@ -31,6 +31,9 @@ class LocalTokens:
     scale: np.ndarray  # (n,) float32, resize factor of the image the token came from
     weight: np.ndarray  # (n,) float32, detector weight (higher = more salient)
     desc: np.ndarray | None = None  # (n, d) float32 L2-normalised descriptors, when kept
+    # (n, 128) float32 ITQ projections whose signs are the codes: the query side keeps them for
+    # asymmetric matching (float query against binary database codes); never stored.
+    proj: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.codes)
@@ -45,6 +48,8 @@ class LocalTokens:
             )
         if self.desc is not None and (self.desc.ndim != 2 or len(self.desc) != n):
             raise NeedleInputError(f"token descriptors have shape {self.desc.shape}, expected ({n}, d)")
+        if self.proj is not None and self.proj.shape != (n, CODE_BITS):
+            raise NeedleInputError(f"token projections have shape {self.proj.shape}, expected ({n}, {CODE_BITS})")
 
     def __len__(self) -> int:
         return len(self.codes)
@@ -68,6 +73,7 @@ class LocalTokens:
             self.scale[order],
             self.weight[order],
             None if self.desc is None else self.desc[order],
+            None if self.proj is None else self.proj[order],
         )
 
 

@@ -177,13 +177,15 @@ class LocalExtractor:
         scales = np.asarray(self.conf.scales, np.float32)
         return [
             LocalTokens(
-                self.itq.binarize(t.desc),
+                np.packbits(proj >= 0, axis=1),
                 t.xy.astype(np.float32),
                 scales[t.scale_index],
                 t.weight.astype(np.float32),
                 t.desc,
+                proj,
             )
             for t in self.describe(images)
+            for proj in (self.itq.project(t.desc),)
         ]
 
     def tokens_of_any_size(self, images: list[np.ndarray]) -> list[LocalTokens]:

@@ -83,7 +83,7 @@ class ScalingConfig:
     nlist: int | None = None  # IVF lists; None: the builder's choice for each size
     memory_budget: str = "8GB"  # index build budget (index/build.py)
     shortlist: int = 1000  # global candidates re-ranked in the +rerank modes
-    rerank_lambda: float = 0.5  # weight of the global score in the re-ranking ensemble
+    rerank_lambda: float | None = None  # weight of the global score in the re-ranking ensemble (None: EnsembleConfig's)
     ames: str | None = None  # AMES checkpoint for +ames
     adapt: str | None = None  # adapter file applied to database and queries (needle adapt train / whiten)
     query_descriptors: str | None = None  # the query images' own descriptors (ILIAS); None: queries are indexed
@@ -239,7 +239,7 @@ def run_size(
                 RerankConfig(
                     method=method,
                     shortlist=conf.shortlist,
-                    ensemble=EnsembleConfig(lam=conf.rerank_lambda),
+                    ensemble=EnsembleConfig() if conf.rerank_lambda is None else EnsembleConfig(lam=conf.rerank_lambda),
                     ames=conf.ames,
                 )
                 if method

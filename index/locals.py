@@ -135,6 +135,8 @@ class LocalStore:
         self.starts = np.array([s.start for s in self.segments], np.int64)
         self.ends = self.starts + np.array([s.rows for s in self.segments], np.int64)
         self._records = [self._map(s.tokens, TOKEN_DTYPE, s.count) for s in self.segments]
+        # the same records as (count, 23) bytes, for gathering (``batch``)
+        self._bytes = [r.view(np.uint8).reshape(len(r), TOKEN_DTYPE.itemsize) for r in self._records]
         self._offsets = [np.asarray(self._map(s.offsets, np.int64, s.rows + 1)) for s in self.segments]
 
     def _map(self, name: str, dtype: np.dtype, length: int) -> np.ndarray:
@@ -198,20 +200,27 @@ class LocalStore:
         T = int(counts.max(initial=0)) if length is None else length
         counts = np.minimum(counts, T)
         mask = np.arange(T)[None, :] < counts[:, None]
-        records = np.zeros((len(positions), T), TOKEN_DTYPE)
+        # Records as raw bytes (R, 23): every wanted record of a segment in one fancy index, read
+        # in ascending order, put at its (row, slot) in a flat buffer; fields are column slices.
+        width = TOKEN_DTYPE.itemsize
+        raw = np.zeros((len(positions) * T, width), np.uint8)
         for s in np.unique(segment):
             rows = np.flatnonzero(valid)[segment == s]
-            # Every wanted record of this segment in one fancy index, read in ascending order.
             row_of, slot = np.nonzero(mask[rows])
             source = starts[rows][row_of] + slot
             order = np.argsort(source, kind="stable")
-            gathered = np.empty(len(source), TOKEN_DTYPE)
-            gathered[order] = self._records[s][source[order]]
-            records[rows[row_of], slot] = gathered
-        xy = np.stack([records["x"], records["y"]], -1).astype(np.float32)
-        scale = np.where(mask, self.scales[records["scale"].clip(0, len(self.scales) - 1)], 1.0).astype(np.float32)
-        weight = np.where(mask, records["weight"].astype(np.float32), 0.0).astype(np.float32)
-        return TokenBatch(np.ascontiguousarray(records["code"]), xy, scale, weight, mask)
+            raw[(rows[row_of] * T + slot)[order]] = self._bytes[s][source[order]]
+        raw = raw.reshape(len(positions), T, width)
+        codes = np.ascontiguousarray(raw[..., :CODE_BYTES])
+
+        def field(name: str) -> np.ndarray:
+            dtype, offset = TOKEN_DTYPE.fields[name][:2]
+            return raw[..., offset : offset + dtype.itemsize].copy().view(dtype)[..., 0]
+
+        xy = np.stack([field("x"), field("y")], -1).astype(np.float32)
+        scale = np.where(mask, self.scales[field("scale").clip(0, len(self.scales) - 1)], 1.0).astype(np.float32)
+        weight = field("weight").astype(np.float32)  # 0 where padded (zero bytes)
+        return TokenBatch(codes, xy, scale, weight, mask)
 
 
 def locals_infos(segments: list[SegmentInfo], extractor: dict[str, Any] | None, rows: int) -> dict[str, Any]:

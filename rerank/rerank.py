@@ -19,7 +19,7 @@ import numpy as np
 from core.errors import NeedleInputError
 from core.tokens import LocalTokens, TokenBatch
 from rerank.ensemble import METHODS, EnsembleConfig, combine, rerank_order
-from rerank.matching import MatchConfig, matches_from_nearest, nearest_tokens
+from rerank.matching import MatchConfig, matches_from_nearest, nearest_tokens, query_weights_of
 from rerank.spatial import SpatialConfig, verify
 
 log = logging.getLogger(__name__)
@@ -77,13 +77,18 @@ class Reranker:
             from rerank.ames import score_shortlist
 
             return LocalScores(score_shortlist(self.ames, query, candidates).astype(np.float64), has_locals)
+        weights = query_weights_of(query, self.conf.match)  # None: plain Hamming distances
         if self.conf.method == "chamfer":
             from rerank.chamfer import chamfer_from_nearest
 
-            nearest = nearest_tokens(query.codes, candidates, within=-1, mutual=False)
+            nearest = nearest_tokens(query.codes, candidates, within=-1, mutual=False, query_weights=weights)
             return LocalScores(chamfer_from_nearest(nearest), has_locals)
         nearest = nearest_tokens(
-            query.codes, candidates, within=self.conf.match.max_distance, mutual=self.conf.match.mutual
+            query.codes,
+            candidates,
+            within=self.conf.match.max_distance,
+            mutual=self.conf.match.mutual,
+            query_weights=weights,
         )
         matches = matches_from_nearest(nearest, self.conf.match)
         result = verify(query, candidates, matches, self.conf.spatial)

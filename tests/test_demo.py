@@ -40,3 +40,5 @@ def test_demo_end_to_end_on_a_busy_machine(tmp_path, busy_cpus):
     # Augmented views of the same photo must be found far above chance (random ranking: about 5).
     assert report["map_at_1000"] > 80
     assert report["map_at_1000_rerank_sp"] > 80  # re-ranked with the stored local tokens
+    # Re-ranking must never be what makes the first results a user sees worse (issue 21).
+    assert report["map_at_1000_rerank_sp"] >= report["map_at_1000"]

@@ -3,6 +3,8 @@ each vectorised path held to a plain per-pair loop, the affine fit to kornia and
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -11,9 +13,12 @@ from core.errors import NeedleInputError
 from core.tokens import CODE_BITS, LocalTokens, TokenBatch, hamming
 from rerank.chamfer import chamfer_from_nearest, chamfer_similarity
 from rerank.matching import (
+    ASYMMETRIC_TOTAL,
     MatchConfig,
     Matches,
     RerankInputError,
+    asymmetric_distances,
+    asymmetric_weights,
     match_pair,
     match_tokens,
     matches_from_nearest,
@@ -108,7 +113,7 @@ def test_batched_matching_equals_loop(config: MatchConfig) -> None:
     batch = TokenBatch.stack(candidates, length=32)  # 2 padded slots beyond the longest candidate
     want = loop_matches(query, candidates, config)
     assert sum(len(w) for w in want) >= 10  # the data does produce matches
-    # one chunk for all (few pairs per token row: rows gathered) and one candidate per chunk (many: all rows reduced)
+    # one chunk for all and one candidate per chunk
     for block_values in (10**9, 1):
         nearest = nearest_tokens(
             query.codes, batch, within=config.max_distance, mutual=config.mutual, block_values=block_values
@@ -119,6 +124,84 @@ def test_batched_matching_equals_loop(config: MatchConfig) -> None:
             np.testing.assert_array_equal(g, w, err_msg=f"candidate {c}, block {block_values}")
         assert len(got[3]) == 0  # the empty candidate
     np.testing.assert_array_equal(batched_as_list(match_tokens(query, batch, config))[5], want[5])
+
+
+def projections_of(codes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Float projections whose signs are ``codes`` (magnitudes of very different sizes, exact zeros
+    on set bits included), as an ITQ projection of the query's descriptors would give."""
+    bits = np.unpackbits(codes, axis=1).astype(bool)
+    magnitude = rng.exponential(1.0, bits.shape) * rng.choice([0.1, 1.0, 5.0], (len(codes), 1))
+    magnitude[rng.random(bits.shape) < 0.02] = 0.0
+    return np.where(bits, magnitude, -np.maximum(magnitude, 1e-3)).astype(np.float32)
+
+
+def test_asymmetric_weights() -> None:
+    rng = np.random.default_rng(20)
+    codes = random_codes(50, rng)
+    proj = projections_of(codes, rng)
+    w = asymmetric_weights(proj)
+    assert (np.abs(w).sum(1) == ASYMMETRIC_TOTAL).all() and (w == np.round(w)).all()
+    bits = np.unpackbits(codes, axis=1).astype(bool)
+    assert ((w > 0) == (bits & (w != 0))).all()  # the signs are the codes' bits (a zero weight has none)
+    share = np.abs(proj) * ASYMMETRIC_TOTAL / np.abs(proj).sum(1, keepdims=True)
+    assert (np.abs(np.abs(w) - share) < 1).all()  # each weight is its share rounded down or up
+    assert (asymmetric_weights(np.zeros((1, CODE_BITS))) == ASYMMETRIC_TOTAL / CODE_BITS).all()
+    with pytest.raises(RerankInputError, match="finite"):
+        asymmetric_weights(np.full((1, CODE_BITS), np.nan))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MatchConfig(asymmetric=True),
+        MatchConfig(asymmetric=True, mutual=False, max_distance=45),
+        MatchConfig(asymmetric=True, max_distance=CODE_BITS),
+    ],
+)
+def test_asymmetric_matching_equals_loop(config: MatchConfig) -> None:
+    """Float query projections against binary codes: the batched path gives the loop's matches and
+    distances (weighted Hamming distances rounded up), and Chamfer the loop's mean."""
+    rng = np.random.default_rng(21)
+    query = query_with_duplicates(rng)
+    query = LocalTokens(query.codes, query.xy, query.scale, query.weight, proj=projections_of(query.codes, rng))
+    weights = asymmetric_weights(query.proj)
+    candidates = shortlist(rng, query)
+    batch = TokenBatch.stack(candidates, length=32)
+    want = []
+    for cand in candidates:
+        qi, ti, di = match_pair(query.codes, cand.codes, config, weights)
+        want.append(np.stack([qi, ti, di], 1))
+    assert sum(len(w) for w in want) >= 10
+    for block_values in (10**9, 1):
+        nearest = nearest_tokens(
+            query.codes,
+            batch,
+            within=config.max_distance,
+            mutual=config.mutual,
+            block_values=block_values,
+            query_weights=weights,
+        )
+        got = batched_as_list(matches_from_nearest(nearest, config))
+        for c, (g, w) in enumerate(zip(got, want)):
+            np.testing.assert_array_equal(g, w, err_msg=f"candidate {c}, block {block_values}")
+    got = batched_as_list(match_tokens(query, batch, config))
+    for c, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(g, w, err_msg=f"candidate {c}")
+    # the plain path where the query carries no projections, or the config does not ask
+    plain = loop_matches(query, candidates, dataclasses.replace(config, asymmetric=False))
+    bare = LocalTokens(query.codes, query.xy, query.scale, query.weight)
+    for c, g in enumerate(batched_as_list(match_tokens(bare, batch, config))):
+        np.testing.assert_array_equal(g, plain[c])
+    # Chamfer over the asymmetric distances
+    from rerank.rerank import RerankConfig, Reranker
+
+    chamfer = Reranker(RerankConfig(method="chamfer", match=config)).local_scores(query, batch).raw
+    for c, cand in enumerate(candidates):
+        if len(cand) == 0:
+            assert chamfer[c] == 0.0
+            continue
+        nearest_bits = np.ceil(asymmetric_distances(weights, cand.codes).min(1))
+        assert chamfer[c] == pytest.approx(np.mean(1 - 2 * nearest_bits / CODE_BITS), abs=1e-12)
 
 
 def test_matching_with_mask_holes() -> None:
@@ -406,6 +489,90 @@ def test_hypothesis_scale_range(scale: float, found: bool) -> None:
         np.testing.assert_allclose(result.affine[0], [[scale, 0, 7], [0, scale, 7]], atol=1e-4)
 
 
+def rotated_candidate(rng: np.random.Generator, query: LocalTokens, degrees: float, ratio: float) -> LocalTokens:
+    """A candidate whose first 30 tokens are the query's first 30 under a similarity rotating by
+    ``degrees`` and scaling by ``ratio`` (1 px noise), then 20 unrelated tokens."""
+    theta = np.radians(degrees)
+    rot = ratio * np.array([[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]])
+    xy = rng.uniform(0, 500, (50, 2))
+    xy[:30] = query.xy[:30] @ rot.T + [60.0, -20.0] + rng.normal(0, 1, (30, 2))
+    scale = np.ones(50)
+    scale[:30] = query.scale[:30] / ratio
+    return tokens(random_codes(50, rng), rng, xy=xy, scale=scale)
+
+
+@pytest.mark.parametrize("degrees", [0.0, 25.0, -60.0, 170.0])
+def test_pair_hypotheses_find_rotations(degrees: float) -> None:
+    """Single-match hypotheses carry no rotation: under 25 degrees or more they find a few inliers
+    near the seed only; two-match hypotheses recover the rotation (within ``max_rotation``)."""
+    rng = np.random.default_rng(12)
+    query = tokens(random_codes(60, rng), rng, xy=rng.uniform(0, 400, (60, 2)), scale=np.ones(60))
+    cand = rotated_candidate(rng, query, degrees, 1.2)
+    pairs = np.stack([np.arange(40), np.arange(40)], 1)  # 30 true matches, 10 wrong ones
+    distance = rng.integers(0, 30, 40).astype(np.int16)
+    matches = Matches(pairs[None, :, 0], pairs[None, :, 1], distance[None], np.ones((1, 40), bool))
+    batch = TokenBatch.stack([cand])
+    plain = verify(query, batch, matches, SpatialConfig(lo_iterations=0, pair_seeds=0))
+    config = SpatialConfig(lo_iterations=0, pair_seeds=8)
+    rotated = verify(query, batch, matches, config)
+    assert rotated.inliers[0] >= 28 and set(np.flatnonzero(rotated.inlier_mask[0])) <= set(range(30))
+    t = np.radians(degrees)
+    np.testing.assert_allclose(
+        rotated.affine[0, :, :2], 1.2 * np.array([[np.cos(t), -np.sin(t)], [np.sin(t), np.cos(t)]]), atol=0.05
+    )
+    if abs(degrees) >= 25:
+        assert plain.inliers[0] < 15
+    ref = verify_pair(query, cand, pairs, config, distance)
+    assert ref.inliers == rotated.inliers[0] and ref.inlier_mask.tolist() == rotated.inlier_mask[0].tolist()
+    np.testing.assert_array_equal(ref.affine, rotated.affine[0])
+    # a rotation limit below the planted angle: no pair hypothesis of the true transform is tried
+    limited = verify(query, batch, matches, SpatialConfig(lo_iterations=0, pair_seeds=8, max_rotation=20.0))
+    assert (limited.inliers[0] >= 28) == (abs(degrees) <= 20)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SpatialConfig(inlier_threshold=40.0, min_inliers=6, pair_seeds=6),
+        SpatialConfig(inlier_threshold=30.0, min_inliers=3, pair_seeds=12, max_rotation=45.0, lo_iterations=0),
+        SpatialConfig(inlier_threshold=60.0, pair_seeds=4, pair_scale_tolerance=1.5, pair_min_span=40.0),
+    ],
+)
+def test_batched_pair_hypotheses_equal_the_loop(config: SpatialConfig) -> None:
+    """Random and rotated correspondences with random Hamming distances (ties included): the
+    batched two-match hypotheses give the loop's inliers, masks and models."""
+    rng = np.random.default_rng(13)
+    query = tokens(random_codes(80, rng), rng, xy=rng.uniform(0, 300, (80, 2)), scale=rng.choice([0.707, 1, 1.414], 80))
+    candidates, pairs, angles = [], [], {}
+    for c in range(50):
+        if c % 5 == 0:
+            angles[c] = float(rng.uniform(-180, 180))
+            cand = rotated_candidate(rng, query, angles[c], float(rng.choice([0.8, 1.0, 1.3])))
+            p = np.stack([np.arange(35), np.arange(35)], 1)
+        else:
+            n = int(rng.integers(0, 50))
+            cand = tokens(random_codes(n, rng), rng, xy=rng.uniform(0, 300, (n, 2)), scale=rng.choice([0.5, 1, 2.0], n))
+            m = min(n, int(rng.integers(0, 40)))
+            p = np.stack([np.sort(rng.choice(80, m, replace=False)), rng.choice(n, m, replace=False)], 1).reshape(-1, 2)
+        candidates.append(cand)
+        pairs.append(p)
+    matches = padded_matches(pairs)
+    distance = rng.integers(0, 6, matches.mask.shape).astype(np.int16) * matches.mask
+    matches = Matches(matches.query, matches.token, distance, matches.mask)
+    result = verify(query, TokenBatch.stack(candidates), matches, config)
+    for c, (cand, p) in enumerate(zip(candidates, pairs)):
+        ref = verify_pair(query, cand, p, config, distance[c, : len(p)])
+        assert result.inliers[c] == ref.inliers, c
+        np.testing.assert_array_equal(result.inlier_mask[c, : len(p)], ref.inlier_mask, err_msg=f"candidate {c}")
+        assert result.refined[c] == ref.refined and result.verified[c] == ref.verified, c
+        np.testing.assert_allclose(result.affine[c], ref.affine, rtol=1e-9, atol=1e-7, err_msg=f"candidate {c}")
+    allowed = [c for c, angle in angles.items() if abs(angle) < config.max_rotation - 1]  # 1 degree of noise
+    assert len(allowed) >= 2 and (result.inliers[allowed] >= 25).all()
+    if config.lo_iterations == 0:  # (refinements start from different models: no order after them)
+        plain = verify(query, TokenBatch.stack(candidates), matches, dataclasses.replace(config, pair_seeds=0))
+        assert (result.inliers >= plain.inliers).all()
+
+
 def test_verification_rejects_bad_inputs() -> None:
     rng = np.random.default_rng(11)
     query = tokens(random_codes(5, rng), rng)
@@ -487,3 +654,25 @@ def test_verify_a_batch_without_any_match_slot() -> None:
     empty = np.zeros((C, 0), np.int64)
     result = verify(query, batch, Matches(empty, empty, np.zeros((C, 0), np.int16), np.zeros((C, 0), bool)))
     assert result.inliers.tolist() == [0, 0, 0] and not result.verified.any()
+
+
+def test_float64_keys_where_token_and_query_counts_do_not_fit_13_bits() -> None:
+    """Keys are float32 while T + Q ties fit 13 bits; beyond, float64: the same matches as the loop
+    (plain and asymmetric), ties included."""
+    from rerank import matching
+
+    rng = np.random.default_rng(22)
+    query = query_with_duplicates(rng)
+    weights = asymmetric_weights(projections_of(query.codes, rng))
+    candidates = shortlist(rng, query, n_candidates=6)
+    assert matching._KeyTable(torch.zeros((len(query), 136)), 8193 - len(query)).dtype == torch.float32
+    batch = TokenBatch.stack(candidates, length=8194 - len(query))  # T + Q = 8194: float64
+    assert matching._KeyTable(torch.zeros((len(query), 136)), batch.mask.shape[1]).dtype == torch.float64
+    for w in (None, weights):
+        config = MatchConfig(max_distance=45)
+        want = [np.stack(match_pair(query.codes, cand.codes, config, w), 1) for cand in candidates]
+        assert sum(len(x) for x in want) >= 5
+        nearest = nearest_tokens(query.codes, batch, within=45, query_weights=w)
+        got = batched_as_list(matches_from_nearest(nearest, config))
+        for c, (g, x) in enumerate(zip(got, want)):
+            np.testing.assert_array_equal(g, x, err_msg=f"candidate {c}")
