@@ -19,23 +19,30 @@ from index.build import main as build_index
 log = logging.getLogger(__name__)
 
 
+def gather_with_progress(refs: list[Any], desc: str, unit: str) -> list[Any]:
+    """The results of Ray tasks ``refs``, in their order, with a progress bar as each finishes
+    (the first failure raises)."""
+    import ray
+    from tqdm import tqdm
+
+    results = {}
+    with tqdm(total=len(refs), desc=desc, unit=unit) as bar:
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            results[done[0]] = ray.get(done[0])
+            bar.update(1)
+    return [results[r] for r in refs]
+
+
 def ray_part_runner(cpus_per_part: int = 1):
     """A runner for index.build.main that executes the parts as Ray tasks, with a progress bar."""
 
     def run(tasks: list[PartTask]) -> list[dict[str, Any]]:
         import ray
-        from tqdm import tqdm
 
         remote = ray.remote(num_cpus=cpus_per_part)(build_part)
-        refs = [remote.remote(*task) for task in tasks]
-        results = {}
-        with tqdm(total=len(refs), desc="index parts", unit="part") as bar:
-            pending = list(refs)
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                results[done[0]] = ray.get(done[0])
-                bar.update(1)
-        return [results[r] for r in refs]
+        return gather_with_progress([remote.remote(*task) for task in tasks], "index parts", "part")
 
     return run
 
@@ -47,19 +54,10 @@ def ray_shard_runner(cpus_per_shard: int = 1, max_retries: int = 3):
 
     def run(trained: bytes, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         import ray
-        from tqdm import tqdm
 
         remote = ray.remote(num_cpus=cpus_per_shard, max_retries=max_retries, retry_exceptions=True)(build_shard_task)
         trained_ref = ray.put(trained)
-        refs = [remote.remote(trained_ref, spec) for spec in specs]
-        results = {}
-        with tqdm(total=len(refs), desc="index shards", unit="shard") as bar:
-            pending = list(refs)
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                results[done[0]] = ray.get(done[0])
-                bar.update(1)
-        return [results[r] for r in refs]
+        return gather_with_progress([remote.remote(trained_ref, spec) for spec in specs], "index shards", "shard")
 
     return run
 

@@ -2,7 +2,6 @@
 
 import io
 import json
-import socket
 
 import pyarrow.parquet as pq
 import pytest
@@ -10,19 +9,6 @@ import pytest
 from ingest.storage import MARKER_SUFFIX, S3Storage, open_url, s3_client
 
 pytestmark = [pytest.mark.s3]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 @pytest.fixture
