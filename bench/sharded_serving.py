@@ -53,7 +53,14 @@ def write_part(directory: Path, shard_id: int, xb: np.ndarray, rng: np.random.Ge
     import pyarrow as pa
 
     from core.tokens import CODE_BYTES
-    from ingest.descriptors import descriptor_schema, fixed_size_list, list_column, make_row_id, write_parquet_atomic
+    from ingest.descriptors import (
+        descriptor_schema,
+        fixed_size_list,
+        list_column,
+        local_fields,
+        make_row_id,
+        write_parquet_atomic,
+    )
 
     n, d = xb.shape
     name = f"{shard_id:06d}"
@@ -71,13 +78,7 @@ def write_part(directory: Path, shard_id: int, xb: np.ndarray, rng: np.random.Ge
     if tokens:
         counts = rng.integers(5, 30, n)
         pool = rng.integers(0, 256, (4096, CODE_BYTES), dtype=np.uint8)
-        fields = [
-            pa.field("local_codes", pa.list_(pa.binary(CODE_BYTES))),
-            pa.field("local_x", pa.list_(pa.int16())),
-            pa.field("local_y", pa.list_(pa.int16())),
-            pa.field("local_scale", pa.list_(pa.uint8())),
-            pa.field("local_weight", pa.list_(pa.float16())),
-        ]
+        fields = local_fields(True, None)
         columns["local_codes"] = list_column([pool[rng.integers(0, 4096, t)] for t in counts], fields[0].type)
         columns["local_x"] = list_column([rng.integers(0, 99, t) for t in counts], fields[1].type)
         columns["local_y"] = list_column([rng.integers(0, 79, t) for t in counts], fields[2].type)

@@ -42,6 +42,7 @@ from embed.itq import ITQ, load_itq
 from embed.models import build_global_model
 from embed.registry import RANDOM, LocalConfig, get_local_preset, get_model_config, resolve_package_file
 from embed.stages import CNNStageTokens
+from ingest.descriptors import local_fields
 from ingest.images import RESAMPLE, resized_size
 
 log = logging.getLogger(__name__)
@@ -245,21 +246,6 @@ def build_local_extractor(
     if conf.itq == NO_ITQ:
         conf = dataclasses.replace(conf, itq=None)
     return LocalExtractor(conf, weights, device=device)
-
-
-def local_fields(with_codes: bool, desc_dim: int | None) -> list[pa.Field]:
-    """The schema-v2 list columns of local tokens."""
-    fields = [
-        pa.field("local_x", pa.list_(pa.int16())),
-        pa.field("local_y", pa.list_(pa.int16())),
-        pa.field("local_scale", pa.list_(pa.uint8())),
-        pa.field("local_weight", pa.list_(pa.float16())),
-    ]
-    if with_codes:
-        fields.insert(0, pa.field("local_codes", pa.list_(pa.binary(CODE_BYTES))))
-    if desc_dim is not None:
-        fields.append(pa.field("local_desc", pa.list_(pa.list_(pa.float16(), desc_dim))))
-    return fields
 
 
 def _resize(image: np.ndarray, longer_side: int) -> np.ndarray:

@@ -361,14 +361,7 @@ def build_part(
     # Written block by block after the .npy header, not through a writable memory map: mapped
     # dirty pages would count as this process's memory and inflate its RSS by the size of the vectors.
     with atomic_path(Path(vectors_path)) as tmp, open(tmp, "wb") as out, assigning_with(index, gpu_quantizer):
-        np.lib.format.write_array_header_1_0(
-            out,
-            {
-                "descr": np.lib.format.dtype_to_descr(np.dtype(np.float16)),
-                "fortran_order": False,
-                "shape": (n_rows, index_dim),
-            },
-        )
+        write_float16_npy_header(out, n_rows, index_dim)
         for f in files:
             rows, xb, bad = read_valid(f.path, dim, adapter)
             index.add_with_ids(np.ascontiguousarray(xb, dtype=np.float32), rows)
@@ -386,19 +379,20 @@ def build_part(
     return stats
 
 
+def write_float16_npy_header(out: Any, n_rows: int, dim: int) -> None:
+    """The ``.npy`` header of an (n_rows, dim) float16 array, for rows written after it block by block."""
+    np.lib.format.write_array_header_1_0(
+        out,
+        {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float16)), "fortran_order": False, "shape": (n_rows, dim)},
+    )
+
+
 def concatenate_vectors(part_paths: list[Path], out_path: Path, dim: int, chunk_rows: int = 1 << 16) -> int:
     """The parts' float16 vectors, in order, as one ``.npy`` file (streamed in chunks); returns rows."""
     parts = [np.load(path, mmap_mode="r") for path in part_paths]
     n_rows = sum(len(v) for v in parts)
     with atomic_path(out_path) as tmp, open(tmp, "wb") as out:
-        np.lib.format.write_array_header_1_0(
-            out,
-            {
-                "descr": np.lib.format.dtype_to_descr(np.dtype(np.float16)),
-                "fortran_order": False,
-                "shape": (n_rows, dim),
-            },
-        )
+        write_float16_npy_header(out, n_rows, dim)
         for vectors in parts:
             if vectors.ndim != 2 or vectors.shape[1] != dim or vectors.dtype != np.float16:
                 raise DescriptorFileError(

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from core.atomic import write_atomic
 from core.errors import NeedleInputError
+from core.tokens import CODE_BYTES
 
 SCHEMA_VERSION = 1  # globals only
 SCHEMA_VERSION_LOCALS = 2  # globals and local tokens
@@ -38,6 +39,22 @@ class DescriptorFileError(NeedleInputError):
 
 def make_row_id(shard_id: int, position: int) -> int:
     return (shard_id << ROW_SHARD_SHIFT) | position
+
+
+def local_fields(with_codes: bool, desc_dim: int | None) -> list[pa.Field]:
+    """The schema-v2 list columns of local tokens (``local_codes`` with codes, ``local_desc`` with a
+    float descriptor dimension)."""
+    fields = [
+        pa.field("local_x", pa.list_(pa.int16())),
+        pa.field("local_y", pa.list_(pa.int16())),
+        pa.field("local_scale", pa.list_(pa.uint8())),
+        pa.field("local_weight", pa.list_(pa.float16())),
+    ]
+    if with_codes:
+        fields.insert(0, pa.field("local_codes", pa.list_(pa.binary(CODE_BYTES))))
+    if desc_dim is not None:
+        fields.append(pa.field("local_desc", pa.list_(pa.list_(pa.float16(), desc_dim))))
+    return fields
 
 
 def descriptor_schema(dim: int, extra: list[pa.Field] | None = None) -> pa.Schema:

@@ -81,16 +81,10 @@ def write_descriptors_with_tokens(directory: Path, sizes: dict[int, int], d: int
     shard repeated in the second (exact ties across index shards). Returns the vectors in row
     order (float32)."""
     from core.tokens import CODE_BYTES
-    from ingest.descriptors import list_column
+    from ingest.descriptors import list_column, local_fields
 
     rng = np.random.default_rng(seed)
-    fields = [
-        pa.field("local_codes", pa.list_(pa.binary(CODE_BYTES))),
-        pa.field("local_x", pa.list_(pa.int16())),
-        pa.field("local_y", pa.list_(pa.int16())),
-        pa.field("local_scale", pa.list_(pa.uint8())),
-        pa.field("local_weight", pa.list_(pa.float16())),
-    ]
+    fields = local_fields(True, None)
     ids = sorted(sizes)
     vectors = {s: clustered_unit_vectors(sizes[s], d, seed=seed + s) for s in ids}
     if len(ids) > 1:

@@ -23,22 +23,19 @@ from index.search import (
     shard_names,
     verify_shard,
 )
-from ingest.descriptors import descriptor_schema, fixed_size_list, list_column, make_row_id, write_parquet_atomic
+from ingest.descriptors import (
+    descriptor_schema,
+    fixed_size_list,
+    list_column,
+    local_fields,
+    make_row_id,
+    write_parquet_atomic,
+)
 
 SIZES = {0: 60, 1: 45, 2: 70, 5: 50}  # Parquet shard id -> rows (ids need not be consecutive)
 D = 16
 CODE_BYTES = 16
 IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=4, points_per_list=20, nprobe=3, refine_factor=2)
-
-
-def _local_fields():
-    return [
-        pa.field("local_codes", pa.list_(pa.binary(CODE_BYTES))),
-        pa.field("local_x", pa.list_(pa.int16())),
-        pa.field("local_y", pa.list_(pa.int16())),
-        pa.field("local_scale", pa.list_(pa.uint8())),
-        pa.field("local_weight", pa.list_(pa.float16())),
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +70,7 @@ def collection(tmp_path_factory):
                 "local_scale": list_column([rng.integers(0, 2, t) for t in tokens], pa.list_(pa.uint8())),
                 "local_weight": list_column([rng.random(t) for t in tokens], pa.list_(pa.float16())),
             },
-            schema=descriptor_schema(D, _local_fields()),
+            schema=descriptor_schema(D, local_fields(True, None)),
         )
         write_parquet_atomic(table, directory / f"{s:06d}.parquet")
         rows += [make_row_id(s, i) for i in range(n)]
