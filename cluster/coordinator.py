@@ -24,6 +24,7 @@ ShardActor objects in this process (cluster/local_shards.py).
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import itertools
 import logging
 import pickle
@@ -113,6 +114,7 @@ class ShardedIndex:
         self.suspect: dict[tuple[int, int], float] = {}  # (shard, replica) -> when it failed or hung
         self.traffic = Traffic()
         self._traffic_lock = threading.Lock()
+        self._max_tokens: int | None = None
 
     # --- what SearchIndex offers ------------------------------------------------------------
     @property
@@ -337,8 +339,10 @@ class ShardedIndex:
         """Per query, LocalScores of its shortlist, each member scored by the shard that owns it
         (query.retrieve.shortlist_local_scores). Members of a shard missing from a partial
         request keep their global score (no local evidence)."""
-        from rerank.rerank import LocalScores
+        from rerank.rerank import LocalScores, candidate_width
 
+        # the width the single index would gather to (AMES: its longest row), the same on every shard
+        conf = dataclasses.replace(conf, db_tokens=candidate_width(conf, self.max_tokens))
         owners = [self.shard_of_rows(rows) for rows in shortlists]
         # a query without tokens matches nothing: no shard is asked (as Reranker.local_scores)
         asked = [t is not None and len(t) > 0 for t in tokens]
@@ -377,6 +381,20 @@ class ShardedIndex:
             fetch = self.evidence_fetcher(conf, rows, owners[q], tokens[q], evidence, set(answers))
             out.append(LocalScores(raw, has_locals, inliers, fetch if conf.method == "sp" else None))
         return out
+
+    def max_tokens(self) -> int:
+        """The most tokens any row of the index has: from the top-level infos, or (indexes built
+        before it was recorded) asked of every shard once."""
+        if self._max_tokens is None:
+            recorded = (self.infos.get("locals") or {}).get("max_tokens")
+            if recorded is not None:
+                self._max_tokens = int(recorded)
+            else:
+                answers = self.call("max_tokens", self.every_shard(), "the token count")
+                if len(answers) < len(self.names):  # a partial request: the missing shards may hold longer rows
+                    return max(answers.values())
+                self._max_tokens = max(answers.values())
+        return self._max_tokens
 
     def evidence_fetcher(
         self, conf: Any, rows: np.ndarray, owners: np.ndarray, query: Any, evidence: dict[int, Any], reached: set[int]

@@ -119,6 +119,10 @@ class ShardActor:
             raise NeedleInputError(f"index shard {self.name} has no local tokens: rebuild with --locals to re-rank")
         return store
 
+    def max_tokens(self) -> int:
+        """The most tokens any of this shard's rows has."""
+        return self.store().max_tokens
+
     def reranker(self, conf: Any) -> Any:
         from rerank.rerank import Reranker
 

@@ -18,6 +18,7 @@ with 100 tokens each the store is ~230 GB on disk and costs RAM only for the pag
 
 from __future__ import annotations
 
+import functools
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,7 @@ class SegmentInfo:
     start: int  # first position it covers
     rows: int  # positions covered
     count: int  # tokens
+    max_tokens: int | None = None  # the longest row's tokens (None: built before it was recorded)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +92,7 @@ class SegmentInfo:
             "start": self.start,
             "rows": self.rows,
             "count": self.count,
+            "max_tokens": self.max_tokens,
         }
 
 
@@ -119,7 +122,8 @@ def write_segment(directory: Path, name: str, files: list[tuple[str, int, int]])
     tokens_path = write_atomic(directory / f"{name}.tokens.bin", write_tokens)
     offsets = np.concatenate(offsets_parts)
     offsets_path = write_atomic(directory / f"{name}.offsets.npy", lambda tmp: _save_npy(tmp, offsets))
-    return SegmentInfo(tokens_path.name, offsets_path.name, start, expected - start, total)
+    longest = int(np.diff(offsets).max(initial=0))
+    return SegmentInfo(tokens_path.name, offsets_path.name, start, expected - start, total, longest)
 
 
 class LocalStore:
@@ -164,6 +168,15 @@ class LocalStore:
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self._records) + sum(o.nbytes for o in self._offsets)
+
+    @functools.cached_property
+    def max_tokens(self) -> int:
+        """The most tokens any row has (recorded per segment; read from the offsets of segments
+        built before it was recorded)."""
+        return max(
+            (s.max_tokens if s.max_tokens is not None else int(np.diff(o).max(initial=0)))
+            for s, o in zip(self.segments, self._offsets)
+        )
 
     def _locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         segment = np.searchsorted(self.starts, positions, side="right") - 1
@@ -232,10 +245,18 @@ def locals_infos(segments: list[SegmentInfo], extractor: dict[str, Any] | None, 
         "scales": (extractor or {}).get("scales", [1.0]),
         "extractor": extractor,
         "tokens": tokens,
+        "max_tokens": max_tokens_of(segments),
         "record_bytes": TOKEN_DTYPE.itemsize,
         "bytes": nbytes,
         "bytes_per_image": round(nbytes / max(1, rows), 1),
     }
+
+
+def max_tokens_of(segments: list[SegmentInfo]) -> int | None:
+    """The longest row's tokens over ``segments`` (None when a segment did not record it)."""
+    if any(s.max_tokens is None for s in segments):
+        return None
+    return max((int(s.max_tokens) for s in segments), default=0)
 
 
 def open_local_store(path: Path | str, infos: dict[str, Any]) -> LocalStore | None:

@@ -22,7 +22,7 @@ from core.errors import NeedleInputError
 from core.tokens import LocalTokens
 from index.search import SearchIndex
 from query.recorded import QueryFiles, adapter_file, local_files, model_weights
-from rerank.rerank import LocalScores, RerankConfig, Reranker
+from rerank.rerank import LocalScores, RerankConfig, Reranker, candidate_width
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ def shortlist_local_scores(
     if remote is not None:
         return remote(reranker.conf, shortlists, s_global, tokens, k)
     store = index.local_store
-    db_tokens = reranker.conf.db_tokens
+    db_tokens = candidate_width(reranker.conf, lambda: store.max_tokens)
     return [
         reranker.local_scores(query, store.batch(index.positions_of_rows(rows), db_tokens))
         for rows, query in zip(shortlists, tokens)

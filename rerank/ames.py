@@ -338,10 +338,13 @@ def save_ames(model: AMES, path: str | Path, extra: Mapping[str, Any] | None = N
 # --- scoring --------------------------------------------------------------------------------------
 
 
-def pad_descriptors(images: Sequence[LocalTokens], dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Float descriptors (B, T, dim) of several images, zero-padded, and their padding mask (B, T),
-    True = padding (the official convention), for ``AMES.forward``."""
-    T = max((len(t) for t in images), default=0)
+def pad_descriptors(
+    images: Sequence[LocalTokens], dim: int, length: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Float descriptors (B, T, dim) of several images, zero-padded to ``length`` tokens (default:
+    the longest), and their padding mask (B, T), True = padding (the official convention), for
+    ``AMES.forward``."""
+    T = max((len(t) for t in images), default=0) if length is None else length
     out = np.zeros((len(images), T, dim), np.float32)
     pad = np.ones((len(images), T), bool)
     for b, t in enumerate(images):
@@ -360,7 +363,9 @@ def score_shortlist(
     batch_size: int = 64,
 ) -> np.ndarray:
     """AMES logits (C,) of the query (as src) against each candidate (as tgt), as in the official
-    evaluation; batched with the query repeated, each batch trimmed to its longest candidate.
+    evaluation; batched with the query repeated, every batch ``batch_size`` candidates padded to
+    the candidates' width (``candidates.mask.shape[1]``: gather them to a fixed width, as
+    query.retrieve does, for logits that depend on nothing else).
 
     A binarised model scores the 128-bit codes (``forward_codes``); a full-precision one needs the
     float descriptors (``desc``), so its candidates must be a sequence of ``LocalTokens``.
@@ -390,20 +395,21 @@ def score_shortlist(
                 qd, _ = pad_descriptors([query], model.conf.local_dim)
                 q = torch.from_numpy(qd[0]).to(device)
             q_pad = torch.zeros(1, len(query), dtype=torch.bool, device=device)
+            qs, q_pads = q.expand(batch_size, -1, -1), q_pad.expand(batch_size, -1)
             for start in range(0, C, batch_size):
                 stop = min(start + batch_size, C)
-                real = batch.mask[start:stop]
-                T = int(real.sum(1).max())  # columns beyond every candidate's length are all padding
-                n = stop - start
+                # Every batch has one shape, (batch_size, the candidates' width): a logit then does
+                # not depend on the candidates scored beside it (a shortlist split over shards
+                # scores as one). The last batch is filled with copies of its first candidate.
+                rows = np.r_[np.arange(start, stop), np.full(batch_size - (stop - start), start)]
+                tgt_pad = torch.from_numpy(~batch.mask[rows]).to(device)
                 if model.conf.binarized:
-                    tgt = torch.from_numpy(unpack_signs(batch.codes[start:stop, :T])).to(device)
-                    tgt_pad = torch.from_numpy(~real[:, :T]).to(device)
-                    logits = model.forward_codes(q.expand(n, -1, -1), q_pad.expand(n, -1), tgt, tgt_pad)
+                    tgt = torch.from_numpy(unpack_signs(batch.codes[rows])).to(device)
+                    logits = model.forward_codes(qs, q_pads, tgt, tgt_pad)
                 else:
-                    td, tp = pad_descriptors(images[start:stop], model.conf.local_dim)
-                    tgt, tgt_pad = torch.from_numpy(td).to(device), torch.from_numpy(tp).to(device)
-                    logits = model.forward(q.expand(n, -1, -1), q_pad.expand(n, -1), tgt, tgt_pad)
-                out[start:stop] = logits.float().cpu().numpy()
+                    td, _ = pad_descriptors([images[r] for r in rows], model.conf.local_dim, batch.mask.shape[1])
+                    logits = model.forward(qs, q_pads, torch.from_numpy(td).to(device), tgt_pad)
+                out[start:stop] = logits[: stop - start].float().cpu().numpy()
     finally:
         model.train(was_training)
     return out

@@ -58,6 +58,17 @@ class LocalScores:
     evidence: Callable[[int], dict[str, Any]] | None = None  # SP: candidate -> its inlier point pairs, built on demand
 
 
+def candidate_width(conf: RerankConfig, longest: Callable[[], int]) -> int | None:
+    """Token columns a shortlist's candidates are gathered to: ``conf.db_tokens``; for AMES
+    without it, the index's longest row (``longest()``), so that every AMES batch has one shape
+    and a candidate's logit does not depend on the candidates gathered with it (a shortlist split
+    over shards scores exactly as in one process); otherwise None, each gather's longest row (SP
+    and Chamfer score every candidate on its own)."""
+    if conf.db_tokens is not None or conf.method != "ames":
+        return conf.db_tokens
+    return int(longest())
+
+
 class Reranker:
     """Scores shortlists with one method; holds the AMES model when that is the method."""
 

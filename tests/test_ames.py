@@ -306,6 +306,20 @@ def test_score_shortlist_binarized_equals_loop():
     assert score_shortlist(model, query, []).shape == (0,)
 
 
+def test_score_shortlist_does_not_depend_on_the_other_candidates():
+    """Gathered to one width, a shortlist split into parts (as over shards) scores exactly as a
+    whole: every batch has one shape, whatever it holds."""
+    model = model_with_random_weights(True, seed=8)
+    rng = np.random.default_rng(2)
+    query = random_tokens(rng, 10)
+    cands = [random_tokens(rng, int(n)) for n in rng.integers(1, 30, 150)]
+    whole = score_shortlist(model, query, TokenBatch.stack(cands, 30))
+    parts = np.array_split(rng.permutation(len(cands)), 3)
+    for part in parts:
+        got = score_shortlist(model, query, TokenBatch.stack([cands[i] for i in part], 30))
+        np.testing.assert_array_equal(got, whole[part])
+
+
 def test_score_shortlist_full_precision_equals_loop():
     model = model_with_random_weights(False, local_dim=48, seed=7)
     model.train()  # scoring must switch to eval (float16 database tokens) and back

@@ -91,12 +91,23 @@ def test_key_lookups_are_routed(built, sharded):
     np.testing.assert_array_equal(sharded.vectors_of_rows(rows), single.vectors_of_rows(rows))
 
 
-@pytest.mark.parametrize("method", ["sp", "chamfer"])
-def test_reranking_on_the_shards_equals_the_single_index(built, sharded, method):
+@pytest.fixture(scope="module")
+def ames_checkpoint(tmp_path_factory):
+    import torch
+
+    from rerank.ames import AMES, AMESConfig, save_ames
+
+    torch.manual_seed(0)  # an untrained model: its logits still depend on every token
+    return str(save_ames(AMES(AMESConfig(layers=2, ff_dim=64)).eval(), tmp_path_factory.mktemp("ames") / "ames.pt"))
+
+
+@pytest.mark.parametrize("method", ["sp", "chamfer", "ames"])
+def test_reranking_on_the_shards_equals_the_single_index(built, sharded, method, ames_checkpoint):
     _, out, _ = built
     single = load_index(out)
     keys = [f"{s:06d}/{i:05d}" for s in SIZES for i in (1, 17, 90)]
-    conf = QueryConfig(k=15, rerank=RerankConfig(method=method, shortlist=60))
+    ames = ames_checkpoint if method == "ames" else None
+    conf = QueryConfig(k=15, rerank=RerankConfig(method=method, shortlist=60, ames=ames))
     answers = []
     for index in (single, sharded):
         xq = np.stack([index.vector_of(k) for k in keys])
@@ -111,6 +122,11 @@ def test_reranking_on_the_shards_equals_the_single_index(built, sharded, method)
         if method == "sp":
             np.testing.assert_array_equal(a["inliers"], b["inliers"])
             assert a["evidence"] == b["evidence"]
+    if method == "ames":  # gathered to the index's longest row (recorded; asked of the shards for older builds)
+        older = ShardedIndex(
+            {**sharded.infos, "locals": {**sharded.infos["locals"], "max_tokens": None}}, str(out), sharded.backend
+        )
+        assert older.max_tokens() == sharded.max_tokens() == single.local_store.max_tokens == 12
 
 
 def test_query_service_answers_like_the_single_index(built, sharded):
