@@ -5,7 +5,7 @@ rows (no id table, vectors, key files or local store), and answers like ``Search
 - ``search``: every shard returns its shortlist with its keys; the merge is
   ``index.search.merge_shortlists``, the single index's own, so D and I (ties included) are
   identical to ``load_index`` over the same data;
-- ``keys_of``, ``position_of``, ``vector_of``, ``tokens_of_key``, ``vectors_of_rows``: routed to
+- ``keys_of``, ``position_of``, ``vector_of``, ``tokens_of_key``, ``vectors_of_rows``, ``thumbnail``: routed to
   the shard that owns a row (by its Parquet shard id, from the top-level infos), or asked of
   every shard's O(log n) key lookup for a key;
 - ``score_shortlists`` (query.retrieve's re-ranking hook): each shard gets its members of the
@@ -321,6 +321,19 @@ class ShardedIndex:
         if "tokens" in found:
             return found["tokens"]
         return self.call("tokens_of_key", {s: (key,)}, "the token lookup")[s]
+
+    def thumbnail(self, key: str, px: int) -> bytes:
+        """A JPEG thumbnail of ``key``'s image, made by the shard that owns the key from its source
+        tar (one call to every shard: an O(log n) lookup each; only the JPEG travels). UnknownKeyError
+        where no shard holds the key, ShardsUnavailable where a shard that might did not answer."""
+        with self.request(partial=True) as state:
+            answers = self.call("thumbnail", self.every_shard(key, px), "the thumbnail")
+        for s in sorted(answers):
+            if answers[s] is not None:
+                return answers[s]
+        if state.missing:
+            raise ShardsUnavailable(sorted(state.missing), f"the thumbnail of key {key!r}")
+        raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
 
     def vectors_of_rows(self, I: np.ndarray) -> np.ndarray:
         I = np.atleast_2d(I)

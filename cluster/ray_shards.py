@@ -19,6 +19,7 @@ from typing import Any
 from cluster.coordinator import ReplicaFailed, ShardsUnavailable
 from cluster.shard_actor import ShardActor
 from cluster.staging import StageConfig
+from ingest.source_images import SourceImagesConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,11 @@ class RayShards:
 
 
 def start_shard_actors(
-    source: str, infos: dict[str, Any], stage: StageConfig, placement: ShardPlacement
+    source: str,
+    infos: dict[str, Any],
+    stage: StageConfig,
+    placement: ShardPlacement,
+    images: SourceImagesConfig | None = None,
 ) -> list[list[Any]]:
     """``placement.replicas`` ShardActors per shard of the index at ``source``, spread over the
     nodes, each staging its shard to its node's disk; returns the handles [shard][replica]."""
@@ -91,7 +96,7 @@ def start_shard_actors(
             options["memory"] = max(1, int(entry["bytes"]))
         actors.append(
             [
-                actor_cls.options(**options).remote(source, entry["name"], stage, replica, entry)
+                actor_cls.options(**options).remote(source, entry["name"], stage, replica, entry, images)
                 for replica in range(placement.replicas)
             ]
         )

@@ -32,6 +32,7 @@ from cluster.ray_shards import ShardPlacement
 from cluster.staging import StageConfig
 from core.errors import NeedleInputError
 from index.search import SearchIndex, load_index
+from ingest.source_images import SourceImagesConfig
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors
@@ -44,6 +45,7 @@ class ShardServing:
     placement: ShardPlacement = field(default_factory=ShardPlacement)  # replicas, concurrency, CPUs, memory
     stage: StageConfig = field(default_factory=StageConfig)  # each node's cache dir, the S3 endpoint
     timeout: float = 10.0  # seconds a request waits for the shards before 503 (or a partial answer)
+    images: SourceImagesConfig | None = None  # where shard actors read thumbnails' tars (None: as recorded)
 
 
 def serve_sharded(
@@ -65,7 +67,7 @@ def serve_sharded(
     infos = read_index_infos(source, serving.stage.endpoint_url)
     names = [entry["name"] for entry in infos["shards"]]
     if actors is None:
-        actors = start_shard_actors(source, infos, serving.stage, serving.placement)
+        actors = start_shard_actors(source, infos, serving.stage, serving.placement, serving.images)
         wait_ready(actors, names, serving.placement.stage_timeout)
     elif len(actors) != len(names):
         raise ValueError(f"{len(actors)} shard actors for the {len(names)} shards of {path}")

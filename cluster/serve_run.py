@@ -34,11 +34,13 @@ class ServeConfig:
     )
 
 
-def shard_serving(conf: ServeConfig) -> Any:
-    """The --ray-shards settings of ``conf`` (cluster.serve.ShardServing)."""
+def shard_serving(conf: ServeConfig, tar_dirs: tuple[str, ...] = ()) -> Any:
+    """The --ray-shards settings of ``conf`` (cluster.serve.ShardServing); ``tar_dirs``: the
+    directories (on every node) where shard actors look for tars ingestion recorded no URL of."""
     from cluster.ray_shards import ShardPlacement
     from cluster.serve import ShardServing
     from cluster.staging import StageConfig
+    from ingest.source_images import SourceImagesConfig
 
     if conf.shard_timeout <= 0:
         raise NeedleInputError(f"--shard-timeout must be positive, got {conf.shard_timeout}")
@@ -46,6 +48,7 @@ def shard_serving(conf: ServeConfig) -> Any:
         ShardPlacement(replicas=conf.shard_replicas, concurrency=conf.shard_concurrency),
         StageConfig(conf.cache_dir, conf.s3_endpoint_url, conf.stage_local),
         conf.shard_timeout,
+        SourceImagesConfig(tuple(tar_dirs), conf.s3_endpoint_url) if tar_dirs or conf.s3_endpoint_url else None,
     )
 
 
@@ -64,7 +67,9 @@ def run(conf: ServeConfig, index: str | Path, files: Any = None, rerank: Any = N
     from cluster.serve import QueryService, open_index
     from cluster.webapp import create_app
 
-    search_index = open_index(index, conf.ray_shards, conf.address, shard_serving(conf) if conf.ray_shards else None)
+    tar_dirs = tuple(page.shard_dirs) if page is not None else ()
+    serving = shard_serving(conf, tar_dirs) if conf.ray_shards else None
+    search_index = open_index(index, conf.ray_shards, conf.address, serving)
     app = create_app(QueryService(search_index, files, rerank), page)
     log.info(
         "serving %s on http://%s:%d (%d vectors; API docs at /docs)", index, conf.host, conf.port, search_index.ntotal
@@ -96,7 +101,7 @@ def run_ray_serve(
     if conf.ray_shards:
         from cluster.serve import serve_sharded
 
-        serving = shard_serving(conf)
+        serving = shard_serving(conf, tuple(page.shard_dirs) if page is not None else ())
         actors = serve_sharded(index, serving).backend.actors
     serve.start(http_options={"host": conf.host, "port": conf.port})
     location = str(index) if str(index).startswith("s3://") else str(Path(index).resolve())

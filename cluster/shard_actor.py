@@ -5,6 +5,7 @@ opens it by itself (``index.search.open_shard``) and answers everything about it
 - ``search``: its shortlist (index scores, row ids, exact scores) and the shortlist's keys;
 - ``keys_of``, ``find_key``, ``tokens_of_key``, ``vectors_of_rows``: lookups in its own files
   (keys in O(log n) through its key files, rows by their Parquet shard id);
+- ``thumbnail``: a JPEG of one of its keys' images, read from the source tar its infos record;
 - ``score_shortlists``: its members of each query's global re-ranking shortlist scored against
   its own stored local tokens; the raw local scores travel back, with the match evidence of the
   members that can be among the query's final top k (the coordinator combines and orders).
@@ -24,6 +25,7 @@ import numpy as np
 
 from cluster.staging import StageConfig, stage_shard
 from index.search import open_shard
+from ingest.source_images import SourceImages, SourceImagesConfig, tar_urls_of_files, thumbnail_jpeg
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +50,16 @@ class ShardActor:
     """Shard ``name`` of the index at ``source``, staged to this node and memory-mapped."""
 
     def __init__(
-        self, source: str, name: str, stage: StageConfig, replica: int = 0, entry: dict[str, Any] | None = None
+        self,
+        source: str,
+        name: str,
+        stage: StageConfig,
+        replica: int = 0,
+        entry: dict[str, Any] | None = None,
+        images: SourceImagesConfig | None = None,
     ):
         self.name = name
+        self.images_conf = images or SourceImagesConfig(endpoint_url=stage.endpoint_url)
         self.replica = replica
         self.node = current_node()
         self.staged = stage_shard(source, name, stage, self.node, entry)
@@ -60,6 +69,7 @@ class ShardActor:
         self.shard.search(np.zeros((1, self.shard.index.d), np.float32), 1, None, True)
         self._lock = threading.Lock()
         self._rerankers: dict[str, Any] = {}
+        self._images: SourceImages | None = None
 
     def info(self) -> dict[str, Any]:
         """Where this replica runs and what it staged (a cheap liveness probe)."""
@@ -106,6 +116,22 @@ class ShardActor:
         if position < 0:
             return None
         return self.store().tokens(position)
+
+    def thumbnail(self, key: str, px: int) -> bytes | None:
+        """A JPEG of ``key``'s image, longer side ``px``, read from its source tar here (where the
+        key is owned: only the thumbnail travels); None where this shard does not hold the key."""
+        if self.shard.position_of(key) < 0:
+            return None
+        return thumbnail_jpeg(self.images().image_bytes(key), px)
+
+    def images(self) -> SourceImages:
+        """The source tars of this shard's rows (recorded per Parquet file in its infos)."""
+        with self._lock:
+            if self._images is None:
+                files = self.shard.files.infos.get("files", []) if self.shard.files is not None else []
+                urls = tar_urls_of_files(files, self.images_conf.endpoint_url)
+                self._images = SourceImages(urls, self.images_conf)
+            return self._images
 
     def vectors_of_rows(self, rows: np.ndarray) -> np.ndarray:
         positions = self.shard.positions_of_rows(np.asarray(rows, np.int64))

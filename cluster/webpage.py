@@ -14,10 +14,11 @@ Unlike the JSON API, which re-ranks only when the service was started with ``--r
 switches re-ranking per request (``"rerank": true``), with the service's re-ranking settings (or
 the SP defaults) and the given shortlist, whenever the index carries local tokens.
 
-Thumbnails: a key is ``<shard name>/<__key__>``; the shard's URL comes from what ingestion
-recorded beside the descriptors the index was built from (``manifest.json``, ``ingest_info.json``),
-else ``<shard name>.tar`` in one of ``PageConfig.shard_dirs``. Nothing is written to disk: the
-member offsets of a local tar are kept in memory after its first read.
+Thumbnails: a key is ``<shard name>/<__key__>``; its image is read again from the tar ingestion
+read it from (ingest/source_images.py: the URL the index recorded per Parquet file, else
+``<shard name>.tar`` in one of ``PageConfig.shard_dirs``). For an index served across nodes the
+shard actor that owns the key reads it and makes the thumbnail: only the JPEG reaches the page's
+process, which keeps nothing per tar. Nothing is written to disk.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import dataclasses
 import io
 import json
 import logging
-import re
 import tarfile
 import threading
 from dataclasses import dataclass
@@ -38,10 +38,16 @@ from fastapi import Request  # module level: the routes' annotations are resolve
 
 from cluster.coordinator import ShardsUnavailable
 from core.errors import ImageDecodeError, NeedleInputError
+from ingest.source_images import (
+    SourceImages,
+    SourceImagesConfig,
+    recorded_tar_urls,
+    tar_urls_of_files,
+    thumbnail_jpeg,
+)
 
 log = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parent / "web"
-_WDS_KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset: key = path up to the basename's first dot
 
 
 @dataclass(frozen=True)
@@ -60,123 +66,47 @@ def _error(status: int, message: str):
     return JSONResponse({"error": message}, status_code=status)
 
 
-# --- key -> image bytes ---------------------------------------------------------------------------
+# --- key -> thumbnail ------------------------------------------------------------------------------
 class ImageSource:
-    """The original image bytes of a database key, read from its tar shard (or file)."""
+    """Thumbnails of an index searched in this process: the key checked in the index, its image
+    read from its source tar (ingest.source_images), the tars' URLs from the index's shard infos
+    (``files[].tar``) and, for indexes built before those, from the descriptors' ingestion records.
+    An index whose shards live elsewhere (cluster/coordinator.py) makes them on the shard that
+    owns the key instead (``index.thumbnail``)."""
 
     def __init__(self, index: Any, shard_dirs: tuple[str, ...] = ()):
         self.index = index
-        self.shard_dirs = [Path(d) for d in shard_dirs]
-        self._urls: dict[str, str] | None = None
-        self._endpoint: str | None = None
-        self._members: dict[str, dict[str, tuple[int, int]]] = {}  # local tar -> {wds key: (offset, size)}
+        self.conf = SourceImagesConfig(tar_dirs=tuple(shard_dirs))
+        self._images: SourceImages | None = None
         self._lock = threading.Lock()
 
-    def shard_urls(self) -> dict[str, str]:
-        """Shard name -> URL, from the ingestion records of the index's descriptor sources."""
-        if self._urls is not None:
-            return self._urls
-        from ingest.shards import shard_name
+    def images(self) -> SourceImages:
+        with self._lock:
+            if self._images is None:
+                self._images = self._open()
+            return self._images
 
-        urls: dict[str, str] = {}
+    def _open(self) -> SourceImages:
+        layout = getattr(self.index, "layout", None)
+        urls = tar_urls_of_files([f for infos in getattr(layout, "infos", None) or [] for f in infos.get("files", [])])
+        endpoint = None
         for source in self.index.infos.get("descriptors", []) or []:
             directory = Path(source)
-            directory = directory.parent if directory.is_file() else directory
-            for name in ("ingest_info.json", "manifest.json"):
-                try:
-                    info = json.loads((directory / name).read_text())
-                except (OSError, ValueError):
-                    continue
-                if not isinstance(info, dict):
-                    continue
-                self._endpoint = self._endpoint or (info.get("config") or {}).get("s3_endpoint_url")
-                for result in info.get("results", []) or []:
-                    if isinstance(result, dict) and result.get("url"):
-                        urls.setdefault(result.get("shard") or shard_name(result["url"]), result["url"])
-                shards = info.get("shards")
-                if isinstance(shards, dict):
-                    for shard, entry in shards.items():
-                        if isinstance(entry, dict) and entry.get("url"):
-                            urls.setdefault(shard, entry["url"])
-        self._urls = urls
-        return urls
-
-    def url_of(self, shard: str) -> str | None:
-        url = self.shard_urls().get(shard)
-        if url and (url.startswith("s3://") or Path(url).exists()):
-            return url
-        for directory in self.shard_dirs:
-            for candidate in (directory / f"{shard}.tar", directory / shard):
-                if candidate.exists():
-                    return str(candidate)
-        return url  # recorded but gone: the read below says so
+            recorded, recorded_endpoint = recorded_tar_urls(directory.parent if directory.is_file() else directory)
+            for shard, url in recorded.items():
+                urls.setdefault(shard, url)
+            endpoint = endpoint or recorded_endpoint
+        return SourceImages(urls, self.conf, endpoint)
 
     def image_bytes(self, key: str) -> bytes:
         self.index.position_of(key)  # UnknownKeyError (a NeedleInputError) for keys not in the index
-        shard, _, member_key = key.partition("/")
-        url = self.url_of(shard)
-        if url is None:
-            raise FileNotFoundError(
-                f"no source recorded for shard {shard!r} (key {key!r}): give the directory of its tar as a shard dir"
-            )
-        if not url.startswith("s3://") and Path(url).is_dir():  # a directory of image files
-            for suffix in _image_suffixes():
-                path = Path(url) / f"{member_key}.{suffix}"
-                if path.is_file():
-                    return path.read_bytes()
-            raise FileNotFoundError(f"no image file for {member_key!r} in {url}")
-        if url.startswith("s3://"):
-            return self._streamed(url, member_key)
-        return self._from_local_tar(url, member_key)
+        return self.images().image_bytes(key)
 
-    def _from_local_tar(self, path: str, member_key: str) -> bytes:
-        with self._lock:
-            members = self._members.get(path)
-        if members is None:
-            members = {}
-            with tarfile.open(path, "r:") as tar:  # headers only: seeks past the member data
-                for info in tar:
-                    match = _WDS_KEY.match(info.name) if info.isfile() else None
-                    if match and match.group(2).lower() in _image_suffixes():
-                        members.setdefault(match.group(1), (info.offset_data, info.size))
-            with self._lock:
-                self._members[path] = members
-        if member_key not in members:
-            raise FileNotFoundError(f"{path} holds no image member for {member_key!r}")
-        offset, size = members[member_key]
-        with open(path, "rb") as stream:
-            stream.seek(offset)
-            return stream.read(size)
-
-    def _streamed(self, url: str, member_key: str) -> bytes:
-        import functools
-
-        from ingest.reader import image_bytes, iter_samples
-        from ingest.storage import open_url
-
-        for sample in iter_samples(url, functools.partial(open_url, endpoint_url=self._endpoint)):
-            if sample["__key__"] == member_key:
-                data = image_bytes(sample)
-                if data is not None:
-                    return data
-        raise FileNotFoundError(f"{url} holds no image member for {member_key!r}")
-
-
-def _image_suffixes() -> tuple[str, ...]:
-    from ingest.reader import IMAGE_SUFFIXES
-
-    return IMAGE_SUFFIXES
-
-
-def thumbnail_jpeg(data: bytes, px: int) -> bytes:
-    from PIL import Image, ImageOps
-
-    with Image.open(io.BytesIO(data)) as image:
-        image = ImageOps.exif_transpose(image).convert("RGB")
-        image.thumbnail((px, px))
-        out = io.BytesIO()
-        image.save(out, format="JPEG", quality=85)
-    return out.getvalue()
+    def thumbnail(self, key: str, px: int) -> bytes:
+        remote = getattr(self.index, "thumbnail", None)
+        if remote is not None:
+            return remote(key, px)
+        return thumbnail_jpeg(self.image_bytes(key), px)
 
 
 # --- searching with a per-request re-ranking switch -----------------------------------------------
@@ -434,19 +364,15 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
         if not key:
             return _error(400, "give ?key=")
         try:
-            data = source.image_bytes(key)
+            jpeg = source.thumbnail(key, conf.thumbnail_px)
         except NeedleInputError as exc:
             return _error(404, str(exc))
         except ShardsUnavailable as exc:
             return _error(503, str(exc))
         except (OSError, tarfile.TarError) as exc:
             return _error(404, f"the image of {key!r} cannot be read: {exc}")
-        except Exception as exc:  # ShardReadError and the like
-            return _error(404, f"the image of {key!r} cannot be read: {exc}")
-        try:
-            jpeg = thumbnail_jpeg(data, conf.thumbnail_px)
-        except Exception as exc:
-            return _error(404, f"the image of {key!r} cannot be decoded: {exc}")
+        except Exception as exc:  # undecodable bytes, ShardReadError and the like
+            return _error(404, f"the image of {key!r} cannot be read or decoded: {exc}")
         return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "max-age=3600"})
 
     @app.get("/report")

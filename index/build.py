@@ -107,6 +107,7 @@ class FileInfo:
     shard_id: int
     offset: int  # position of the file's first row in its shard's ids.arrow / vectors.f16.npy
     source: str | None = None  # the s3:// object it was staged from (a task on another node fetches it)
+    tar: str | None = None  # the tar ingestion read its rows from (thumbnails); None: not recorded
 
 
 def shard_name(number: int) -> str:
@@ -505,6 +506,7 @@ def finish_shard(
                 "shard_id": f.shard_id,
                 "rows": f.rows,
                 "offset": f.offset,
+                "tar": f.tar,
                 **_file_stat(f.path),
             }
             for f in files
@@ -522,6 +524,23 @@ def finish_shard(
         "parquet_shard_ids": [f.shard_id for f in files],
         "bytes": sum(c["bytes"] for c in checksums.values()),
     }
+
+
+def tars_of_files(paths: list[str]) -> dict[str, str]:
+    """Parquet file -> the tar ingestion read it from, as recorded beside it (``ingest_info.json``,
+    copied with staged S3 parts), for the files whose tar is recorded."""
+    from ingest.source_images import recorded_tar_urls
+
+    by_directory: dict[Path, dict[str, str]] = {}
+    tars = {}
+    for path in paths:
+        directory = Path(path).parent
+        if directory not in by_directory:
+            by_directory[directory] = recorded_tar_urls(directory)[0]
+        url = by_directory[directory].get(Path(path).name.removesuffix(".parquet"))
+        if url:
+            tars[path] = url
+    return tars
 
 
 def _file_stat(path: str) -> dict[str, Any]:
@@ -723,7 +742,8 @@ def main(
     info_path = files[0].parent / "ingest_info.json"  # how the descriptors were made
     ingest = json.loads(info_path.read_text()) if info_path.is_file() else {}
     infos, dim, n_ok = scan(files)
-    infos = [replace(f, source=origins.get(f.path)) for f in infos]
+    tars = tars_of_files([f.path for f in infos])
+    infos = [replace(f, source=origins.get(f.path), tar=tars.get(f.path)) for f in infos]
     adapter = _load_adapter(conf.adapt)
     if adapter is not None and adapter.in_dim != dim:
         raise DescriptorFileError(f"adapter {conf.adapt} takes d={adapter.in_dim}, the descriptors have d={dim}")

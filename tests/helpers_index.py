@@ -119,3 +119,27 @@ def write_descriptors_with_tokens(directory: Path, sizes: dict[int, int], d: int
         json.dumps({"extractors": [{"extractor": "local", "scales": [1.0, 0.5]}]})
     )
     return np.concatenate([vectors[s] for s in ids]).astype(np.float32)
+
+
+def write_source_tars(
+    desc: Path, directory: Path, sizes: dict[int, int], images: int = 20, url_of=None
+) -> dict[str, Path]:
+    """A tar per Parquet shard of ``desc`` with the images of its first ``images`` keys (random
+    JPEGs), recorded in the descriptors' ingest_info.json as ingestion does (``url_of(path)``:
+    the URL recorded for a tar, default its path). Returns shard name -> tar path."""
+    from conftest import jpeg_bytes, write_tar
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    info = json.loads((desc / "ingest_info.json").read_text())
+    info["results"] = []
+    tars = {}
+    for s in sorted(sizes):
+        members = [
+            (f"{i:05d}.jpg", jpeg_bytes(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8))) for i in range(images)
+        ]
+        tars[f"{s:06d}"] = write_tar(directory / f"{s:06d}.tar", members)
+        url = url_of(tars[f"{s:06d}"]) if url_of else str(tars[f"{s:06d}"])
+        info["results"].append({"shard": f"{s:06d}", "url": url, "status": "ok"})
+    (desc / "ingest_info.json").write_text(json.dumps(info))
+    return tars

@@ -296,8 +296,8 @@ def test_list_file_and_path_list_give_the_directory_keys(tmp_path, folder):
 
 
 def test_packed_tars_read_back_with_keys_and_images_intact(tmp_path, folder):
-    from cluster.webpage import _WDS_KEY
     from ingest.reader import image_bytes, iter_samples
+    from ingest.source_images import WDS_KEY as _WDS_KEY
 
     out = pack(PackConfig(shard_size=4), tmp_path / "photos", tmp_path / "tars")
     samples = [s for tar in sorted(out.glob("*.tar")) for s in iter_samples(str(tar))]

@@ -5,16 +5,18 @@ local copy; a killed replica costs nothing (its twin answers); a shard whose rep
 killed, and a removed node, give bounded 503 or partial answers naming the missing shard, then
 exact answers again once the actors have restarted (and re-staged) elsewhere."""
 
+import tarfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers_index import write_descriptors_with_tokens
+from helpers_index import write_descriptors_with_tokens, write_source_tars
 
 from index.build import IndexConfig, main
 from index.search import load_index
+from ingest.source_images import thumbnail_jpeg
 from ingest.storage import MARKER_SUFFIX, s3_client
 
 pytestmark = [pytest.mark.ray, pytest.mark.s3, pytest.mark.slow]
@@ -54,6 +56,9 @@ def index_on_s3(s3_endpoint, tmp_path_factory):
     xb = write_descriptors_with_tokens(root / "desc", SIZES, D, seed=11)
     client = s3_client(s3_endpoint)
     client.create_bucket(Bucket="serving")
+    tars = write_source_tars(root / "desc", root / "tars", SIZES, 8, lambda path: f"s3://serving/tars/{path.name}")
+    for path in tars.values():
+        client.upload_file(str(path), "serving", f"tars/{path.name}")
     url = main(replace(IVF, s3_endpoint_url=s3_endpoint), root / "desc", "s3://serving/index")
     local = root / "copy"
     for item in client.list_objects_v2(Bucket="serving", Prefix="index/")["Contents"]:
@@ -62,7 +67,7 @@ def index_on_s3(s3_endpoint, tmp_path_factory):
             continue
         (local / name).parent.mkdir(parents=True, exist_ok=True)
         client.download_file("serving", item["Key"], str(local / name))
-    return url, load_index(local), xb
+    return url, load_index(local), xb, tars
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +97,7 @@ def test_the_cluster_answers_like_the_single_index(served, index_on_s3):
     from rerank.rerank import RerankConfig
 
     coordinator, cache = served
-    _, single, xb = index_on_s3
+    _, single, xb, tars = index_on_s3
     health = coordinator.health()
     assert health["ok"] and len({r["node"] for r in health["replicas"]}) >= 2  # spread over the nodes
     infos = ray.get([a.info.remote() for replicas in coordinator.backend.actors for a in replicas])
@@ -118,6 +123,12 @@ def test_the_cluster_answers_like_the_single_index(served, index_on_s3):
     rerank = RerankConfig(method="sp", shortlist=40)
     bodies = [{"keys": keys, "k": 8}, {"vectors": xb[7:9].tolist(), "k": 20}]
     assert exact_answers(QueryService(coordinator, rerank=rerank), QueryService(single, rerank=rerank), bodies)
+    # thumbnails: the owning shard reads its member from the tar on S3 (ranged GET), only the JPEG travels
+    for key in ("000001/00002", "000005/00007"):
+        shard, member = key.split("/")
+        with tarfile.open(tars[shard]) as tar:
+            data = tar.extractfile(f"{member}.jpg").read()
+        assert coordinator.thumbnail(key, 24) == thumbnail_jpeg(data, 24)
 
 
 class Stream:
@@ -186,7 +197,7 @@ def test_killed_shard_actors_during_a_stream_of_queries(served, index_on_s3):
     from cluster.serve import QueryService
 
     coordinator, _ = served
-    _, single, xb = index_on_s3
+    _, single, xb, _ = index_on_s3
     body = {"vectors": xb[::97].tolist(), "k": 30}
     service = QueryService(coordinator)
     stream = Stream(service, body, QueryService(single).search_json(body))
@@ -217,7 +228,7 @@ def test_a_removed_node_does_not_hang_requests_and_its_shards_restart_elsewhere(
     from cluster.serve import QueryService
 
     coordinator, _ = served
-    _, single, xb = index_on_s3
+    _, single, xb, _ = index_on_s3
     replicas = coordinator.health()["replicas"]
     victim = next(n for n in cluster.worker_nodes if any(r["node"] == n.node_id for r in replicas))
     lost = {r["shard"] for r in replicas if r["node"] == victim.node_id}  # a shard may still have its twin

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers_index import write_descriptors_with_tokens
+from helpers_index import write_descriptors_with_tokens, write_source_tars
 
 from cluster.coordinator import ShardedIndex, ShardsUnavailable
 from cluster.local_shards import LocalShards
@@ -29,6 +29,7 @@ IVF = IndexConfig(kind="ivfpq", nlist=16, pq_bytes=8, points_per_list=20, nprobe
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_shards")
     xb = write_descriptors_with_tokens(root / "desc", SIZES, D, seed=3)
+    write_source_tars(root / "desc", root / "tars", SIZES)
     out = main(IVF, root / "desc", root / "index")
     return root, out, xb
 
@@ -127,6 +128,35 @@ def test_reranking_on_the_shards_equals_the_single_index(built, sharded, method,
             {**sharded.infos, "locals": {**sharded.infos["locals"], "max_tokens": None}}, str(out), sharded.backend
         )
         assert older.max_tokens() == sharded.max_tokens() == single.local_store.max_tokens == 12
+
+
+def test_thumbnails_are_made_by_the_shard_that_owns_the_key(built, sharded):
+    import io
+
+    from PIL import Image
+
+    from cluster.webpage import ImageSource
+
+    _, out, _ = built
+    single = ImageSource(load_index(out))
+    for name in read_index_infos(out)["shards"]:  # each shard records its rows' tars: nothing is read at the top
+        files = json.loads((out / name["name"] / SHARD_INFOS_FILE).read_text())["files"]
+        assert all(f["tar"].endswith(f"/{f['path'].rsplit('/', 1)[1].removesuffix('.parquet')}.tar") for f in files)
+    for key in ("000000/00003", "000002/00019", "000007/00000"):
+        jpeg = sharded.thumbnail(key, 24)
+        assert jpeg == single.thumbnail(key, 24) and max(Image.open(io.BytesIO(jpeg)).size) == 24
+    assert sharded.thumbnail("000002/00019", 24) != sharded.thumbnail("000007/00019", 24)
+    with pytest.raises(UnknownKeyError, match="not in the index"):
+        sharded.thumbnail("000000/99999", 24)
+    with pytest.raises(FileNotFoundError, match="00300"):  # in the index, not in its tar
+        sharded.thumbnail("000002/00300", 24)
+    replicas = sharded.backend
+    replicas.down.update({(s, r) for s in range(len(sharded.names)) for r in range(replicas.replicas[s])})
+    try:
+        with pytest.raises(ShardsUnavailable):
+            sharded.thumbnail("000000/00003", 24)
+    finally:
+        replicas.down.clear()
 
 
 def test_query_service_answers_like_the_single_index(built, sharded):

@@ -1,0 +1,203 @@
+"""The original image of a database key, read again from where ingestion read it: its tar (a
+local path or ``s3://``), or a directory of image files; and a JPEG thumbnail of it.
+
+A key is ``<shard name>/<__key__>``. The shard's tar URL is what ingestion recorded
+(``ingest_info.json``/``manifest.json`` beside the descriptors; an index shard keeps it per
+Parquet file, ``files[].tar`` of its ``shard_infos.json``), else ``<shard name>.tar`` in one of
+``SourceImagesConfig.tar_dirs``.
+
+A tar is never read whole per image: the first image asked of a tar lists its members' offsets
+(the headers of a local tar, seeking past the data; one streamed pass over an S3 object), and
+every image is then one read of its bytes (a seek, or one ranged GET). The offsets of the
+``max_tars`` most recently used tars are kept in memory, nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tarfile
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ingest.reader import IMAGE_SUFFIXES
+from ingest.shards import shard_name
+from ingest.storage import is_s3, open_url, s3_client, split_s3
+
+WDS_KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset: key = path up to the basename's first dot
+RECORD_FILES = ("ingest_info.json", "manifest.json")  # what ingestion writes beside its Parquet files
+
+
+@dataclass(frozen=True)
+class SourceImagesConfig:
+    tar_dirs: tuple[str, ...] = ()  # directories searched for `<shard>.tar` where no recorded URL is readable here
+    endpoint_url: str | None = None  # S3-compatible endpoint for s3:// tars (None: the one ingestion recorded)
+    max_tars: int = 64  # tars whose member offsets are kept in memory (the least recently used are dropped)
+
+
+def tar_urls_of_record(info: Any) -> tuple[dict[str, str], str | None]:
+    """(shard name -> tar URL, the S3 endpoint) from an ``ingest_info.json`` or ``manifest.json``."""
+    urls: dict[str, str] = {}
+    if not isinstance(info, dict):
+        return urls, None
+    endpoint = (info.get("config") or {}).get("s3_endpoint_url")
+    for result in info.get("results", []) or []:
+        if isinstance(result, dict) and result.get("url"):
+            urls.setdefault(result.get("shard") or shard_name(result["url"]), result["url"])
+    shards = info.get("shards")
+    if isinstance(shards, dict):
+        for shard, entry in shards.items():
+            if isinstance(entry, dict) and entry.get("url"):
+                urls.setdefault(shard, entry["url"])
+    return urls, endpoint
+
+
+def recorded_tar_urls(location: str | Path, endpoint_url: str | None = None) -> tuple[dict[str, str], str | None]:
+    """What ingestion recorded beside the descriptors at ``location`` (a directory, or an
+    ``s3://`` prefix): (shard name -> tar URL, the S3 endpoint); empty where nothing is readable."""
+    urls: dict[str, str] = {}
+    endpoint = None
+    base = str(location).rstrip("/")
+    for name in RECORD_FILES:
+        try:
+            with open_url(f"{base}/{name}", endpoint_url) as stream:
+                info = json.loads(stream.read())
+        except (OSError, ValueError):
+            continue
+        found, recorded = tar_urls_of_record(info)
+        for shard, url in found.items():
+            urls.setdefault(shard, url)
+        endpoint = endpoint or recorded
+    return urls, endpoint
+
+
+def tar_urls_of_files(files: list[dict[str, Any]], endpoint_url: str | None = None) -> dict[str, str]:
+    """Shard name -> tar URL from an index shard's ``files`` entries (its ``shard_infos.json``):
+    each Parquet file's recorded ``tar``; for files of indexes built before it was recorded, the
+    ingestion record beside the file's recorded ``path`` (read once per directory, where readable)."""
+    urls: dict[str, str] = {}
+    records: dict[str, dict[str, str]] = {}
+    for entry in files:
+        path = str(entry.get("path") or "")
+        directory, _, name = path.rpartition("/")
+        shard = name.removesuffix(".parquet")
+        if entry.get("tar"):
+            urls.setdefault(shard, entry["tar"])
+        elif directory:
+            if directory not in records:
+                records[directory] = recorded_tar_urls(directory, endpoint_url)[0]
+            if shard in records[directory]:
+                urls.setdefault(shard, records[directory][shard])
+    return urls
+
+
+class SourceImages:
+    """Image bytes of keys from their source tars; ``urls`` maps shard names to tar URLs (or to
+    directories of image files)."""
+
+    def __init__(self, urls: Mapping[str, str], conf: SourceImagesConfig = SourceImagesConfig(), endpoint=None):
+        self.urls = dict(urls)
+        self.conf = conf
+        self.endpoint_url = conf.endpoint_url or endpoint  # the serving flag first, else what ingestion used
+        self._members: OrderedDict[str, dict[str, tuple[int, int]]] = OrderedDict()  # tar -> {key: (offset, size)}
+        self._lock = threading.Lock()
+
+    def url_of(self, shard: str) -> str | None:
+        """The readable source of ``shard``: its recorded URL where it can be read here (s3://, or
+        a path that exists), else ``<shard>.tar`` in a tar dir, else the recorded URL (the read
+        then names it), else None."""
+        url = self.urls.get(shard)
+        if url and (is_s3(url) or Path(url).exists()):
+            return url
+        for directory in self.conf.tar_dirs:
+            for candidate in (Path(directory) / f"{shard}.tar", Path(directory) / shard):
+                if candidate.exists():
+                    return str(candidate)
+        return url
+
+    def image_bytes(self, key: str) -> bytes:
+        """The bytes of ``key``'s image member (FileNotFoundError naming the key and the tar
+        where either cannot be found)."""
+        shard, _, member_key = key.partition("/")
+        url = self.url_of(shard)
+        if url is None:
+            raise FileNotFoundError(
+                f"no source recorded for shard {shard!r} (key {key!r}): give the directory of its tar (--shard-dir)"
+            )
+        if not is_s3(url) and Path(url).is_dir():  # a directory of image files
+            for suffix in IMAGE_SUFFIXES:
+                path = Path(url) / f"{member_key}.{suffix}"
+                if path.is_file():
+                    return path.read_bytes()
+            raise FileNotFoundError(f"no image file for {member_key!r} in {url}")
+        members = self.members(url)
+        if member_key not in members:
+            raise FileNotFoundError(f"{url} holds no image member for {member_key!r} (key {key!r})")
+        offset, size = members[member_key]
+        return self.read_range(url, offset, size)
+
+    def members(self, url: str) -> dict[str, tuple[int, int]]:
+        """{WebDataset key: (offset, size) of its first image member} of the tar at ``url``."""
+        with self._lock:
+            if url in self._members:
+                self._members.move_to_end(url)
+                return self._members[url]
+        members: dict[str, tuple[int, int]] = {}
+        if is_s3(url):
+            with open_url(url, self.endpoint_url) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+                for info in tar:  # one pass; each member's data is skipped, not kept
+                    add_member(members, info)
+        else:
+            with tarfile.open(url, "r:") as tar:  # headers only: seeks past the member data
+                for info in tar:
+                    add_member(members, info)
+        with self._lock:
+            self._members[url] = members
+            while len(self._members) > max(1, self.conf.max_tars):
+                self._members.popitem(last=False)
+        return members
+
+    def read_range(self, url: str, offset: int, size: int) -> bytes:
+        if not is_s3(url):
+            with open(url, "rb") as stream:
+                stream.seek(offset)
+                return stream.read(size)
+        if size == 0:
+            return b""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        bucket, key = split_s3(url)
+        try:
+            answer = s3_client(self.endpoint_url).get_object(
+                Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
+            )
+            data = answer["Body"].read()
+        except (ClientError, BotoCoreError) as exc:
+            raise OSError(f"{url}: bytes {offset}-{offset + size - 1}: {exc}") from exc
+        if len(data) != size:
+            raise OSError(f"{url}: {len(data)} bytes at {offset}, the tar header says {size}")
+        return data
+
+
+def add_member(members: dict[str, tuple[int, int]], info: tarfile.TarInfo) -> None:
+    """Record ``info`` when it is a sample's first image member."""
+    match = WDS_KEY.match(info.name) if info.isfile() else None
+    if match and match.group(2).lower() in IMAGE_SUFFIXES:
+        members.setdefault(match.group(1), (info.offset_data, info.size))
+
+
+def thumbnail_jpeg(data: bytes, px: int) -> bytes:
+    """A JPEG of the image ``data``, upright (EXIF), its longer side at most ``px``."""
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(data)) as image:
+        image = ImageOps.exif_transpose(image).convert("RGB")
+        image.thumbnail((px, px))
+        out = io.BytesIO()
+        image.save(out, format="JPEG", quality=85)
+    return out.getvalue()
