@@ -25,12 +25,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ingest.reader import IMAGE_SUFFIXES
 from ingest.shards import shard_name
 from ingest.storage import is_s3, open_url, s3_client, split_s3
 
 WDS_KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset: key = path up to the basename's first dot
 RECORD_FILES = ("ingest_info.json", "manifest.json")  # what ingestion writes beside its Parquet files
+
+
+def image_suffixes() -> tuple[str, ...]:
+    # ingest.reader imports webdataset, which imports torch: not at import time (a coordinator
+    # imports this module and must stay small)
+    from ingest.reader import IMAGE_SUFFIXES
+
+    return IMAGE_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ class SourceImages:
                 f"no source recorded for shard {shard!r} (key {key!r}): give the directory of its tar (--shard-dir)"
             )
         if not is_s3(url) and Path(url).is_dir():  # a directory of image files
-            for suffix in IMAGE_SUFFIXES:
+            for suffix in image_suffixes():
                 path = Path(url) / f"{member_key}.{suffix}"
                 if path.is_file():
                     return path.read_bytes()
@@ -187,7 +194,7 @@ class SourceImages:
 def add_member(members: dict[str, tuple[int, int]], info: tarfile.TarInfo) -> None:
     """Record ``info`` when it is a sample's first image member."""
     match = WDS_KEY.match(info.name) if info.isfile() else None
-    if match and match.group(2).lower() in IMAGE_SUFFIXES:
+    if match and match.group(2).lower() in image_suffixes():
         members.setdefault(match.group(1), (info.offset_data, info.size))
 
 
