@@ -1,8 +1,9 @@
 """``needle index build`` on Ray: the add step's parts run as parallel Ray tasks.
 
 index/build.py does the work (scan, train, parts, merge); this module only supplies the runners:
-for a local output, the parts as tasks, each reading its range of Parquet files and writing its
-part files inside its shard's directory; for an ``s3://`` output, one task per shard that builds
+for a local output, the parts as tasks on the driver's node (the output is on its disk), each
+reading its range of Parquet files and writing its part files inside its shard's directory; for
+an ``s3://`` output, one task per shard that builds
 the shard on its node's local disk and uploads it with a commit marker (no shared filesystem),
 retried where a task dies (``max_retries``).
 """
@@ -35,13 +36,18 @@ def gather_with_progress(refs: list[Any], desc: str, unit: str) -> list[Any]:
     return [results[r] for r in refs]
 
 
-def ray_part_runner(cpus_per_part: int = 1):
-    """A runner for index.build.main that executes the parts as Ray tasks, with a progress bar."""
+def ray_part_runner(cpus_per_part: float = 1, task: Any = build_part):
+    """A runner for index.build.main that executes the parts of a local build as Ray tasks, with a
+    progress bar. The tasks read and write paths on the driver's disk, so they run on the driver's
+    node (pinned: no filesystem shared between nodes is assumed); a build across nodes writes to
+    ``s3://`` (``ray_shard_runner``)."""
 
     def run(tasks: list[PartTask]) -> list[dict[str, Any]]:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        remote = ray.remote(num_cpus=cpus_per_part)(build_part)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        remote = ray.remote(num_cpus=cpus_per_part, scheduling_strategy=here)(task)
         return gather_with_progress([remote.remote(*task) for task in tasks], "index parts", "part")
 
     return run
@@ -62,6 +68,18 @@ def ray_shard_runner(cpus_per_shard: int = 1, max_retries: int = 3):
     return run
 
 
+def node_cpus(output: Path | str) -> int:
+    """The CPUs that run the parts: the driver's node's for a local output (its tasks are pinned
+    there), the cluster's for an ``s3://`` one."""
+    import ray
+
+    if str(output).startswith("s3://"):
+        return int(ray.cluster_resources().get("CPU", 1))
+    here = ray.get_runtime_context().get_node_id()
+    node = next((n for n in ray.nodes() if n["NodeID"] == here), None)
+    return int((node or {}).get("Resources", {}).get("CPU", 0))  # a head started with --num-cpus=0 has none
+
+
 def main(conf: IndexConfig, descriptors: Any, output: Path | str, address: str | None = None) -> Path | str:
     """Build the index with parallel parts on Ray (a local instance unless ``address`` or $RAY_ADDRESS)."""
     import ray
@@ -70,7 +88,15 @@ def main(conf: IndexConfig, descriptors: Any, output: Path | str, address: str |
 
     if not ray.is_initialized():
         connect_ray(address)
-    parts = conf.parts or max(conf.shards, int(ray.cluster_resources().get("CPU", 1)))
+    cpus = node_cpus(output)
+    if cpus < 1:
+        from core.errors import NeedleInputError
+
+        raise NeedleInputError(
+            f"the Ray node of this driver has no CPUs, and a local --out ({output}) is built on it: build without "
+            "--ray here, or on a node with CPUs, or to --out s3://…"
+        )
+    parts = conf.parts or max(conf.shards, cpus)
     from dataclasses import replace
 
     return build_index(

@@ -1,9 +1,12 @@
 """Shard actors on a Ray cluster, placed on purpose, and the coordinator's Ray backend.
 
-``start_shard_actors`` starts ``replicas`` actors per shard with ``scheduling_strategy="SPREAD"``
-(across nodes), ``memory=`` the shard's bytes from the top-level infos (its files: what it maps),
-``max_concurrency`` concurrent calls each, and ``max_restarts=-1``: a dead actor is restarted,
-wherever Ray places it, and stages its shard again (from its node's cache where it has one).
+``start_shard_actors`` starts ``replicas`` actors per group of ``shards_per_actor`` consecutive
+shards (cluster/shard_group.py; one shard per actor by default) with
+``scheduling_strategy="SPREAD"`` (across nodes), ``memory=`` its shards' bytes from the top-level
+infos (their files: what it maps), ``max_concurrency`` concurrent calls each, and
+``max_restarts=-1``: a dead actor is restarted, wherever Ray places it, and stages its shards again
+(from its node's cache where it has one). The backend sends the calls a request makes to the
+shards of one actor as one Ray call.
 Calls are reads, so they may be retried: with one replica a call waits for the restart
 (``max_task_retries=-1``, bounded by the coordinator's timeout); with several, a call to a dead
 replica fails at once (``max_task_retries=0``) and goes to the next replica.
@@ -12,12 +15,14 @@ replica fails at once (``max_task_retries=0``) and goes to the next replica.
 from __future__ import annotations
 
 import logging
+import pickle
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.coordinator import ReplicaFailed, ShardsUnavailable
-from cluster.shard_actor import ShardActor
+from cluster.shard_group import ShardGroup
 from cluster.staging import StageConfig
 from ingest.source_images import SourceImagesConfig
 
@@ -26,38 +31,92 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShardPlacement:
-    replicas: int = 1  # actors per shard; requests are spread over them
+    replicas: int = 1  # actors per shard group; requests are spread over them
     concurrency: int = 4  # concurrent calls per actor (its max_concurrency)
     cpus: float | None = None  # CPUs reserved per actor; None: the cluster's CPUs shared among all actors (at most 1)
-    reserve_memory: bool = True  # reserve the shard's bytes (its files) as the actor's Ray memory resource
-    stage_timeout: float = 1800.0  # seconds to wait for every actor to stage its shard and report ready
+    reserve_memory: bool = True  # reserve the shards' bytes (their files) as the actor's Ray memory resource
+    stage_timeout: float = 1800.0  # seconds to wait for every actor to stage its shards and report ready
+    shards_per_actor: int = 1  # consecutive shards served by one actor (one Ray call per group and request)
+
+
+def shard_groups(n_shards: int, shards_per_actor: int) -> list[list[int]]:
+    """The shards of each actor: consecutive runs of ``shards_per_actor``."""
+    size = max(1, shards_per_actor)
+    return [list(range(start, min(start + size, n_shards))) for start in range(0, n_shards, size)]
+
+
+@dataclass(eq=False)  # a handle: hashed by identity
+class GroupCall:
+    """A shard's call, answered by its group's Ray call (several shards' calls share one)."""
+
+    shard: int
+    group: int
+    member: int
+    replica: int
+    ref: Any = None  # the group's ObjectRef, once sent
 
 
 class RayShards:
-    """A ShardBackend over Ray actor handles ``[shard][replica]``."""
+    """A ShardBackend over ShardGroup actors ``[group][replica]`` (``shards_per_actor`` shards
+    each): the calls submitted together to one actor go as one Ray call when waited on."""
 
-    def __init__(self, actors: list[list[Any]]):
+    def __init__(self, actors: list[list[Any]], groups: list[list[int]] | None = None):
         self.actors = actors
-        self.replicas = [len(a) for a in actors]
+        self.groups = groups if groups is not None else [[g] for g in range(len(actors))]
+        if len(self.groups) != len(actors):
+            raise ValueError(f"{len(actors)} shard actors for {len(self.groups)} shard groups")
+        self.of_shard = {shard: (g, m) for g, shards in enumerate(self.groups) for m, shard in enumerate(shards)}
+        self.replicas = [len(actors[self.of_shard[s][0]]) for s in range(len(self.of_shard))]
+        self._unsent: list[tuple[GroupCall, str, tuple]] = []
+        self._lock = threading.Lock()
+        self.ray_calls = 0  # Ray calls sent (a request's calls to one actor's shards count once)
 
-    def submit(self, shard: int, replica: int, method: str, *args: Any) -> Any:
-        return getattr(self.actors[shard][replica], method).remote(*args)
+    def submit(self, shard: int, replica: int, method: str, *args: Any) -> GroupCall:
+        group, member = self.of_shard[shard]
+        call = GroupCall(shard, group, member, replica)
+        with self._lock:
+            self._unsent.append((call, method, args))
+        return call
 
-    def wait(self, handles: list[Any], timeout: float) -> list[Any]:
+    def send(self) -> None:
+        """One Ray call per (group, replica, method) among the calls not sent yet."""
+        with self._lock:
+            unsent, self._unsent = self._unsent, []
+        batches: dict[tuple[int, int, str], list[tuple[GroupCall, tuple]]] = {}
+        for call, method, args in unsent:
+            batches.setdefault((call.group, call.replica, method), []).append((call, args))
+        with self._lock:
+            self.ray_calls += len(batches)
+        for (group, replica, method), calls in batches.items():
+            packed = pickle.dumps((method, {c.member: args for c, args in calls}), protocol=5)
+            ref = self.actors[group][replica].run.remote(packed)
+            for call, _ in calls:
+                call.ref = ref
+
+    def wait(self, handles: list[GroupCall], timeout: float) -> list[GroupCall]:
         import ray
 
+        self.send()
+        refs = list(dict.fromkeys(h.ref for h in handles))
         # one wait for all: a failed call is done at once, so only a hung one holds it to the timeout
-        done, _ = ray.wait(handles, num_returns=len(handles), timeout=timeout)
-        return done
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        finished = set(done)
+        return [h for h in handles if h.ref in finished]
 
-    def result(self, handle: Any) -> Any:
+    def result(self, handle: GroupCall) -> Any:
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+        if handle.ref is None:
+            self.send()
         try:
-            return ray.get(handle)
+            answers = pickle.loads(ray.get(handle.ref))
         except (RayActorError, ActorDiedError, ActorUnavailableError) as exc:
             raise ReplicaFailed(str(exc).splitlines()[0]) from exc
+        status, value = answers[handle.member]
+        if status == "error":
+            raise value
+        return value
 
 
 def start_shard_actors(
@@ -67,24 +126,27 @@ def start_shard_actors(
     placement: ShardPlacement,
     images: SourceImagesConfig | None = None,
 ) -> list[list[Any]]:
-    """``placement.replicas`` ShardActors per shard of the index at ``source``, spread over the
-    nodes, each staging its shard to its node's disk; returns the handles [shard][replica]."""
+    """``placement.replicas`` ShardGroup actors per group of ``placement.shards_per_actor`` shards
+    of the index at ``source``, spread over the nodes, each staging its shards to its node's disk;
+    returns the handles [group][replica]."""
     import ray
 
-    if placement.replicas < 1 or placement.concurrency < 1:
+    if placement.replicas < 1 or placement.concurrency < 1 or placement.shards_per_actor < 1:
         from core.errors import NeedleInputError
 
         raise NeedleInputError(
-            f"--shard-replicas and --shard-concurrency must be at least 1, got {placement.replicas}, "
-            f"{placement.concurrency}"
+            "--shard-replicas, --shard-concurrency and --shards-per-actor must be at least 1, got "
+            f"{placement.replicas}, {placement.concurrency}, {placement.shards_per_actor}"
         )
     entries = infos["shards"]
+    groups = shard_groups(len(entries), placement.shards_per_actor)
     cpus = placement.cpus
     if cpus is None:
-        cpus = min(1.0, ray.cluster_resources().get("CPU", 1) / (len(entries) * placement.replicas))
-    actor_cls = ray.remote(ShardActor)
+        cpus = min(1.0, ray.cluster_resources().get("CPU", 1) / (len(groups) * placement.replicas))
+    actor_cls = ray.remote(ShardGroup)
     actors = []
-    for entry in entries:
+    for shards in groups:
+        members = [entries[s] for s in shards]
         options = {
             "num_cpus": cpus,
             "scheduling_strategy": "SPREAD",
@@ -93,26 +155,30 @@ def start_shard_actors(
             "max_concurrency": placement.concurrency,
         }
         if placement.reserve_memory:
-            options["memory"] = max(1, int(entry["bytes"]))
+            options["memory"] = max(1, sum(int(e["bytes"]) for e in members))
         actors.append(
             [
-                actor_cls.options(**options).remote(source, entry["name"], stage, replica, entry, images)
+                actor_cls.options(**options).remote(source, members, stage, replica, images)
                 for replica in range(placement.replicas)
             ]
         )
     return actors
 
 
-def wait_ready(actors: list[list[Any]], names: list[str], timeout: float) -> list[dict[str, Any]]:
-    """Every actor's ``info()`` once it has staged its shard, or ShardsUnavailable naming the
-    shards not ready within ``timeout`` seconds (a staging error is raised as it is)."""
+def wait_ready(
+    actors: list[list[Any]], names: list[str], timeout: float, groups: list[list[int]] | None = None
+) -> list[dict[str, Any]]:
+    """Every shard replica's ``info()`` once its actor has staged its shards, or ShardsUnavailable
+    naming the shards not ready within ``timeout`` seconds (a staging error is raised as it is)."""
     import ray
 
+    groups = groups if groups is not None else [[g] for g in range(len(actors))]
     start = time.monotonic()
-    refs = {actor.info.remote(): s for s, replicas in enumerate(actors) for actor in replicas}
+    refs = {actor.info.remote(): g for g, replicas in enumerate(actors) for actor in replicas}
     ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
     if pending:
-        raise ShardsUnavailable(sorted({names[refs[r]] for r in pending}), f"staging within {timeout:.0f} s")
-    infos = ray.get(ready)
-    log.info("%d shard actors ready in %.1f s", len(infos), time.monotonic() - start)
+        missing = sorted({names[s] for r in pending for s in groups[refs[r]]})
+        raise ShardsUnavailable(missing, f"staging within {timeout:.0f} s")
+    infos = [info for infos in ray.get(ready) for info in infos]
+    log.info("%d shard replicas in %d actors ready in %.1f s", len(infos), len(refs), time.monotonic() - start)
     return infos

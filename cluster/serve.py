@@ -56,22 +56,23 @@ def serve_sharded(
 
     The coordinator reads only the top-level ``index_infos.json``; each actor stages its shard to
     its node's disk and opens it there. ``actors``: the shard actors of another coordinator of the
-    same index ([shard][replica], ``.backend.actors``), shared instead of starting new ones (one
+    same index ([group][replica], ``.backend.actors``), shared instead of starting new ones (one
     set of shard actors behind several Serve replicas).
     """
-    from cluster.ray_shards import RayShards, start_shard_actors, wait_ready
+    from cluster.ray_shards import RayShards, shard_groups, start_shard_actors, wait_ready
     from cluster.staging import read_index_infos, source_url
 
     serving = serving or ShardServing()
     source = source_url(path)
     infos = read_index_infos(source, serving.stage.endpoint_url)
     names = [entry["name"] for entry in infos["shards"]]
+    groups = shard_groups(len(names), serving.placement.shards_per_actor)
     if actors is None:
         actors = start_shard_actors(source, infos, serving.stage, serving.placement, serving.images)
-        wait_ready(actors, names, serving.placement.stage_timeout)
-    elif len(actors) != len(names):
-        raise ValueError(f"{len(actors)} shard actors for the {len(names)} shards of {path}")
-    return ShardedIndex(infos, source, RayShards(actors), serving.timeout)
+        wait_ready(actors, names, serving.placement.stage_timeout, groups)
+    elif len(actors) != len(groups):
+        raise ValueError(f"{len(actors)} shard actors for the {len(groups)} shard groups of {path}")
+    return ShardedIndex(infos, source, RayShards(actors, groups), serving.timeout)
 
 
 def open_index(

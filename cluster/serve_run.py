@@ -24,6 +24,7 @@ class ServeConfig:
     address: str | None = None  # Ray cluster for --ray / --ray-shards (default: $RAY_ADDRESS, else local)
     shard_replicas: int = 1  # --ray-shards: actors per shard (requests spread over them; one may die)
     shard_concurrency: int = 4  # --ray-shards: concurrent calls per shard actor
+    shards_per_actor: int = 1  # --ray-shards: consecutive shards one actor serves (one Ray call per actor and request)
     shard_timeout: float = 10.0  # --ray-shards: seconds a request waits for the shards, then 503 (or partial)
     cache_dir: str | None = (
         None  # --ray-shards: each node's local dir for staged shards ({node}: node id); default <tmp>
@@ -45,7 +46,9 @@ def shard_serving(conf: ServeConfig, tar_dirs: tuple[str, ...] = ()) -> Any:
     if conf.shard_timeout <= 0:
         raise NeedleInputError(f"--shard-timeout must be positive, got {conf.shard_timeout}")
     return ShardServing(
-        ShardPlacement(replicas=conf.shard_replicas, concurrency=conf.shard_concurrency),
+        ShardPlacement(
+            replicas=conf.shard_replicas, concurrency=conf.shard_concurrency, shards_per_actor=conf.shards_per_actor
+        ),
         StageConfig(conf.cache_dir, conf.s3_endpoint_url, conf.stage_local),
         conf.shard_timeout,
         SourceImagesConfig(tuple(tar_dirs), conf.s3_endpoint_url) if tar_dirs or conf.s3_endpoint_url else None,

@@ -100,7 +100,7 @@ def test_the_cluster_answers_like_the_single_index(served, index_on_s3):
     _, single, xb, tars = index_on_s3
     health = coordinator.health()
     assert health["ok"] and len({r["node"] for r in health["replicas"]}) >= 2  # spread over the nodes
-    infos = ray.get([a.info.remote() for replicas in coordinator.backend.actors for a in replicas])
+    infos = [i for a in coordinator.backend.actors for r in a for i in ray.get(r.info.remote())]
     assert all(Path(i["directory"]).is_relative_to(cache / f"node-{i['node']}") for i in infos)
     assert len({(i["shard"], i["node"]) for i in infos}) == len({i["directory"] for i in infos})
     assert len(infos) == 8 and {i["replica"] for i in infos} == {0, 1}
@@ -187,6 +187,70 @@ def wait_until(condition, seconds: float, message: str) -> None:
 
 def all_ready(coordinator) -> bool:
     return all(r["status"] == "ready" for r in coordinator.health()["replicas"])
+
+
+def test_shards_grouped_per_actor_answer_in_one_call_per_actor(cluster, index_on_s3, s3_endpoint, tmp_path):
+    """--shards-per-actor 3: 4 shards in 2 actors (x2 replicas), one Ray call per actor and request,
+    answers equal to the single index; a killed replica's group answers from its twin."""
+    import ray
+
+    from cluster.ray_shards import ShardPlacement
+    from cluster.serve import ShardServing, serve_sharded
+    from cluster.staging import StageConfig
+    from query.retrieve import QueryConfig, search, stored_tokens
+    from rerank.rerank import RerankConfig
+
+    url, single, xb, tars = index_on_s3
+    placement = ShardPlacement(replicas=2, cpus=0.05, concurrency=2, shards_per_actor=3)
+    serving = ShardServing(placement, StageConfig(str(tmp_path / "node-{node}"), s3_endpoint), TIMEOUT)
+    coordinator = serve_sharded(url, serving)
+    try:
+        assert coordinator.backend.groups == [[0, 1, 2], [3]] and len(coordinator.backend.actors) == 2
+        xq = np.ascontiguousarray(xb[::61], dtype=np.float32)
+        before = coordinator.backend.ray_calls
+        D2, I2 = coordinator.search(xq, 50)
+        assert coordinator.backend.ray_calls - before == 2  # one per actor, not one per shard
+        D1, I1 = single.search(xq, 50)
+        np.testing.assert_array_equal(I1, I2)
+        np.testing.assert_array_equal(D1, D2)
+        keys = ["000002/00011", "000004/00500"]
+        conf = QueryConfig(k=10, rerank=RerankConfig(method="sp", shortlist=50))
+        a, b = (
+            search(i, np.stack([i.vector_of(k) for k in keys]), conf, stored_tokens(i, keys))
+            for i in (single, coordinator)
+        )
+        np.testing.assert_array_equal(a[1], b[1])
+        np.testing.assert_array_equal(a[0], b[0])
+        with tarfile.open(tars["000003"]) as tar:
+            assert coordinator.thumbnail("000003/00004", 20) == thumbnail_jpeg(tar.extractfile("00004.jpg").read(), 20)
+        ray.kill(coordinator.backend.actors[0][0], no_restart=False)
+        D3, I3 = coordinator.search(xq, 50)
+        np.testing.assert_array_equal(I1, I3)
+        np.testing.assert_array_equal(D1, D3)
+    finally:
+        for replicas in coordinator.backend.actors:
+            for actor in replicas:
+                ray.kill(actor, no_restart=True)
+
+
+def test_local_build_parts_run_on_the_drivers_node(cluster):
+    """A local --out is on the driver's disk: its part tasks never run on another node."""
+    import ray
+
+    from cluster.index_job import node_cpus, ray_part_runner
+
+    def slow_node_id(*_):  # defined here: pickled by value for the workers
+        import time
+
+        import ray
+
+        time.sleep(0.3)  # long enough that an unpinned task would spill to the other nodes
+        return ray.get_runtime_context().get_node_id()
+
+    here = ray.get_runtime_context().get_node_id()
+    # half a CPU each: more than the head has free beside the shard actors, so unpinned they would spill
+    assert ray_part_runner(0.5, task=slow_node_id)([()] * 6) == [here] * 6
+    assert node_cpus("/tmp/out") == 1 and node_cpus("s3://b/out") == 3
 
 
 def test_killed_shard_actors_during_a_stream_of_queries(served, index_on_s3):

@@ -1,0 +1,76 @@
+"""Several index shards served by one process (one Ray actor): a request reaches the group in one
+call carrying every member's arguments, the members answer in parallel threads (FAISS, numpy and
+torch release the GIL), and one reply carries every answer.
+
+Why: a Ray call costs about as much coordinator and transport time as a whole shard's search
+(``bench/sharded_serving.py``: ~0.5 ms of CPU at each end, measured with a method that does
+nothing), so on nodes with fewer cores than shards a request pays per call, not per shard. With
+``--shards-per-actor G`` the shards are grouped G to an actor (consecutive shards), one call per
+group. Each member is a ``ShardActor`` (cluster/shard_actor.py), staged and opened as on its own.
+
+Arguments and answers travel pickled in one bytes object each way: Ray's own serialisation of
+several small numpy arrays and lists per call costs more than the pickling (measured with
+bench/sharded_serving.py's fan-out; the answers are a few KB).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from cluster.shard_actor import ShardActor, current_node
+from cluster.staging import StageConfig
+from ingest.source_images import SourceImagesConfig
+
+log = logging.getLogger(__name__)
+
+
+class ShardGroup:
+    """The shards ``entries`` (top-level infos entries) of the index at ``source``, each staged to
+    this node and opened by its own ``ShardActor``; ``run`` answers many members' calls at once."""
+
+    def __init__(
+        self,
+        source: str,
+        entries: list[dict[str, Any]],
+        stage: StageConfig,
+        replica: int = 0,
+        images: SourceImagesConfig | None = None,
+    ):
+        self.node = current_node()
+        self.members = [ShardActor(source, e["name"], stage, replica, e, images) for e in entries]
+        self.pool = ThreadPoolExecutor(max(1, len(self.members)), thread_name_prefix="shard")
+
+    def info(self) -> list[dict[str, Any]]:
+        """Every member's ``info()`` (where it runs, what it staged)."""
+        return [member.info() for member in self.members]
+
+    def memory(self) -> dict[str, int]:
+        """This process's memory (all members)."""
+        return self.members[0].memory()
+
+    def run(self, packed: bytes) -> bytes:
+        """``packed``: pickled ``(method, {member: args})``; returns pickled ``{member: ("ok",
+        value) | ("error", exception)}``: each member's ``method(*args)``, in parallel threads."""
+        method, calls = pickle.loads(packed)
+        answers = self.answer(method, calls)
+        try:
+            return pickle.dumps(answers, protocol=5)
+        except Exception:  # an error that does not pickle goes back as its message
+            plain = {m: a if a[0] == "ok" else ("error", RuntimeError(repr(a[1]))) for m, a in answers.items()}
+            return pickle.dumps(plain, protocol=5)
+
+    def answer(self, method: str, calls: dict[int, tuple]) -> dict[int, tuple[str, Any]]:
+        def one(member: int) -> tuple[str, Any]:
+            try:
+                return "ok", getattr(self.members[member], method)(*calls[member])
+            except Exception as exc:  # the member's error goes back to its caller, the others still answer
+                return "error", exc
+
+        if len(calls) == 1:  # no thread hop for a single member
+            (member,) = calls
+            return {member: one(member)}
+        futures = {member: self.pool.submit(one, member) for member in calls}
+        return {member: future.result() for member, future in futures.items()}
