@@ -209,7 +209,8 @@ def coordinator_child(args: argparse.Namespace) -> None:
 
     ray.init(address=args.address, log_to_driver=False)
     start = time.perf_counter()
-    serving = ShardServing(ShardPlacement(cpus=0.01, concurrency=2), StageConfig(args.cache_dir), timeout=60.0)
+    placement = ShardPlacement(cpus=0.01, concurrency=2, shards_per_actor=args.group)
+    serving = ShardServing(placement, StageConfig(args.cache_dir), timeout=60.0)
     index = serve_sharded(args.index, serving)
     ready_s = time.perf_counter() - start
     xq = np.load(args.queries)[: args.queries_n]
@@ -245,6 +246,8 @@ def coordinator_child(args: argparse.Namespace) -> None:
         "ready_s": round(ready_s, 1),
         "coordinator_rss_mb": round(rss / 2**20, 1),
         "ray_fanout_floor_p50_ms": round(float(np.median(floor)) * 1000, 3),
+        "shards_per_actor": args.group,
+        "actors": len(index.backend.actors),
         "single": percentiles(single_times),
         "sharded": percentiles(times),
         "bytes_per_query": int(per_query),
@@ -276,14 +279,19 @@ def run_size(n: int, args: argparse.Namespace, address: str, work: Path) -> dict
         (work / "rerank_keys.json").write_text(json.dumps(rerank_keys(single, args.rerank_queries)))
     result = {"n": n, "build_s": build_s, "keys_ms_1000_in_shards": keys_in_shards(single, out, xq[:1], args.nprobe)}
     del single
-    report = work / "coordinator.json"
-    command = [sys.executable, __file__, "--child", "--address", address, "--index", str(out)]
-    command += ["--queries-file", str(work / "queries.npy"), "--queries-n", str(args.queries), "--result", str(report)]
-    command += ["--k", str(args.k), "--nprobe", str(args.nprobe), "--cache-dir", str(work / "cache-{node}")]
-    command += ["--rerank-keys", str(work / "rerank_keys.json")]
-    subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    result.update(json.loads(report.read_text()))
-    result["p50_ratio_vs_single"] = round(result["sharded"]["p50_ms"] / result["single"]["p50_ms"], 2)
+    for group in args.shards_per_actor:
+        report = work / f"coordinator_g{group}.json"
+        command = [sys.executable, __file__, "--child", "--address", address, "--index", str(out)]
+        command += ["--queries-file", str(work / "queries.npy"), "--queries-n", str(args.queries)]
+        command += ["--result", str(report), "--group", str(group)]
+        command += ["--k", str(args.k), "--nprobe", str(args.nprobe), "--cache-dir", str(work / "cache-{node}")]
+        command += ["--rerank-keys", str(work / "rerank_keys.json")]
+        subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        deployment = json.loads(report.read_text())
+        deployment["p50_ratio_vs_single"] = round(deployment["sharded"]["p50_ms"] / deployment["single"]["p50_ms"], 2)
+        result.setdefault("deployments", []).append(deployment)
+    # the headline figures: the last deployment (shards grouped one actor per node by default)
+    result.update(result["deployments"][-1])
     return result
 
 
@@ -292,6 +300,13 @@ def main() -> None:
     p.add_argument("--n", type=int, nargs="+", default=[1_000_000, 4_000_000])
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--shards", type=int, default=8)
+    p.add_argument(
+        "--shards-per-actor",
+        type=int,
+        nargs="+",
+        help="deployments measured, each one child (default: 1, then ceil(shards / nodes): one actor per node)",
+    )
+    p.add_argument("--group", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--nlist", type=int, default=1024)
     p.add_argument("--pq-bytes", type=int, default=16)
@@ -319,6 +334,7 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
+    args.shards_per_actor = args.shards_per_actor or [1, -(-args.shards // args.nodes)]
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="needle-sharded-"))
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_0": 1}})
     for i in range(1, args.nodes):
@@ -349,7 +365,10 @@ def main() -> None:
         "keys_ms_1000_in_shards": sizes[-1]["keys_ms_1000_in_shards"],
         "keys_ms_1000_after_search": sizes[-1]["keys_ms_1000_after_search"],
         "identical_to_single": all(s["identical_to_single"] for s in sizes),
-        "p50_ratio_vs_single": sizes[-1]["p50_ratio_vs_single"],
+        "p50_ratio_vs_single": sizes[-1]["p50_ratio_vs_single"],  # the last deployment's (grouped by default)
+        "p50_ratio_vs_single_by_shards_per_actor": {
+            str(d["shards_per_actor"]): d["p50_ratio_vs_single"] for d in sizes[-1]["deployments"]
+        },
     }
     line = json.dumps(summary)
     if args.out:

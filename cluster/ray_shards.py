@@ -45,6 +45,25 @@ def shard_groups(n_shards: int, shards_per_actor: int) -> list[list[int]]:
     return [list(range(start, min(start + size, n_shards))) for start in range(0, n_shards, size)]
 
 
+class GroupBatch:
+    """One Ray call to a group actor, carrying several shard calls; its answers decoded once."""
+
+    def __init__(self, ref: Any):
+        self.ref = ref
+        self.answers: list[tuple[str, Any]] | None = None
+
+    def decoded(self) -> list[tuple[str, Any]]:
+        import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+        if self.answers is None:
+            try:
+                self.answers = pickle.loads(ray.get(self.ref))
+            except (RayActorError, ActorDiedError, ActorUnavailableError) as exc:
+                raise ReplicaFailed(str(exc).splitlines()[0]) from exc
+        return self.answers
+
+
 @dataclass(eq=False)  # a handle: hashed by identity
 class GroupCall:
     """A shard's call, answered by its group's Ray call (several shards' calls share one)."""
@@ -53,12 +72,14 @@ class GroupCall:
     group: int
     member: int
     replica: int
-    ref: Any = None  # the group's ObjectRef, once sent
+    batch: GroupBatch | None = None  # the Ray call that carries it, once sent
+    slot: int = 0  # its place among the batch's calls
 
 
 class RayShards:
-    """A ShardBackend over ShardGroup actors ``[group][replica]`` (``shards_per_actor`` shards
-    each): the calls submitted together to one actor go as one Ray call when waited on."""
+    """A ShardBackend over ShardGroup actors ``[group][replica]`` (cluster/shard_group.py): the
+    calls submitted to one actor before a wait go as one Ray call (arguments and answers pickled
+    in one bytes object each way)."""
 
     def __init__(self, actors: list[list[Any]], groups: list[list[int]] | None = None):
         self.actors = actors
@@ -69,7 +90,7 @@ class RayShards:
         self.replicas = [len(actors[self.of_shard[s][0]]) for s in range(len(self.of_shard))]
         self._unsent: list[tuple[GroupCall, str, tuple]] = []
         self._lock = threading.Lock()
-        self.ray_calls = 0  # Ray calls sent (a request's calls to one actor's shards count once)
+        self.ray_calls = 0  # Ray calls sent (the calls of a wait to one actor count once)
 
     def submit(self, shard: int, replica: int, method: str, *args: Any) -> GroupCall:
         group, member = self.of_shard[shard]
@@ -79,41 +100,34 @@ class RayShards:
         return call
 
     def send(self) -> None:
-        """One Ray call per (group, replica, method) among the calls not sent yet."""
+        """One Ray call per (group, replica, method) among the calls not sent yet (of this
+        request, and of any other thread's submitted meanwhile)."""
         with self._lock:
             unsent, self._unsent = self._unsent, []
-        batches: dict[tuple[int, int, str], list[tuple[GroupCall, tuple]]] = {}
-        for call, method, args in unsent:
-            batches.setdefault((call.group, call.replica, method), []).append((call, args))
-        with self._lock:
+            batches: dict[tuple[int, int, str], list[tuple[GroupCall, tuple]]] = {}
+            for call, method, args in unsent:
+                batches.setdefault((call.group, call.replica, method), []).append((call, args))
             self.ray_calls += len(batches)
         for (group, replica, method), calls in batches.items():
-            packed = pickle.dumps((method, {c.member: args for c, args in calls}), protocol=5)
-            ref = self.actors[group][replica].run.remote(packed)
-            for call, _ in calls:
-                call.ref = ref
+            packed = pickle.dumps((method, [(c.member, args) for c, args in calls]), protocol=5)
+            batch = GroupBatch(self.actors[group][replica].run.remote(packed))
+            for slot, (call, _) in enumerate(calls):
+                call.batch, call.slot = batch, slot
 
     def wait(self, handles: list[GroupCall], timeout: float) -> list[GroupCall]:
         import ray
 
         self.send()
-        refs = list(dict.fromkeys(h.ref for h in handles))
+        refs = list(dict.fromkeys(h.batch.ref for h in handles))
         # one wait for all: a failed call is done at once, so only a hung one holds it to the timeout
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         finished = set(done)
-        return [h for h in handles if h.ref in finished]
+        return [h for h in handles if h.batch.ref in finished]
 
     def result(self, handle: GroupCall) -> Any:
-        import ray
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-        if handle.ref is None:
+        if handle.batch is None:
             self.send()
-        try:
-            answers = pickle.loads(ray.get(handle.ref))
-        except (RayActorError, ActorDiedError, ActorUnavailableError) as exc:
-            raise ReplicaFailed(str(exc).splitlines()[0]) from exc
-        status, value = answers[handle.member]
+        status, value = handle.batch.decoded()[handle.slot]
         if status == "error":
             raise value
         return value

@@ -52,25 +52,25 @@ class ShardGroup:
         return self.members[0].memory()
 
     def run(self, packed: bytes) -> bytes:
-        """``packed``: pickled ``(method, {member: args})``; returns pickled ``{member: ("ok",
-        value) | ("error", exception)}``: each member's ``method(*args)``, in parallel threads."""
+        """``packed``: pickled ``(method, [(member, args), ...])``; returns the pickled list of
+        ``("ok", value)`` or ``("error", exception)``, in order: each member's
+        ``method(*args)``, in parallel threads."""
         method, calls = pickle.loads(packed)
         answers = self.answer(method, calls)
         try:
             return pickle.dumps(answers, protocol=5)
         except Exception:  # an error that does not pickle goes back as its message
-            plain = {m: a if a[0] == "ok" else ("error", RuntimeError(repr(a[1]))) for m, a in answers.items()}
+            plain = [a if a[0] == "ok" else ("error", RuntimeError(repr(a[1]))) for a in answers]
             return pickle.dumps(plain, protocol=5)
 
-    def answer(self, method: str, calls: dict[int, tuple]) -> dict[int, tuple[str, Any]]:
-        def one(member: int) -> tuple[str, Any]:
+    def answer(self, method: str, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
+        def one(member: int, args: tuple) -> tuple[str, Any]:
             try:
-                return "ok", getattr(self.members[member], method)(*calls[member])
+                return "ok", getattr(self.members[member], method)(*args)
             except Exception as exc:  # the member's error goes back to its caller, the others still answer
                 return "error", exc
 
         if len(calls) == 1:  # no thread hop for a single member
-            (member,) = calls
-            return {member: one(member)}
-        futures = {member: self.pool.submit(one, member) for member in calls}
-        return {member: future.result() for member, future in futures.items()}
+            return [one(*calls[0])]
+        futures = [self.pool.submit(one, member, args) for member, args in calls]
+        return [future.result() for future in futures]

@@ -159,6 +159,35 @@ def test_thumbnails_are_made_by_the_shard_that_owns_the_key(built, sharded):
         replicas.down.clear()
 
 
+def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path):
+    """--shards-per-actor: one call carries several members' calls (even one member twice, two
+    requests batched together); each answer equals the member's own, an error stays its own."""
+    import pickle
+
+    from cluster.shard_group import ShardGroup
+
+    _, out, xb = built
+    entries = read_index_infos(out)["shards"][:3]
+    group = ShardGroup(str(out), entries, StageConfig(str(tmp_path / "cache")))
+    xq = queries(xb)[:2]
+    calls = [(0, (xq, 30, None, True)), (2, (xq, 30, None, True)), (0, (xq[:1], 5, 2, True))]
+    answers = pickle.loads(group.run(pickle.dumps(("search", calls))))
+    for (member, args), (status, value) in zip(calls, answers):
+        expected = group.members[member].search(*args)
+        assert status == "ok" and value[3] == expected[3]
+        for a, b in zip(value[:3], expected[:3]):
+            np.testing.assert_array_equal(a, b)
+    # a key of member 1 past the images its tar holds, and a key nobody holds
+    owned = next(
+        f"{s:06d}/{n - 1:05d}" for s, n in SIZES.items() if group.members[1].shard.position_of(f"{s:06d}/00000") >= 0
+    )
+    (status, error), (ok, found) = pickle.loads(
+        group.run(pickle.dumps(("thumbnail", [(1, (owned, 8)), (1, ("000000/99999", 8))])))
+    )
+    assert status == "error" and isinstance(error, FileNotFoundError) and (ok, found) == ("ok", None)
+    assert [i["shard"] for i in group.info()] == [e["name"] for e in entries]
+
+
 def test_query_service_answers_like_the_single_index(built, sharded):
     from cluster.serve import QueryService
 
