@@ -8,7 +8,9 @@ nothing), so on nodes with fewer cores than shards a request pays per call, not 
 ``--shards-per-actor G`` the shards are grouped G to an actor (consecutive shards), one call per
 group. Each member is a ``ShardActor`` (cluster/shard_actor.py), staged and opened as on its own.
 
-Arguments and answers travel pickled in one bytes object each way: Ray's own serialisation of
+Members' searches of one query batch go back trimmed to the batch's shortlist among them (the
+merge at the coordinator is unchanged and exact: index.search.trim_to_shortlist). Arguments and
+answers travel pickled in one bytes object each way: Ray's own serialisation of
 several small numpy arrays and lists per call costs more than the pickling (measured with
 bench/sharded_serving.py's fan-out; the answers are a few KB).
 """
@@ -20,11 +22,32 @@ import pickle
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from cluster.shard_actor import ShardActor, current_node
 from cluster.staging import StageConfig
+from index.search import trim_to_shortlist
 from ingest.source_images import SourceImagesConfig
 
 log = logging.getLogger(__name__)
+
+
+def trimmed_searches(calls: list[tuple[int, tuple]], answers: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Several members' searches of one query batch (same arguments) sent back with only their
+    members of the batch's shortlist (``index.search.trim_to_shortlist``: the coordinator's
+    merge gives the same answer from them, with less to send, decode and merge)."""
+    batches: dict[tuple, list[int]] = {}
+    for slot, ((_, args), (status, _)) in enumerate(zip(calls, answers)):
+        if status == "ok":
+            xq = np.asarray(args[0])
+            batches.setdefault((xq.shape, xq.tobytes(), repr(args[1:])), []).append(slot)
+    out = list(answers)
+    for slots in batches.values():
+        if len(slots) > 1:
+            kk = int(calls[slots[0]][1][1])
+            for slot, part in zip(slots, trim_to_shortlist([answers[s][1] for s in slots], kk)):
+                out[slot] = ("ok", part)
+    return out
 
 
 class ShardGroup:
@@ -73,4 +96,5 @@ class ShardGroup:
         if len(calls) == 1:  # no thread hop for a single member
             return [one(*calls[0])]
         futures = [self.pool.submit(one, member, args) for member, args in calls]
-        return [future.result() for future in futures]
+        answers = [future.result() for future in futures]
+        return trimmed_searches(calls, answers) if method == "search" else answers

@@ -171,6 +171,39 @@ def merge_shortlists(
     return sort_by_score(np.take_along_axis(D_exact, order, 1), np.take_along_axis(I, order, 1), k)
 
 
+def trim_to_shortlist(
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[list[Any]]]], kk: int
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, list[list[Any]]]]:
+    """Several shards' ``(D_index, I, D_exact, keys)`` shortlists with only their members of the
+    ``kk`` best by index score among them all (ties to the lower row id, as ``merge_shortlists``);
+    the others become padding (I -1, scores -inf, key None), and each part keeps the width of its
+    widest row. A candidate outside the kk best of some shards is outside the kk best of all
+    shards, so ``merge_shortlists`` gives the same answer from the trimmed parts: shards served
+    together (cluster/shard_group.py) send back one shortlist's worth, not one per shard."""
+    D_index = np.concatenate([p[0] for p in parts], axis=1)
+    I = np.concatenate([p[1] for p in parts], axis=1)
+    keep = np.zeros(I.shape, bool)
+    np.put_along_axis(keep, top_order(D_index, I, kk), True, 1)
+    keep &= I >= 0
+    out, start = [], 0
+    for D, rows, exact, keys in parts:
+        kept = keep[:, start : start + rows.shape[1]]
+        start += rows.shape[1]
+        width = int(kept.sum(1).max(initial=0))
+        # each row's kept columns first, in their order; padding after
+        order = np.argsort(~kept, axis=1, kind="stable")[:, :width]
+        valid = np.take_along_axis(kept, order, 1)
+        out.append(
+            (
+                np.where(valid, np.take_along_axis(D, order, 1), -np.inf).astype(D.dtype),
+                np.where(valid, np.take_along_axis(rows, order, 1), -1),
+                np.where(valid, np.take_along_axis(exact, order, 1), -np.inf).astype(exact.dtype),
+                [[keys[q][c] if ok else None for c, ok in zip(o, v)] for q, (o, v) in enumerate(zip(order, valid))],
+            )
+        )
+    return out
+
+
 @dataclass
 class Shard:
     """One FAISS index file and the float16 vectors of its rows: searched in this process or in a

@@ -266,3 +266,31 @@ def test_an_index_built_before_shard_directories_still_loads(built, collection, 
     name = shard_names(old.infos)[-1]
     for a, b in zip(open_shard(tmp_path / "old", name).search(xq, 5), old.shards[-1].search(xq, 5)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_trimmed_shortlists_merge_to_the_same_answer(seed):
+    """Shards served together send back only their members of their joint shortlist: the merge
+    of the trimmed parts equals the merge of the full parts (coarse scores: many ties; padding)."""
+    from index.search import merge_shortlists, trim_to_shortlist
+
+    rng = np.random.default_rng(seed)
+    nq, kk, k = 4, 12, 5
+    parts = []
+    for shard in range(int(rng.integers(2, 5))):
+        width = int(rng.integers(1, 2 * kk))
+        D = rng.integers(0, 6, (nq, width)).astype(np.float32)  # few values: ties across shards
+        rows = (np.int64(shard) << 32) + rng.permutation(10 * kk)[: width * nq].reshape(nq, width)
+        rows[rng.random((nq, width)) < 0.15] = -1  # padding of short lists
+        exact = np.round(D + rng.normal(0, 1, D.shape), 1).astype(np.float32)
+        keys = [[None if i < 0 else f"{shard}/{i}" for i in row] for row in rows.tolist()]
+        parts.append((D, rows, exact, keys))
+    trimmed = trim_to_shortlist(parts, kk)
+    full = merge_shortlists([p[:3] for p in parts], kk, k)
+    short = merge_shortlists([p[:3] for p in trimmed], kk, k)
+    np.testing.assert_array_equal(full[1], short[1])
+    np.testing.assert_array_equal(full[0], short[0])
+    assert sum(p[1].shape[1] for p in trimmed) <= sum(p[1].shape[1] for p in parts)
+    assert all((p[1] >= 0).sum(1).max() <= kk for p in trimmed)
+    for p in trimmed:
+        assert [[None if i < 0 else f"{i >> 32}/{i}" for i in row] for row in p[1].tolist()] == p[3]

@@ -16,7 +16,7 @@ from cluster.local_shards import LocalShards
 from cluster.shard_actor import ShardActor
 from cluster.staging import StageConfig, read_index_infos, stage_shard
 from index.build import SHARD_INFOS_FILE, IndexConfig, main
-from index.search import IndexFileError, UnknownKeyError, load_index
+from index.search import IndexFileError, UnknownKeyError, load_index, merge_shortlists
 from query.retrieve import QueryConfig, search, stored_tokens
 from rerank.rerank import RerankConfig
 
@@ -172,11 +172,23 @@ def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path):
     xq = queries(xb)[:2]
     calls = [(0, (xq, 30, None, True)), (2, (xq, 30, None, True)), (0, (xq[:1], 5, 2, True))]
     answers = pickle.loads(group.run(pickle.dumps(("search", calls))))
-    for (member, args), (status, value) in zip(calls, answers):
-        expected = group.members[member].search(*args)
-        assert status == "ok" and value[3] == expected[3]
-        for a, b in zip(value[:3], expected[:3]):
-            np.testing.assert_array_equal(a, b)
+    assert all(status == "ok" for status, _ in answers)
+    own = [group.members[member].search(*args) for member, args in calls]
+    # the two members' searches of one batch come back trimmed to their joint shortlist: same merge
+    mine, theirs = [answers[0][1], answers[1][1]], own[:2]
+    assert sum(p[1].shape[1] for p in mine) < sum(p[1].shape[1] for p in theirs)
+    for a, b in zip(merge_shortlists([p[:3] for p in mine], 30, 12), merge_shortlists([p[:3] for p in theirs], 30, 12)):
+        np.testing.assert_array_equal(a, b)
+    keys = {i: k for p in mine for row_i, row_k in zip(p[1].tolist(), p[3]) for i, k in zip(row_i, row_k) if i >= 0}
+    assert all(
+        keys[i] == k
+        for p in theirs
+        for row_i, row_k in zip(p[1].tolist(), p[3])
+        for i, k in zip(row_i, row_k)
+        if i in keys
+    )
+    for a, b in zip(answers[2][1], own[2]):  # the other request's search: as the member answered it
+        np.testing.assert_array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object))
     # a key of member 1 past the images its tar holds, and a key nobody holds
     owned = next(
         f"{s:06d}/{n - 1:05d}" for s, n in SIZES.items() if group.members[1].shard.position_of(f"{s:06d}/00000") >= 0
