@@ -101,18 +101,19 @@ class RayShards:
 
     def send(self) -> None:
         """One Ray call per (group, replica, method) among the calls not sent yet (of this
-        request, and of any other thread's submitted meanwhile)."""
+        request, and of any other thread's submitted meanwhile). Under the lock throughout: when
+        it returns, every call submitted before has its batch."""
         with self._lock:
-            unsent, self._unsent = self._unsent, []
             batches: dict[tuple[int, int, str], list[tuple[GroupCall, tuple]]] = {}
-            for call, method, args in unsent:
+            for call, method, args in self._unsent:
                 batches.setdefault((call.group, call.replica, method), []).append((call, args))
+            self._unsent = []
             self.ray_calls += len(batches)
-        for (group, replica, method), calls in batches.items():
-            packed = pickle.dumps((method, [(c.member, args) for c, args in calls]), protocol=5)
-            batch = GroupBatch(self.actors[group][replica].run.remote(packed))
-            for slot, (call, _) in enumerate(calls):
-                call.batch, call.slot = batch, slot
+            for (group, replica, method), calls in batches.items():
+                packed = pickle.dumps((method, [(c.member, args) for c, args in calls]), protocol=5)
+                batch = GroupBatch(self.actors[group][replica].run.remote(packed))
+                for slot, (call, _) in enumerate(calls):
+                    call.batch, call.slot = batch, slot
 
     def wait(self, handles: list[GroupCall], timeout: float) -> list[GroupCall]:
         import ray

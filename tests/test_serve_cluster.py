@@ -223,6 +223,16 @@ def test_shards_grouped_per_actor_answer_in_one_call_per_actor(cluster, index_on
         np.testing.assert_array_equal(a[0], b[0])
         with tarfile.open(tars["000003"]) as tar:
             assert coordinator.thumbnail("000003/00004", 20) == thumbnail_jpeg(tar.extractfile("00004.jpg").read(), 20)
+        # requests from several threads at once: their calls to one actor may share a Ray call
+        from concurrent.futures import ThreadPoolExecutor
+
+        rows = [np.ascontiguousarray(xb[i : i + 2], dtype=np.float32) for i in range(0, 240, 12)]
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda x: coordinator.search(x, 20), rows))
+        for x, (D, I) in zip(rows, answers):
+            D0, I0 = single.search(x, 20)
+            np.testing.assert_array_equal(I0, I)
+            np.testing.assert_array_equal(D0, D)
         ray.kill(coordinator.backend.actors[0][0], no_restart=False)
         D3, I3 = coordinator.search(xq, 50)
         np.testing.assert_array_equal(I1, I3)
