@@ -208,6 +208,13 @@ class ShardedIndex:
             self.count_traffic(args, results)
         missing = [self.names[s] for s in args if s not in results]
         if missing:
+            log.warning(
+                "%s: no answer from %s after %.2f s (replicas asked: %s)",
+                what,
+                ", ".join(missing),
+                time.monotonic() - start,
+                {self.names[s]: sorted(tried[s]) for s in args if s not in results},
+            )
             state = self.state()
             if not state.partial or not results:
                 raise ShardsUnavailable(missing, what)
