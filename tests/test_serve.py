@@ -236,6 +236,14 @@ def test_ray_serve_deployment_in_front_of_shard_actors(built, ray_local, tmp_pat
         one_process = QueryService(load_index(built / "sharded"))
         for body in ({"keys": ["000002/00005"], "k": 5}, {"keys": ["000001/00100"], "k": 9, "nprobe": 8}):
             assert urlopen_json(f"{url}/search", body) == (200, one_process.search_json(body))
+        # a shard with no live replica: /health is a 503 naming it, and Serve's health probe of the
+        # live deployment's replica fails (the controller then replaces it)
+        serve.get_app_handle("needle").check_health.remote().result()
+        ray_local.kill(actors[1][0], no_restart=True)
+        status, health = urlopen_json(f"{url}/health")
+        assert status == 503 and health["unavailable_shards"] == ["shard_001"]
+        with pytest.raises(Exception, match="shard_001"):
+            serve.get_app_handle("needle").check_health.remote().result()
     finally:
         serve.shutdown()
         for [actor] in actors:
