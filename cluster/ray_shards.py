@@ -68,7 +68,6 @@ class GroupBatch:
 class GroupCall:
     """A shard's call, answered by its group's Ray call (several shards' calls share one)."""
 
-    shard: int
     group: int
     member: int
     replica: int
@@ -94,7 +93,7 @@ class RayShards:
 
     def submit(self, shard: int, replica: int, method: str, *args: Any) -> GroupCall:
         group, member = self.of_shard[shard]
-        call = GroupCall(shard, group, member, replica)
+        call = GroupCall(group, member, replica)
         with self._lock:
             self._unsent.append((call, method, args))
         return call

@@ -17,19 +17,16 @@ bench/sharded_serving.py's fan-out; the answers are a few KB).
 
 from __future__ import annotations
 
-import logging
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from cluster.shard_actor import ShardActor, current_node
+from cluster.shard_actor import ShardActor
 from cluster.staging import StageConfig
 from index.search import trim_to_shortlist
 from ingest.source_images import SourceImagesConfig
-
-log = logging.getLogger(__name__)
 
 
 def trimmed_searches(calls: list[tuple[int, tuple]], answers: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -62,7 +59,6 @@ class ShardGroup:
         replica: int = 0,
         images: SourceImagesConfig | None = None,
     ):
-        self.node = current_node()
         self.members = [ShardActor(source, e["name"], stage, replica, e, images) for e in entries]
         self.pool = ThreadPoolExecutor(max(1, len(self.members)), thread_name_prefix="shard")
 

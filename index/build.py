@@ -529,18 +529,11 @@ def finish_shard(
 def tars_of_files(paths: list[str]) -> dict[str, str]:
     """Parquet file -> the tar ingestion read it from, as recorded beside it (``ingest_info.json``,
     copied with staged S3 parts), for the files whose tar is recorded."""
-    from ingest.source_images import recorded_tar_urls
+    from ingest.source_images import tar_urls_of_files
 
-    by_directory: dict[Path, dict[str, str]] = {}
-    tars = {}
-    for path in paths:
-        directory = Path(path).parent
-        if directory not in by_directory:
-            by_directory[directory] = recorded_tar_urls(directory)[0]
-        url = by_directory[directory].get(Path(path).name.removesuffix(".parquet"))
-        if url:
-            tars[path] = url
-    return tars
+    urls = tar_urls_of_files([{"path": str(Path(path).absolute())} for path in paths])  # shard name -> tar
+    names = {path: Path(path).name.removesuffix(".parquet") for path in paths}
+    return {path: urls[name] for path, name in names.items() if name in urls}
 
 
 def _file_stat(path: str) -> dict[str, Any]:
