@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 EVIDENCE_MARGIN = 8  # match evidence sent for this many members past a shard's own top k
 
 
+def writable(xq: np.ndarray) -> np.ndarray:
+    """Queries as C-contiguous, writable float32: Ray hands arrays over read-only, torch wants them writable."""
+    return np.require(xq, np.float32, ["C", "W"])
+
+
 def current_node() -> str:
     """This process's Ray node id (its host name outside a Ray worker)."""
     try:
@@ -87,9 +92,18 @@ class ShardActor:
         self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[str | None]]]:
         """(index scores, row ids, exact scores, keys) of this shard's shortlist (``Shard.search``)."""
-        xq = np.require(xq, np.float32, ["C", "W"])  # Ray hands arrays over read-only; torch wants them writable
-        D, I, exact = self.shard.search(xq, kk, nprobe, refine)
-        return D, I, exact, self.shard.keys_of(I)
+        D, I = self.candidates(xq, kk, nprobe)
+        return self.completed(xq, D, I, refine)
+
+    def candidates(self, xq: np.ndarray, kk: int, nprobe: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """(index scores, row ids) of this shard's best ``kk`` candidates (``Shard.candidates``)."""
+        return self.shard.candidates(writable(xq), kk, nprobe)
+
+    def completed(
+        self, xq: np.ndarray, D: np.ndarray, I: np.ndarray, refine: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[str | None]]]:
+        """Candidates ``(D, I)`` of this shard (-1 padding allowed) with their exact scores and keys."""
+        return D, I, self.shard.exact_scores(writable(xq), D, I, refine), self.shard.keys_of(I)
 
     def keys_of(self, rows: np.ndarray) -> list[str | None]:
         return self.shard.keys_of(np.asarray(rows, np.int64)[None])[0]

@@ -8,8 +8,10 @@ nothing), so on nodes with fewer cores than shards a request pays per call, not 
 ``--shards-per-actor G`` the shards are grouped G to an actor (consecutive shards), one call per
 group. Each member is a ``ShardActor`` (cluster/shard_actor.py), staged and opened as on its own.
 
-Members' searches of one query batch go back trimmed to the batch's shortlist among them (the
-merge at the coordinator is unchanged and exact: index.search.trim_to_shortlist). Arguments and
+Members' searches of one query batch run in two steps: every member's candidates by index score,
+then only the members of the batch's shortlist among them (index.search.trim_to_shortlist) are
+re-scored and given keys, and only they go back; the merge at the coordinator is unchanged and
+exact. A group of G shards thus re-scores kk rows per query, not G times kk. Arguments and
 answers travel pickled in one bytes object each way: Ray's own serialisation of
 several small numpy arrays and lists per call costs more than the pickling (measured with
 bench/sharded_serving.py's fan-out; the answers are a few KB).
@@ -29,22 +31,19 @@ from index.search import trim_to_shortlist
 from ingest.source_images import SourceImagesConfig
 
 
-def trimmed_searches(calls: list[tuple[int, tuple]], answers: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """Several members' searches of one query batch (same arguments) sent back with only their
-    members of the batch's shortlist (``index.search.trim_to_shortlist``: the coordinator's
-    merge gives the same answer from them, with less to send, decode and merge)."""
-    batches: dict[tuple, list[int]] = {}
-    for slot, ((_, args), (status, _)) in enumerate(zip(calls, answers)):
-        if status == "ok":
-            xq = np.asarray(args[0])
-            batches.setdefault((xq.shape, xq.tobytes(), repr(args[1:])), []).append(slot)
-    out = list(answers)
-    for slots in batches.values():
-        if len(slots) > 1:
-            kk = int(calls[slots[0]][1][1])
-            for slot, part in zip(slots, trim_to_shortlist([answers[s][1] for s in slots], kk)):
-                out[slot] = ("ok", part)
-    return out
+def same_search(calls: list[tuple[int, tuple]]) -> list[list[int]]:
+    """The slots of ``search`` calls in batches of the same arguments, each member at most once
+    per batch (one request's query batch reaches every member with the same arguments; calls of
+    several requests, even of the same queries, may share a Ray call)."""
+    batches: dict[tuple, list[list[int]]] = {}
+    for slot, (member, args) in enumerate(calls):
+        xq = np.asarray(args[0])
+        same = batches.setdefault((xq.shape, xq.tobytes(), repr(args[1:])), [])
+        batch = next((b for b in same if all(calls[s][0] != member for s in b)), None)
+        if batch is None:
+            same.append(batch := [])
+        batch.append(slot)
+    return [batch for same in batches.values() for batch in same]
 
 
 class ShardGroup:
@@ -83,14 +82,38 @@ class ShardGroup:
             return pickle.dumps(plain, protocol=5)
 
     def answer(self, method: str, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
-        def one(member: int, args: tuple) -> tuple[str, Any]:
+        if method == "search" and len(calls) > 1:
+            return self.searched(calls)
+        return self.each([(member, method, args) for member, args in calls])
+
+    def each(self, calls: list[tuple[int, str, tuple]]) -> list[tuple[str, Any]]:
+        """``("ok", value)`` or ``("error", exception)`` of each member's ``method(*args)``, in
+        parallel threads: one member's error goes back to its caller, the others still answer."""
+
+        def one(member: int, method: str, args: tuple) -> tuple[str, Any]:
             try:
                 return "ok", getattr(self.members[member], method)(*args)
-            except Exception as exc:  # the member's error goes back to its caller, the others still answer
+            except Exception as exc:
                 return "error", exc
 
         if len(calls) == 1:  # no thread hop for a single member
             return [one(*calls[0])]
-        futures = [self.pool.submit(one, member, args) for member, args in calls]
-        answers = [future.result() for future in futures]
-        return trimmed_searches(calls, answers) if method == "search" else answers
+        return [future.result() for future in [self.pool.submit(one, *call) for call in calls]]
+
+    def searched(self, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
+        """Members' ``search`` answers, each batch of the same arguments trimmed to its shortlist
+        among the members before re-scoring and keys (``index.search.trim_to_shortlist``)."""
+        out: list[tuple[str, Any]] = [("error", RuntimeError("not answered"))] * len(calls)
+        for slots in same_search(calls):
+            xq, kk, nprobe, refine = calls[slots[0]][1]
+            found = self.each([(calls[s][0], "candidates", (xq, kk, nprobe)) for s in slots])
+            ok = [slot for slot, (status, _) in zip(slots, found) if status == "ok"]
+            for slot, answer in zip(slots, found):
+                if answer[0] != "ok":
+                    out[slot] = answer
+            parts = [value for status, value in found if status == "ok"]
+            trimmed = trim_to_shortlist(parts, int(kk)) if len(parts) > 1 else parts
+            completing = [(calls[slot][0], "completed", (xq, D, I, refine)) for slot, (D, I) in zip(ok, trimmed)]
+            for slot, answer in zip(ok, self.each(completing)):
+                out[slot] = answer
+        return out

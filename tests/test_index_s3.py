@@ -55,7 +55,7 @@ def assert_same_answers(a, b, xq):
     Da, Ia = a.search(xq, 15)
     Db, Ib = b.search(xq, 15)
     np.testing.assert_array_equal(Ia, Ib)
-    np.testing.assert_allclose(Da, Db, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(Da, Db)
     assert a.keys_of(Ia) == b.keys_of(Ib)
 
 

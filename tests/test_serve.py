@@ -40,7 +40,7 @@ def test_ray_sharded_service_equals_single_index(built, ray_local):
         D1, I1 = single.search(xq, 25, nprobe, refine_factor=factor)
         D2, I2 = service.search(xq, 25, nprobe, refine_factor=factor)
         np.testing.assert_array_equal(I1, I2)
-        np.testing.assert_allclose(D1, D2, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(D1, D2)
 
 
 @pytest.fixture(scope="module")

@@ -160,8 +160,9 @@ def test_thumbnails_are_made_by_the_shard_that_owns_the_key(built, sharded):
 
 
 def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path):
-    """--shards-per-actor: one call carries several members' calls (even one member twice, two
-    requests batched together); each answer equals the member's own, an error stays its own."""
+    """--shards-per-actor: one call carries several members' calls (even one member twice: two
+    requests batched together, one of them twice the same); each answer equals the member's own,
+    an error stays its own."""
     import pickle
 
     from cluster.shard_group import ShardGroup
@@ -170,7 +171,8 @@ def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path):
     entries = read_index_infos(out)["shards"][:3]
     group = ShardGroup(str(out), entries, StageConfig(str(tmp_path / "cache")))
     xq = queries(xb)[:2]
-    calls = [(0, (xq, 30, None, True)), (2, (xq, 30, None, True)), (0, (xq[:1], 5, 2, True))]
+    same = (xq, 30, None, True)
+    calls = [(0, same), (2, same), (0, (xq[:1], 5, 2, True)), (0, same)]
     answers = pickle.loads(group.run(pickle.dumps(("search", calls))))
     assert all(status == "ok" for status, _ in answers)
     own = [group.members[member].search(*args) for member, args in calls]
@@ -187,8 +189,9 @@ def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path):
         for i, k in zip(row_i, row_k)
         if i in keys
     )
-    for a, b in zip(answers[2][1], own[2]):  # the other request's search: as the member answered it
-        np.testing.assert_array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object))
+    for slot in (2, 3):  # the other request's search, and a second one of the first: as the member answers them
+        for a, b in zip(answers[slot][1], own[slot]):
+            np.testing.assert_array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object))
     # a key of member 1 past the images its tar holds, and a key nobody holds
     owned = next(
         f"{s:06d}/{n - 1:05d}" for s, n in SIZES.items() if group.members[1].shard.position_of(f"{s:06d}/00000") >= 0
