@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 class ShardPlacement:
     replicas: int = 1  # actors per shard group; requests are spread over them
     concurrency: int = 4  # concurrent calls per actor (its max_concurrency)
-    cpus: float | None = None  # CPUs reserved per actor; None: the cluster's CPUs shared among all actors (at most 1)
+    cpus: float | None = None  # CPUs reserved per actor (its members' threads: whole CPUs, >= 1); None: a share, <= 1
     reserve_memory: bool = True  # reserve the shards' bytes (their files) as the actor's Ray memory resource
     stage_timeout: float = 1800.0  # seconds to wait for every actor to stage its shards and report ready
     shards_per_actor: int = 1  # consecutive shards served by one actor (one Ray call per group and request)
@@ -157,6 +157,7 @@ def start_shard_actors(
     cpus = placement.cpus
     if cpus is None:
         cpus = min(1.0, ray.cluster_resources().get("CPU", 1) / (len(groups) * placement.replicas))
+    threads = max(1, int(cpus))  # members searching at once: no more than the CPUs reserved
     actor_cls = ray.remote(ShardGroup)
     actors = []
     for shards in groups:
@@ -172,7 +173,7 @@ def start_shard_actors(
             options["memory"] = max(1, sum(int(e["bytes"]) for e in members))
         actors.append(
             [
-                actor_cls.options(**options).remote(source, members, stage, replica, images)
+                actor_cls.options(**options).remote(source, members, stage, replica, images, threads)
                 for replica in range(placement.replicas)
             ]
         )

@@ -25,6 +25,7 @@ class ServeConfig:
     shard_replicas: int = 1  # --ray-shards: actors per shard (requests spread over them; one may die)
     shard_concurrency: int = 4  # --ray-shards: concurrent calls per shard actor
     shards_per_actor: int = 1  # --ray-shards: consecutive shards one actor serves (one Ray call per actor and request)
+    shard_cpus: float | None = None  # --ray-shards: CPUs per shard actor, its shards' threads (default: a share, <= 1)
     shard_timeout: float = 10.0  # --ray-shards: seconds a request waits for the shards, then 503 (or partial)
     cache_dir: str | None = (
         None  # --ray-shards: each node's local dir for staged shards ({node}: node id); default <tmp>
@@ -45,9 +46,14 @@ def shard_serving(conf: ServeConfig, tar_dirs: tuple[str, ...] = ()) -> Any:
 
     if conf.shard_timeout <= 0:
         raise NeedleInputError(f"--shard-timeout must be positive, got {conf.shard_timeout}")
+    if conf.shard_cpus is not None and conf.shard_cpus <= 0:
+        raise NeedleInputError(f"--shard-cpus must be positive, got {conf.shard_cpus}")
     return ShardServing(
         ShardPlacement(
-            replicas=conf.shard_replicas, concurrency=conf.shard_concurrency, shards_per_actor=conf.shards_per_actor
+            replicas=conf.shard_replicas,
+            concurrency=conf.shard_concurrency,
+            cpus=conf.shard_cpus,
+            shards_per_actor=conf.shards_per_actor,
         ),
         StageConfig(conf.cache_dir, conf.s3_endpoint_url, conf.stage_local),
         conf.shard_timeout,

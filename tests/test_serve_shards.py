@@ -159,7 +159,8 @@ def test_thumbnails_are_made_by_the_shard_that_owns_the_key(built, sharded):
         replicas.down.clear()
 
 
-def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path, threads):
     """--shards-per-actor: one call carries several members' calls (even one member twice: two
     requests batched together, one of them twice the same); each answer equals the member's own,
     an error stays its own."""
@@ -169,7 +170,8 @@ def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path):
 
     _, out, xb = built
     entries = read_index_infos(out)["shards"][:3]
-    group = ShardGroup(str(out), entries, StageConfig(str(tmp_path / "cache")))
+    group = ShardGroup(str(out), entries, StageConfig(str(tmp_path / "cache")), threads=threads)
+    assert group.threads == threads
     xq = queries(xb)[:2]
     same = (xq, 30, None, True)
     calls = [(0, same), (2, same), (0, (xq[:1], 5, 2, True)), (0, same)]
@@ -347,9 +349,13 @@ def test_serve_flags_for_shards():
         ]
     )
     serving = shard_serving(config_from_args(ServeConfig, args))
-    assert (serving.placement.replicas, serving.timeout) == (2, 3.0)
+    assert (serving.placement.replicas, serving.timeout, serving.placement.cpus) == (2, 3.0, None)
     assert serving.stage == StageConfig("/data/needle-{node}", "http://127.0.0.1:9000")
     args = build_parser().parse_args(["serve", "--index", "idx", "--ray-shards", "--no-stage-local"])
     assert shard_serving(config_from_args(ServeConfig, args)).stage.copy_local is False
     with pytest.raises(Exception, match="shard-timeout"):
         shard_serving(replace(ServeConfig(), shard_timeout=0))
+    args = build_parser().parse_args(["serve", "--index", "idx", "--ray-shards", "--shard-cpus", "3"])
+    assert shard_serving(config_from_args(ServeConfig, args)).placement.cpus == 3.0
+    with pytest.raises(Exception, match="shard-cpus"):
+        shard_serving(replace(ServeConfig(), shard_cpus=0))
