@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -125,7 +126,16 @@ def build(work: Path, n: int, args: argparse.Namespace) -> tuple[Path, np.ndarra
         )
         main(replace(conf, points_per_list=min(39, max(4, 50_000 // args.nlist))), desc, out)
         (work / "build_s.txt").write_text(f"{time.perf_counter() - start:.1f}")
+    built = json.loads((out / "index_infos.json").read_text()).get("nlist")
+    if built is not None and int(built) != args.nlist:  # a reused workdir must measure what the flags say
+        raise SystemExit(f"{out} was built with nlist {built}, not --nlist {args.nlist}: use another --workdir")
     return out, np.load(work / "queries.npy"), float((work / "build_s.txt").read_text())
+
+
+def remove_node_caches(work: Path) -> None:
+    """The shard caches of this run's simulated nodes (named by node id: a later run's are new)."""
+    for cache in work.glob("cache-*"):
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def percentiles(times: list[float]) -> dict[str, float]:
@@ -286,7 +296,9 @@ def run_size(n: int, args: argparse.Namespace, address: str, work: Path) -> dict
         command += ["--result", str(report), "--group", str(group)]
         command += ["--k", str(args.k), "--nprobe", str(args.nprobe), "--cache-dir", str(work / "cache-{node}")]
         command += ["--rerank-keys", str(work / "rerank_keys.json")]
+        remove_node_caches(work)
         subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        remove_node_caches(work)
         deployment = json.loads(report.read_text())
         deployment["p50_ratio_vs_single"] = round(deployment["sharded"]["p50_ms"] / deployment["single"]["p50_ms"], 2)
         result.setdefault("deployments", []).append(deployment)
