@@ -354,11 +354,19 @@ class ShardedIndex:
 
     # --- re-ranking: scored where the tokens are --------------------------------------------
     def score_shortlists(
-        self, conf: Any, shortlists: list[np.ndarray], s_global: list[np.ndarray], tokens: list[Any], k: int
+        self,
+        conf: Any,
+        shortlists: list[np.ndarray],
+        s_global: list[np.ndarray],
+        tokens: list[Any],
+        k: int,
+        evidence: bool = True,
     ) -> list[Any]:
         """Per query, LocalScores of its shortlist, each member scored by the shard that owns it
-        (query.retrieve.shortlist_local_scores). Members of a shard missing from a partial
-        request keep their global score (no local evidence)."""
+        (query.retrieve.shortlist_local_scores); with ``evidence`` the shards send the match
+        evidence of their members that can reach the top k (any other is asked for when wanted).
+        Members of a shard missing from a partial request keep their global score (no local
+        evidence)."""
         from rerank.rerank import LocalScores, candidate_width
 
         # the width the single index would gather to (AMES: its longest row), the same on every shard
@@ -376,6 +384,7 @@ class ShardedIndex:
                     [g[m] for g, m in zip(s_global, members)],
                     [t if len(m) else None for t, m in zip(tokens, members)],  # once per query per shard
                     k,
+                    evidence,
                 )
         answers = self.call("score_shortlists", args, "the re-ranking") if args else {}
         out = []

@@ -51,6 +51,46 @@ def current_node() -> str:
     return socket.gethostname()
 
 
+def scored_shortlist(
+    reranker: Any, query: Any, rows: np.ndarray, scores: np.ndarray, candidates: Any, k: int, evidence: bool
+) -> dict[str, Any]:
+    """Shortlist members ``rows`` (global ``scores``, stored tokens ``candidates``) scored with the
+    query's tokens: ``{"raw", "has_locals", "inliers", "evidence"}``, the evidence (with
+    ``evidence``) of the members among these ones' top k + EVIDENCE_MARGIN by final score (the
+    coordinator asks for any other it places in the final top k). A member's scores do not depend
+    on the members beside it (rerank.rerank), so one shard or several together give the same."""
+    from rerank.ensemble import combine, rerank_order
+
+    conf = reranker.conf
+    local = reranker.local_scores(query, candidates)
+    sent = None
+    if evidence and local.evidence is not None:
+        final = combine(conf.method, scores, local.raw, local.has_locals, conf.ensemble)
+        sent = {int(i): local.evidence(int(i)) for i in rerank_order(final, rows)[: k + EVIDENCE_MARGIN]}
+    return {"raw": local.raw, "has_locals": local.has_locals, "inliers": local.inliers, "evidence": sent}
+
+
+def split_scored(scored: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]:
+    """``scored_shortlist``'s answer for several members' shortlists joined in order, split back
+    into one answer per member (evidence keyed by each member's own positions)."""
+    out, start = [], 0
+    for size in sizes:
+        end = start + size
+        evidence = scored["evidence"]
+        out.append(
+            {
+                "raw": scored["raw"][start:end],
+                "has_locals": scored["has_locals"][start:end],
+                "inliers": None if scored["inliers"] is None else scored["inliers"][start:end],
+                "evidence": None
+                if evidence is None
+                else {i - start: e for i, e in evidence.items() if start <= i < end},
+            }
+        )
+        start = end
+    return out
+
+
 class ShardActor:
     """Shard ``name`` of the index at ``source``, staged to this node and memory-mapped."""
 
@@ -171,6 +211,10 @@ class ShardActor:
                 self._rerankers[repr(conf)] = Reranker(conf)
             return self._rerankers[repr(conf)]
 
+    def candidate_tokens(self, conf: Any, rows: np.ndarray) -> Any:
+        """The stored tokens (a TokenBatch of ``conf.db_tokens`` each) of this shard's ``rows``."""
+        return self.store().batch(self.shard.positions_of_rows(np.asarray(rows, np.int64)), conf.db_tokens)
+
     def score_shortlists(
         self,
         conf: Any,
@@ -178,28 +222,20 @@ class ShardActor:
         s_global: list[np.ndarray],
         tokens: list[Any],
         k: int,
+        evidence: bool = True,
     ) -> list[dict[str, Any] | None]:
         """Per query, this shard's members of its shortlist (row ids, global scores) scored against
         their stored tokens with the query's ``tokens`` and RerankConfig ``conf``: ``{"raw",
-        "has_locals", "inliers", "evidence": {member: evidence}}`` (evidence of the members
-        among this shard's top k + EVIDENCE_MARGIN by final score); None where it has none."""
-        from rerank.ensemble import combine, rerank_order
-
+        "has_locals", "inliers", "evidence": {member: evidence}}`` (``scored_shortlist``); None
+        where it has none."""
         reranker = self.reranker(conf)
         out: list[dict[str, Any] | None] = []
         for rows, scores, query in zip(shortlists, s_global, tokens):
             if query is None or not len(rows):
                 out.append(None)
                 continue
-            candidates = self.store().batch(self.shard.positions_of_rows(np.asarray(rows, np.int64)), conf.db_tokens)
-            local = reranker.local_scores(query, candidates)
-            evidence = None
-            if local.evidence is not None:
-                final = combine(conf.method, scores, local.raw, local.has_locals, conf.ensemble)
-                evidence = {int(i): local.evidence(int(i)) for i in rerank_order(final, rows)[: k + EVIDENCE_MARGIN]}
-            out.append(
-                {"raw": local.raw, "has_locals": local.has_locals, "inliers": local.inliers, "evidence": evidence}
-            )
+            candidates = self.candidate_tokens(conf, rows)
+            out.append(scored_shortlist(reranker, query, np.asarray(rows, np.int64), scores, candidates, k, evidence))
         return out
 
     def evidence_of(self, conf: Any, rows: np.ndarray, query: Any) -> list[dict[str, Any] | None]:

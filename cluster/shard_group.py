@@ -23,31 +23,46 @@ bench/sharded_serving.py's fan-out; the answers are a few KB).
 
 from __future__ import annotations
 
+import logging
 import pickle
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from cluster.shard_actor import ShardActor
+from cluster.shard_actor import ShardActor, scored_shortlist, split_scored
 from cluster.staging import StageConfig
+from core.tokens import TokenBatch
 from index.search import trim_to_shortlist
 from ingest.source_images import SourceImagesConfig
 
+log = logging.getLogger(__name__)
 
-def same_search(calls: list[tuple[int, tuple]]) -> list[list[int]]:
-    """The slots of ``search`` calls in batches of the same arguments, each member at most once
-    per batch (one request's query batch reaches every member with the same arguments; calls of
-    several requests, even of the same queries, may share a Ray call)."""
-    batches: dict[tuple, list[list[int]]] = {}
+
+def batches_of(calls: list[tuple[int, tuple]], key: Callable[[tuple], Any]) -> list[list[int]]:
+    """The slots of ``calls`` in batches of one ``key(args)``, each member at most once per batch
+    (calls of several requests, even of the same arguments, may share a Ray call)."""
+    batches: dict[Any, list[list[int]]] = {}
     for slot, (member, args) in enumerate(calls):
-        xq = np.asarray(args[0])
-        same = batches.setdefault((xq.shape, xq.tobytes(), repr(args[1:])), [])
+        same = batches.setdefault(key(args), [])
         batch = next((b for b in same if all(calls[s][0] != member for s in b)), None)
         if batch is None:
             same.append(batch := [])
         batch.append(slot)
     return [batch for same in batches.values() for batch in same]
+
+
+def search_key(args: tuple) -> tuple:
+    """Searches of one query batch (one request's reach every member with the same arguments)."""
+    xq = np.asarray(args[0])
+    return xq.shape, xq.tobytes(), repr(args[1:])
+
+
+def rerank_key(args: tuple) -> int:
+    """Re-ranking calls of one request: the coordinator sends every shard the same conf object
+    (one pickle: one object again here)."""
+    return id(args[0])
 
 
 class ShardGroup:
@@ -90,6 +105,8 @@ class ShardGroup:
     def answer(self, method: str, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
         if method == "search" and len(calls) > 1:
             return self.searched(calls)
+        if method == "score_shortlists" and len(calls) > 1:
+            return self.scored(calls)
         return self.each([(member, method, args) for member, args in calls])
 
     def each(self, calls: list[tuple[int, str, tuple]]) -> list[tuple[str, Any]]:
@@ -111,7 +128,7 @@ class ShardGroup:
         """Members' ``search`` answers, each batch of the same arguments trimmed to its shortlist
         among the members before re-scoring and keys (``index.search.trim_to_shortlist``)."""
         out: list[tuple[str, Any]] = [("error", RuntimeError("not answered"))] * len(calls)
-        for slots in same_search(calls):
+        for slots in batches_of(calls, search_key):
             xq, kk, nprobe, refine = calls[slots[0]][1]
             found = self.each([(calls[s][0], "candidates", (xq, kk, nprobe)) for s in slots])
             ok = [slot for slot, (status, _) in zip(slots, found) if status == "ok"]
@@ -124,3 +141,49 @@ class ShardGroup:
             for slot, answer in zip(ok, self.each(completing)):
                 out[slot] = answer
         return out
+
+    def scored(self, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
+        """Members' ``score_shortlists`` answers, each query's members of every member's shortlist
+        scored together (one gathering, one matching, one verification per query and group, as
+        the single index scores its whole shortlist), then split back per member. A batch that
+        fails is answered member by member, so that an error stays its own member's."""
+        out: list[tuple[str, Any]] = [("error", RuntimeError("not answered"))] * len(calls)
+        for slots in batches_of(calls, rerank_key):
+            try:
+                answers = self.scored_together([calls[slot] for slot in slots])
+            except Exception as exc:
+                log.warning("shards %s: scoring together failed (%r): scoring member by member", slots, exc)
+                answers = self.each([(calls[slot][0], "score_shortlists", calls[slot][1]) for slot in slots])
+            for slot, answer in zip(slots, answers):
+                out[slot] = answer
+        return out
+
+    def scored_together(self, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
+        """``score_shortlists`` of one request's calls to several members (the same conf, k and
+        query tokens; each its own members of each query's shortlist)."""
+        conf, _, _, tokens, k, *rest = calls[0][1]
+        evidence = rest[0] if rest else True
+        reranker = self.members[calls[0][0]].reranker(conf)
+        answers: list[list[dict[str, Any] | None]] = [[] for _ in calls]
+        for q in range(len(tokens)):
+            taking = [c for c, (_, args) in enumerate(calls) if args[3][q] is not None and len(args[1][q])]
+            parts = self.scored_query(conf, k, evidence, q, [calls[c] for c in taking], reranker) if taking else []
+            scored = dict(zip(taking, parts))
+            for c in range(len(calls)):
+                answers[c].append(scored.get(c))
+        return [("ok", answer) for answer in answers]
+
+    def scored_query(
+        self, conf: Any, k: int, evidence: bool, q: int, calls: list[tuple[int, tuple]], reranker: Any
+    ) -> list[dict[str, Any]]:
+        """Query ``q``'s members of the ``calls``' shortlists scored together, split back per call."""
+        query = calls[0][1][3][q]
+        if any(args[3][q] is not query for _, args in calls):
+            raise ValueError("members' calls of one request carry different query tokens")
+        rows = [np.asarray(args[1][q], np.int64) for _, args in calls]
+        scores = np.concatenate([np.asarray(args[2][q]) for _, args in calls])
+        candidates = TokenBatch.concat(
+            [self.members[member].candidate_tokens(conf, r) for (member, _), r in zip(calls, rows)]
+        )
+        joined = scored_shortlist(reranker, query, np.concatenate(rows), scores, candidates, k, evidence)
+        return split_scored(joined, [len(r) for r in rows])

@@ -111,6 +111,23 @@ class TokenBatch:
             )
         return TokenBatch(codes, xy, scale, weight, mask)
 
+    @staticmethod
+    def concat(batches: Sequence[TokenBatch]) -> TokenBatch:
+        """Several batches as one (their images in order), padded to the longest as ``stack`` pads."""
+        T = max(b.codes.shape[1] for b in batches)
+
+        def padded(name: str, fill: float | bool) -> np.ndarray:
+            parts = []
+            for b in batches:
+                a = getattr(b, name)
+                width = [(0, 0), (0, T - a.shape[1])] + [(0, 0)] * (a.ndim - 2)
+                parts.append(np.pad(a, width, constant_values=fill))
+            return np.concatenate(parts)
+
+        return TokenBatch(
+            padded("codes", 0), padded("xy", 0), padded("scale", 1), padded("weight", 0), padded("mask", False)
+        )
+
     def image(self, b: int) -> LocalTokens:
         """Image ``b``'s real tokens."""
         m = self.mask[b]

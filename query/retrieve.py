@@ -314,14 +314,16 @@ def shortlist_local_scores(
     s_global: list[np.ndarray],
     tokens: list[LocalTokens],
     k: int,
+    evidence: bool = True,
 ) -> list[LocalScores]:
     """Each query's local evidence on its shortlist (row ids ``shortlists[q]``, global scores
     ``s_global[q]``), scored against the rows' stored tokens. An index whose shards live elsewhere
-    (cluster/coordinator.py) has each shard score its members (``score_shortlists``); here the
-    tokens are gathered from the local store."""
+    (cluster/coordinator.py) has each shard score its members (``score_shortlists``: with
+    ``evidence``, the match evidence of the members that can reach the top k comes back with the
+    scores); here the tokens are gathered from the local store (evidence made when asked)."""
     remote = getattr(index, "score_shortlists", None)
     if remote is not None:
-        return remote(reranker.conf, shortlists, s_global, tokens, k)
+        return remote(reranker.conf, shortlists, s_global, tokens, k, evidence)
     store = index.local_store
     db_tokens = candidate_width(reranker.conf, lambda: store.max_tokens)
     return [
@@ -377,6 +379,7 @@ def search(
         [D[q, : sizes[q]] for q in asked],
         [tokens[q] for q in asked],
         k,
+        evidence,
     )
     local_of = dict(zip(asked, scored))
     details = []

@@ -205,6 +205,50 @@ def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path, thread
     assert [i["shard"] for i in group.info()] == [e["name"] for e in entries]
 
 
+@pytest.mark.parametrize("method", ["sp", "chamfer", "ames"])
+def test_a_shard_group_scores_its_members_shortlists_together(built, tmp_path, method, ames_checkpoint, caplog):
+    """One gathering and one scoring per query for a group's members: each member's scores equal
+    its own to the bit; evidence comes for the group's best members and equals the member's own."""
+    import dataclasses
+    import pickle
+
+    from cluster.shard_group import ShardGroup
+    from rerank.rerank import candidate_width
+
+    _, out, _ = built
+    single = load_index(out)
+    entries = read_index_infos(out)["shards"][:3]
+    group = ShardGroup(str(out), entries, StageConfig(str(tmp_path / "cache")))
+    keys = [f"{s:06d}/{i:05d}" for s in SIZES for i in (1, 90)]
+    tokens = stored_tokens(single, keys)
+    tokens[1] = None  # a query without tokens: no member scores it
+    D, I = single.search(np.stack([single.vector_of(k) for k in keys]), 40)
+    conf = RerankConfig(method=method, shortlist=40, ames=ames_checkpoint if method == "ames" else None)
+    conf = dataclasses.replace(conf, db_tokens=candidate_width(conf, lambda: single.local_store.max_tokens))
+    owned = [np.isin(I >> 32, [int(p) for p in m.shard.files.infos["shard_offsets"]]) for m in group.members]
+    calls = [
+        (m, (conf, [I[q][own[q]] for q in range(len(keys))], [D[q][own[q]] for q in range(len(keys))], tokens, 5))
+        for m, own in enumerate(owned)
+    ]
+    answers = pickle.loads(group.run(pickle.dumps(("score_shortlists", calls))))
+    assert "member by member" not in caplog.text  # scored together, not after a failure
+    sent = 0
+    for (member, args), (status, parts) in zip(calls, answers):
+        assert status == "ok"
+        for q, (mine, own) in enumerate(zip(parts, group.members[member].score_shortlists(*args))):
+            assert (mine is None) == (own is None) == (tokens[q] is None or not len(args[1][q]))
+            if mine is None:
+                continue
+            for name in ("raw", "has_locals", "inliers"):
+                np.testing.assert_array_equal(mine[name], own[name])
+            if method == "sp":
+                assert all(own["evidence"].get(i, e) == e for i, e in mine["evidence"].items())
+                sent += len(mine["evidence"])
+    if method == "sp":  # the group's best 5 + margin per query, not each member's
+        assert 0 < sent <= (len(keys) - 1) * (5 + 8)
+    assert any((a[1][q]["raw"] > 0).any() for a in answers for q in (0, 2, 3) if a[1][q] is not None)
+
+
 def test_query_service_answers_like_the_single_index(built, sharded):
     from cluster.serve import QueryService
 
