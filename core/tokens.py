@@ -115,18 +115,21 @@ class TokenBatch:
     def concat(batches: Sequence[TokenBatch]) -> TokenBatch:
         """Several batches as one (their images in order), padded to the longest as ``stack`` pads."""
         T = max(b.codes.shape[1] for b in batches)
-
-        def padded(name: str, fill: float | bool) -> np.ndarray:
-            parts = []
-            for b in batches:
-                a = getattr(b, name)
-                width = [(0, 0), (0, T - a.shape[1])] + [(0, 0)] * (a.ndim - 2)
-                parts.append(np.pad(a, width, constant_values=fill))
-            return np.concatenate(parts)
-
-        return TokenBatch(
-            padded("codes", 0), padded("xy", 0), padded("scale", 1), padded("weight", 0), padded("mask", False)
+        B = sum(len(b) for b in batches)
+        out = TokenBatch(
+            np.zeros((B, T, CODE_BYTES), np.uint8),
+            np.zeros((B, T, 2), np.float32),
+            np.ones((B, T), np.float32),
+            np.zeros((B, T), np.float32),
+            np.zeros((B, T), bool),
         )
+        start = 0
+        for b in batches:
+            n, t = b.codes.shape[:2]
+            for name in ("codes", "xy", "scale", "weight", "mask"):
+                getattr(out, name)[start : start + n, :t] = getattr(b, name)
+            start += n
+        return out
 
     def image(self, b: int) -> LocalTokens:
         """Image ``b``'s real tokens."""

@@ -676,3 +676,15 @@ def test_float64_keys_where_token_and_query_counts_do_not_fit_13_bits() -> None:
         got = batched_as_list(matches_from_nearest(nearest, config))
         for c, (g, x) in enumerate(zip(got, want)):
             np.testing.assert_array_equal(g, x, err_msg=f"candidate {c}")
+
+
+def test_joined_batches_equal_one_stacked_batch() -> None:
+    """TokenBatch.concat (a shard group's members' candidates scored together) pads as stack does."""
+    rng = np.random.default_rng(5)
+    query = tokens(random_codes(30, rng), rng)
+    candidates = shortlist(rng, query, 9)
+    parts = [TokenBatch.stack(candidates[:4]), TokenBatch.stack(candidates[4:5]), TokenBatch.stack(candidates[5:])]
+    assert len({p.codes.shape[1] for p in parts}) > 1  # of different lengths
+    joined, whole = TokenBatch.concat(parts), TokenBatch.stack(candidates)
+    for name in ("codes", "xy", "scale", "weight", "mask"):
+        np.testing.assert_array_equal(getattr(joined, name), getattr(whole, name))
