@@ -216,11 +216,15 @@ def test_shards_grouped_per_actor_answer_in_one_call_per_actor(cluster, index_on
         keys = ["000002/00011", "000004/00500"]
         conf = QueryConfig(k=10, rerank=RerankConfig(method="sp", shortlist=50))
         a, b = (
-            search(i, np.stack([i.vector_of(k) for k in keys]), conf, stored_tokens(i, keys))
+            search(i, np.stack([i.vector_of(k) for k in keys]), conf, stored_tokens(i, keys), evidence=True)
             for i in (single, coordinator)
         )
         np.testing.assert_array_equal(a[1], b[1])
         np.testing.assert_array_equal(a[0], b[0])
+        # members scored together by their group: the same inliers and match evidence
+        for one, many in zip(a[2], b[2]):
+            np.testing.assert_array_equal(one["inliers"], many["inliers"])
+            assert one["evidence"] == many["evidence"]
         with tarfile.open(tars["000003"]) as tar:
             assert coordinator.thumbnail("000003/00004", 20) == thumbnail_jpeg(tar.extractfile("00004.jpg").read(), 20)
         # requests from several threads at once: their calls to one actor may share a Ray call
