@@ -241,8 +241,7 @@ class ShardActor:
     def evidence_of(self, conf: Any, rows: np.ndarray, query: Any) -> list[dict[str, Any] | None]:
         """The match evidence of each of ``rows`` (scored again, alone: a member the coordinator
         placed in the top k without its evidence)."""
-        candidates = self.store().batch(self.shard.positions_of_rows(np.asarray(rows, np.int64)), conf.db_tokens)
-        local = self.reranker(conf).local_scores(query, candidates)
+        local = self.reranker(conf).local_scores(query, self.candidate_tokens(conf, rows))
         return [local.evidence(i) if local.evidence is not None else None for i in range(len(rows))]
 
     def memory(self) -> dict[str, int]:
