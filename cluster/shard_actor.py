@@ -73,10 +73,9 @@ def scored_shortlist(
 def split_scored(scored: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]:
     """``scored_shortlist``'s answer for several members' shortlists joined in order, split back
     into one answer per member (evidence keyed by each member's own positions)."""
-    out, start = [], 0
+    out, start, evidence = [], 0, scored["evidence"]
     for size in sizes:
         end = start + size
-        evidence = scored["evidence"]
         out.append(
             {
                 "raw": scored["raw"][start:end],

@@ -152,7 +152,8 @@ class ShardGroup:
             try:
                 answers = self.scored_together([calls[slot] for slot in slots])
             except Exception as exc:
-                log.warning("shards %s: scoring together failed (%r): scoring member by member", slots, exc)
+                names = [self.members[calls[slot][0]].name for slot in slots]
+                log.warning("shards %s: scoring together failed (%r): scoring member by member", names, exc)
                 answers = self.each([(calls[slot][0], "score_shortlists", calls[slot][1]) for slot in slots])
             for slot, answer in zip(slots, answers):
                 out[slot] = answer
