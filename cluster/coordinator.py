@@ -264,17 +264,18 @@ class ShardedIndex:
     def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
         """Row ids (nq, k) -> keys (None for the padding, and for rows of a shard missing from a
         partial request): those this request's searches returned, the others from their shards."""
-        I = np.atleast_2d(I)
-        known = self.state().keys  # the rows this request's searches returned (touched per row of I only)
-        rows = I.tolist()
-        wanted = np.unique(np.array([i for row in rows for i in row if i >= 0 and i not in known], np.int64))
-        found: dict[int, str | None] = {}
-        if len(wanted):
-            owners = self.shard_of_rows(wanted)
-            args = {int(s): (wanted[owners == s],) for s in np.unique(owners[owners >= 0])}
-            for s, keys in self.call("keys_of", args, "the key lookup").items():
-                found.update(zip(args[s][0].tolist(), keys))
-        return [[(known[i] if i in known else found.get(i)) if i >= 0 else None for i in row] for row in rows]
+        I = np.atleast_2d(np.asarray(I, np.int64))
+        known = self.state().keys  # the rows this request's searches returned
+        rows, where = np.unique(I, return_inverse=True)  # each distinct row looked up once
+        keys = np.array([known.get(i) for i in rows.tolist()], dtype=object)
+        wanted = (rows >= 0) & np.array([i not in known for i in rows.tolist()], dtype=bool)
+        if wanted.any():
+            owners = self.shard_of_rows(rows[wanted])
+            at = np.flatnonzero(wanted)
+            args = {int(s): (rows[at[owners == s]],) for s in np.unique(owners[owners >= 0])}
+            for s, shard_keys in self.call("keys_of", args, "the key lookup").items():
+                keys[at[owners == s]] = shard_keys
+        return keys[where.reshape(I.shape)].tolist()
 
     def find_keys(self, keys: list[str], with_tokens: bool = False) -> dict[str, tuple[int, dict[str, Any]]]:
         """{key: (the shard holding it, its find_key answer)} of those of ``keys`` found, from one
