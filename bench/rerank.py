@@ -20,13 +20,16 @@ bytes/image, what each fold chose):
   or none included (``sp, all settings per fold``): the defaults were picked in exploration on
   these same queries, this row is the fully nested number;
 * the defaults followed by α-QE over the verified top and a second scoring of the shortlist;
+* the defaults with other query-side tokens (no storage cost): 100 at each of 5 scales (0.5-2), or
+  150 at each of the 3 default scales;
 * Chamfer plain and asymmetric; AMES trained here on distractor pairs (``--skip-ames`` to leave out).
 
 Prints the table and one JSON line last (also written to ``--out``): ``map_at_1k`` (global, SP as
 before, the defaults, ...), ``gain`` (the defaults over global-only), ``gain_nested``,
 ``rerank_ms_per_query`` (the defaults: 1,000 candidates x 100 binary tokens, gathering included,
-timed in the same run; torch threads from OMP_NUM_THREADS), ``local_bytes_per_image``, ``variants``
-and a curve of mAP against tokens per database image.
+timed in the same run; torch threads from OMP_NUM_THREADS), ``local_bytes_per_image``, ``variants``,
+a curve of mAP against tokens per database image, and ``by_source``: global-only and the defaults'
+mAP@1k per image source of realbench (where re-ranking pays and where it does not).
 
     OMP_NUM_THREADS=2 python bench/rerank.py [--workdir DIR] [--reuse] [--skip-ames] [--out FILE]
 """
@@ -79,6 +82,12 @@ ASYMMETRIC_MAX_DISTANCE = (28, 32)  # weighted-Hamming thresholds tried with asy
 FLOORS = (0.0, 99.5)  # the shortlist's chance floor of inliers: none, or its 99.5th percentile
 # Query expansion after verification: (results looked at, inliers needed, alpha) tried per fold
 QE_GRID = tuple((top, inliers, alpha) for top in (1, 2, 3, 5) for inliers in (5, 10, 20) for alpha in (0.0, 3.0))
+# Query-side token variants (no storage cost): (name, scales, tokens per scale); the defaults are
+# 100 at each of (0.75, 1.0, 1.5).
+QUERY_TOKEN_VARIANTS = (
+    ("query_5_scales", (0.5, 0.75, 1.0, 1.5, 2.0), 100),
+    ("query_150_per_scale", (0.75, 1.0, 1.5), 150),
+)
 BYTES_PER_TOKEN = 23  # the local store's record (index/locals.py); + 8 B of offset per image
 
 log = logging.getLogger("bench.rerank")
@@ -159,19 +168,27 @@ def local_scores(
     return raws, 1000.0 * seconds / len(lists)
 
 
-def query_tokens_with_projections(work: Path, lists: list[dict], images: dict[str, str], itq: str | None) -> dict:
+def query_tokens_with_projections(
+    work: Path,
+    lists: list[dict],
+    images: dict[str, str],
+    itq: str | None,
+    scales: tuple[float, ...] | None = None,
+    top_k: int | None = None,
+) -> dict:
     """Query-side tokens extracted as ``needle query --image`` does (the index's local extractor at
-    the query-side scales), keeping the float ITQ projections that asymmetric matching scores;
-    cached in the work directory."""
+    the query-side scales; ``scales``/``top_k`` replace the preset's), keeping the float ITQ
+    projections that asymmetric matching scores; cached in the work directory."""
     import pickle
 
     from embed.locals import build_local_extractor
     from ingest.images import decode_resized
 
-    cache = work / "query_tokens_proj.pkl"
+    setting = "" if scales is None and top_k is None else f"_{'-'.join(map(str, scales or ()))}_{top_k}"
+    cache = work / f"query_tokens_proj{setting}.pkl"
     if cache.is_file():
         return pickle.loads(cache.read_bytes())
-    extractor = build_local_extractor("lite0-s16-query", itq=itq)
+    extractor = build_local_extractor("lite0-s16-query", itq=itq, scales=scales, top_k=top_k)
     out = {}
     keys = [e["key"] for e in lists]
     for start in range(0, len(keys), 8):
@@ -183,6 +200,41 @@ def query_tokens_with_projections(work: Path, lists: list[dict], images: dict[st
         out.update(zip(chunk, extractor.tokens(decoded)))
     cache.write_bytes(pickle.dumps(out))
     return out
+
+
+def realbench_sources(rows: list[dict]) -> dict[str, str]:
+    """Each grouped row's key -> the source its image came from (groups.csv's ``source``)."""
+    import csv
+
+    with open(REALBENCH / "groups.csv") as f:
+        source = {r["key"]: r["source"] for r in csv.DictReader(f)}
+    return {r["key"]: source[r["image"]] for r in rows}
+
+
+def map_by_source(lists: list[dict], vq: list, folds: list[np.ndarray], chosen: list[dict], source: dict) -> dict:
+    """Global-only and re-ranked mAP@K per image source of realbench (each query re-ranked with the
+    λ its fold was scored with): where re-ranking pays and where it does not."""
+    from rerank.ensemble import EnsembleConfig, ap_of_order, combine, rerank_order
+
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for f, fold in enumerate(folds):
+        conf = EnsembleConfig(lam=chosen[f]["lam"])
+        for i in fold:
+            q = vq[i]
+            reranked = combine("sp", q.s_global, q.raw_local, q.has_locals, conf)
+            aps = (
+                ap_of_order(q.positive, q.n_positives, K),
+                ap_of_order(q.positive[rerank_order(reranked, q.rows)], q.n_positives, K),
+            )
+            rows.setdefault(source[lists[i]["key"]], []).append(aps)
+    return {
+        name: {
+            "queries": len(aps),
+            "global": round(100 * float(np.mean([a[0] for a in aps])), 2),
+            "sp_default": round(100 * float(np.mean([a[1] for a in aps])), 2),
+        }
+        for name, aps in sorted(rows.items())
+    }
 
 
 def qe_cross_validated(lists: list[dict], vq: list, vectors: list, folds: list[np.ndarray]) -> tuple[float, list[dict]]:
@@ -405,6 +457,10 @@ def main() -> None:
             timed={},
         ),
     ]
+    sources = realbench_sources(rows)
+    result["by_source"] = map_by_source(
+        lists, scored("image", RerankConfig(method="sp"))[0], folds, variants[4]["chosen_on_validation"], sources
+    )
     result["map_at_1k"]["sp"] = variants[0]["map_at_1k"]
     result["map_at_1k"]["sp_default"] = default_map = variants[4]["map_at_1k"]
     result["map_at_1k"]["sp_nested"] = variants[5]["map_at_1k"]
@@ -428,6 +484,21 @@ def main() -> None:
         }
     )
     result["map_at_1k"]["sp_default_qe"] = round(qe_map, 2)
+
+    # Query-side tokens cost no storage: more scales or more tokens per scale, the defaults otherwise.
+    for name, scales, top_k in QUERY_TOKEN_VARIANTS:
+        token_sets[name] = query_tokens_with_projections(work, lists, images, itq, scales, top_k)
+        vq, ms = scored(name, RerankConfig(method="sp"))
+        value, chosen = cross_validated_map(vq, folds, "sp")
+        variants.append(
+            {
+                "name": f"defaults, query tokens {top_k} at each of {len(scales)} scales {scales}",
+                "map_at_1k": round(value, 2),
+                "ms_per_query": round(ms, 1),
+                "bytes_per_image": bytes_per_image,
+                "chosen_on_validation": chosen,
+            }
+        )
 
     for name, tokens_name, conf in (
         ("Chamfer (plain Hamming)", "ingested", RerankConfig(method="chamfer", match=MatchConfig(asymmetric=False))),
