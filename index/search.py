@@ -296,9 +296,27 @@ class Shard:
         ``(D_index, I)``, ties to the lower row id, -inf/-1 padding last."""
         if self.scans_on_gpu(len(xq)):
             return sort_by_score(*self.scan(xq, kk), kk)  # -inf for the -1 padding, as below
-        params = search_params(self.index, nprobe or self.nprobe, self.quantizer_ef)
-        D, I = self.index.search(xq, min(kk + tie_margin(kk), max(1, self.ntotal)), params=params)
+        D, I = self.index.search(xq, min(kk + tie_margin(kk), max(1, self.ntotal)), params=self.params(nprobe))
         return sort_by_score(D, I, kk)  # a cut that does not depend on FAISS's order among ties
+
+    def params(self, nprobe: int | None) -> Any | None:
+        """``search_params`` for ``nprobe`` (None: this shard's default), made once per value: a
+        query's search asks for them once per shard, and making them costs as much as sorting
+        the candidates. Read-only once made, so request threads share them."""
+        nprobe = nprobe or self.nprobe
+        if nprobe not in self._params:
+            self._params[nprobe] = search_params(self.index, nprobe, self.quantizer_ef)
+        return self._params[nprobe]
+
+    @cached_property
+    def _params(self) -> dict[int, Any]:
+        return {}
+
+    @cached_property
+    def vector_rows(self) -> np.ndarray:
+        """The vectors as a plain ndarray over the same map: indexing an np.memmap makes a memmap
+        object per read (its bookkeeping cost a third of a shortlist's re-scoring)."""
+        return self.vectors.view(np.ndarray)
 
     def exact_scores(self, xq: np.ndarray, D: np.ndarray, I: np.ndarray, refine: bool = True) -> np.ndarray:
         """The exact scores of candidates ``I`` of this shard (-1 padding: -inf): inner products
@@ -320,7 +338,7 @@ class Shard:
         for q in range(len(xq)):
             valid = np.flatnonzero(positions[q] >= 0)
             reads = valid[np.argsort(positions[q, valid])]  # ascending positions: sequential reads of the map
-            D[q, reads] = float16_inner_products(self.vectors[positions[q, reads]], xq[q])
+            D[q, reads] = float16_inner_products(self.vector_rows[positions[q, reads]], xq[q])
         return D
 
 
