@@ -19,7 +19,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,7 +30,7 @@ from core.atomic import atomic_path, write_json_atomic
 from core.hashing import file_sha256
 from index.build import INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE
 from index.search import IndexFileError
-from ingest.storage import is_s3, s3_client, split_s3
+from ingest.storage import StorageError, copy_file_under, is_s3, read_file_under
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +57,10 @@ def source_url(source: str | Path) -> str:
 
 def read_source_bytes(source: str, relative: str, endpoint_url: str | None) -> bytes:
     """The bytes of ``relative`` under an index location, or IndexFileError naming it."""
-    if is_s3(source):
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        bucket, prefix = split_s3(source)
-        key = f"{prefix}/{relative}" if prefix else relative
-        try:
-            return s3_client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read()
-        except (ClientError, BotoCoreError) as exc:
-            raise IndexFileError(f"cannot read {source}/{relative}: {exc}") from exc
     try:
-        return (Path(source) / relative).read_bytes()
-    except OSError as exc:
-        raise IndexFileError(f"cannot read {Path(source) / relative}: {exc}") from exc
+        return read_file_under(source, relative, endpoint_url)
+    except StorageError as exc:
+        raise IndexFileError(str(exc)) from exc
 
 
 def read_json(source: str, relative: str, endpoint_url: str | None) -> dict[str, Any]:
@@ -129,12 +119,7 @@ def locked(directory: Path) -> Iterator[None]:
 def fetch_file(source: str, relative: str, target: Path, endpoint_url: str | None) -> None:
     """Copy ``relative`` under an index location to ``target`` (atomically: never half a file)."""
     with atomic_path(target) as tmp:
-        if is_s3(source):
-            bucket, prefix = split_s3(source)
-            key = f"{prefix}/{relative}" if prefix else relative
-            s3_client(endpoint_url).download_file(bucket, key, str(tmp))
-        else:
-            shutil.copyfile(Path(source) / relative, tmp)
+        copy_file_under(source, relative, tmp, endpoint_url)
 
 
 def matches(path: Path, recorded: dict[str, Any]) -> bool:

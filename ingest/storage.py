@@ -55,6 +55,39 @@ def s3_client(endpoint_url: str | None = None) -> Any:
     return boto3.client("s3", endpoint_url=endpoint_url, config=config)
 
 
+def s3_key(prefix: str, name: str) -> str:
+    """The object key of ``name`` under a key prefix (``""``: the bucket's root)."""
+    return f"{prefix}/{name}" if prefix else name
+
+
+def read_file_under(root: str, relative: str, endpoint_url: str | None = None) -> bytes:
+    """The bytes of ``relative`` under a local directory or an ``s3://`` prefix; StorageError
+    naming the file where it cannot be read."""
+    if is_s3(root):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        bucket, prefix = split_s3(root)
+        try:
+            return s3_client(endpoint_url).get_object(Bucket=bucket, Key=s3_key(prefix, relative))["Body"].read()
+        except (ClientError, BotoCoreError) as exc:
+            raise StorageError(f"cannot read {root}/{relative}: {exc}") from exc
+    try:
+        return (Path(root) / relative).read_bytes()
+    except OSError as exc:
+        raise StorageError(f"cannot read {Path(root) / relative}: {exc}") from exc
+
+
+def copy_file_under(root: str, relative: str, target: Path, endpoint_url: str | None = None) -> None:
+    """Copy ``relative`` under a local directory or an ``s3://`` prefix to the local path
+    ``target`` (as it comes: callers that must never leave half a file copy to a temporary
+    name and rename)."""
+    if is_s3(root):
+        bucket, prefix = split_s3(root)
+        s3_client(endpoint_url).download_file(bucket, s3_key(prefix, relative), str(target))
+    else:
+        shutil.copyfile(Path(root) / relative, target)
+
+
 def list_s3(url_pattern: str, endpoint_url: str | None = None) -> list[str]:
     """Objects matching an ``s3://bucket/prefix*.tar`` glob, sorted."""
     bucket, pattern = split_s3(url_pattern)
@@ -144,7 +177,7 @@ class S3Storage:
         self._scratch: Path | None = None
 
     def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
+        return s3_key(self.prefix, name)
 
     def local_scratch(self) -> Path:
         import tempfile

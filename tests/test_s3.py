@@ -6,7 +6,15 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from ingest.storage import MARKER_SUFFIX, S3Storage, open_url, s3_client
+from ingest.storage import (
+    MARKER_SUFFIX,
+    S3Storage,
+    StorageError,
+    copy_file_under,
+    open_url,
+    read_file_under,
+    s3_client,
+)
 
 pytestmark = [pytest.mark.s3]
 
@@ -64,6 +72,19 @@ def test_missing_object_reads_as_not_found(s3_endpoint, buckets):
     _, src, _ = buckets
     with pytest.raises(FileNotFoundError):
         open_url(f"s3://{src}/shards/nope.tar", s3_endpoint)
+
+
+def test_files_under_a_prefix_read_and_copy_as_under_a_directory(s3_endpoint, buckets, tiny_shards, tmp_path):
+    _, src, _ = buckets
+    local_root, name = str(tiny_shards[0].parent), tiny_shards[0].name
+    expected = tiny_shards[0].read_bytes()
+    for root in (f"s3://{src}/shards", local_root):
+        assert read_file_under(root, name, s3_endpoint) == expected
+        target = tmp_path / f"copy-{len(root)}"
+        copy_file_under(root, name, target, s3_endpoint)
+        assert target.read_bytes() == expected
+        with pytest.raises(StorageError, match=r"nope\.tar"):  # the error names the file
+            read_file_under(root, "nope.tar", s3_endpoint)
 
 
 @pytest.mark.ray
