@@ -94,12 +94,8 @@ class TokenBatch:
     def stack(images: Sequence[LocalTokens], length: int | None = None) -> TokenBatch:
         """Pad ``images`` to ``length`` tokens (default: the longest), keeping each one's first tokens."""
         T = max((len(t) for t in images), default=0) if length is None else length
-        B = len(images)
-        codes = np.zeros((B, T, CODE_BYTES), np.uint8)
-        xy = np.zeros((B, T, 2), np.float32)
-        scale = np.ones((B, T), np.float32)
-        weight = np.zeros((B, T), np.float32)
-        mask = np.zeros((B, T), bool)
+        out = TokenBatch.padding(len(images), T)
+        codes, xy, scale, weight, mask = out.codes, out.xy, out.scale, out.weight, out.mask
         for b, t in enumerate(images):
             n = min(len(t), T)
             codes[b, :n], xy[b, :n], scale[b, :n], weight[b, :n], mask[b, :n] = (
@@ -109,20 +105,23 @@ class TokenBatch:
                 t.weight[:n],
                 True,
             )
-        return TokenBatch(codes, xy, scale, weight, mask)
+        return out
 
     @staticmethod
-    def concat(batches: Sequence[TokenBatch]) -> TokenBatch:
-        """Several batches as one (their images in order), padded to the longest as ``stack`` pads."""
-        T = max(b.codes.shape[1] for b in batches)
-        B = sum(len(b) for b in batches)
-        out = TokenBatch(
+    def padding(B: int, T: int) -> TokenBatch:
+        """``B`` images of ``T`` padded slots (no real token): what ``stack`` and ``concat`` fill."""
+        return TokenBatch(
             np.zeros((B, T, CODE_BYTES), np.uint8),
             np.zeros((B, T, 2), np.float32),
             np.ones((B, T), np.float32),
             np.zeros((B, T), np.float32),
             np.zeros((B, T), bool),
         )
+
+    @staticmethod
+    def concat(batches: Sequence[TokenBatch]) -> TokenBatch:
+        """Several batches as one (their images in order), padded to the longest as ``stack`` pads."""
+        out = TokenBatch.padding(sum(len(b) for b in batches), max(b.codes.shape[1] for b in batches))
         start = 0
         for b in batches:
             n, t = b.codes.shape[:2]
