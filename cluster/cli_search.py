@@ -140,7 +140,11 @@ def add_search_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve", help="HTTP search app and its OpenAPI page at /docs (127.0.0.1 by default)")
     p.add_argument("--index", required=True, help="index directory (with --ray-shards also an s3://bucket/prefix)")
-    add_config_flags(p, "cluster.serve_run:ServeConfig")
+    add_config_flags(
+        p,
+        "cluster.serve_run:ServeConfig",
+        overrides={"shard_transport": {"choices": source_constant("cluster.serve_run:TRANSPORTS")}},
+    )
     add_file_flags(p)
     g = p.add_argument_group("web page (/)")
     add_config_flags(

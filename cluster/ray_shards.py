@@ -22,11 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.coordinator import ReplicaFailed, ShardsUnavailable
+from cluster.direct import ChannelError, DirectCall, DirectChannel, readable
 from cluster.shard_group import ShardGroup
 from cluster.staging import StageConfig
 from ingest.source_images import SourceImagesConfig
 
 log = logging.getLogger(__name__)
+
+CHANNEL_RETRY_S = 2.0  # after a direct channel failed, its actor's endpoint is asked again after this long
+MIXED_POLL_S = 0.002  # while both direct and Ray calls are pending, each is checked in turns this long
 
 
 @dataclass(frozen=True)
@@ -46,16 +50,62 @@ def shard_groups(n_shards: int, shards_per_actor: int) -> list[list[int]]:
 
 
 class GroupBatch:
-    """One Ray call to a group actor, carrying several shard calls; its answers decoded once."""
+    """One call to a group actor carrying several shard calls, over its direct channel
+    (cluster/direct.py) or as a Ray call; its answers decoded once. A direct call whose connection
+    fails goes again as a Ray call to the same actor (which waits for a restarting actor)."""
 
-    def __init__(self, ref: Any):
-        self.ref = ref
+    def __init__(self, shards: RayShards, group: int, replica: int, packed: bytes):
+        self.shards = shards
+        self.group, self.replica = group, replica
+        self.packed = packed
+        self.direct: DirectCall | None = None  # the call in flight on the channel
+        self.ref: Any = None  # the Ray call, where it went (or went again) through Ray
+        self.ready = False  # the Ray call's result can be taken without waiting
         self.answers: list[tuple[str, Any]] | None = None
+        self._lock = threading.Lock()  # calls of several requests share a batch: one thread receives
+
+    @property
+    def actor(self) -> Any:
+        return self.shards.actors[self.group][self.replica]
+
+    def start(self, channel: DirectChannel | None) -> None:
+        if channel is not None:
+            try:
+                self.direct = channel.send(self.packed)
+                return
+            except ChannelError as exc:
+                self.shards.channel_failed(self.group, self.replica, exc)
+        self.through_ray()
+
+    def through_ray(self) -> None:
+        self.direct = None
+        self.ref = self.actor.run.remote(self.packed)
+        self.shards.ray_calls += 1
+
+    @property
+    def done(self) -> bool:
+        return self.answers is not None or self.ready
+
+    def receive(self, deadline: float | None) -> None:
+        """The direct reply, read once (the readable socket may be seen by several threads); by
+        ``deadline`` (None: however long it takes, as ``ray.get``)."""
+        with self._lock:
+            if self.direct is None:
+                return
+            try:
+                timeout = None if deadline is None else deadline - time.monotonic()
+                self.answers = pickle.loads(self.direct.receive(timeout))
+                self.direct = None
+            except ChannelError as exc:
+                self.shards.channel_failed(self.group, self.replica, exc)
+                self.through_ray()
 
     def decoded(self) -> list[tuple[str, Any]]:
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+        if self.answers is None and self.direct is not None:
+            self.receive(None)
         if self.answers is None:
             try:
                 self.answers = pickle.loads(ray.get(self.ref))
@@ -66,30 +116,94 @@ class GroupBatch:
 
 @dataclass(eq=False)  # a handle: hashed by identity
 class GroupCall:
-    """A shard's call, answered by its group's Ray call (several shards' calls share one)."""
+    """A shard's call, answered by its group's batch (several shards' calls share one)."""
 
     group: int
     member: int
     replica: int
-    batch: GroupBatch | None = None  # the Ray call that carries it, once sent
+    batch: GroupBatch | None = None  # the call that carries it, once sent
     slot: int = 0  # its place among the batch's calls
 
 
 class RayShards:
     """A ShardBackend over ShardGroup actors ``[group][replica]`` (cluster/shard_group.py): the
-    calls submitted to one actor before a wait go as one Ray call (arguments and answers pickled
-    in one bytes object each way)."""
+    calls submitted to one actor before a wait go as one call (arguments and answers pickled in
+    one bytes object each way), over the actor's direct channel where ``direct`` (each actor's
+    endpoint asked of it through Ray once, and again after the channel failed) and as a Ray call
+    where there is no channel (yet)."""
 
-    def __init__(self, actors: list[list[Any]], groups: list[list[int]] | None = None):
+    def __init__(self, actors: list[list[Any]], groups: list[list[int]] | None = None, direct: bool = True):
         self.actors = actors
         self.groups = groups if groups is not None else [[g] for g in range(len(actors))]
         if len(self.groups) != len(actors):
             raise ValueError(f"{len(actors)} shard actors for {len(self.groups)} shard groups")
         self.of_shard = {shard: (g, m) for g, shards in enumerate(self.groups) for m, shard in enumerate(shards)}
         self.replicas = [len(actors[self.of_shard[s][0]]) for s in range(len(self.of_shard))]
+        self.direct = direct
         self._unsent: list[tuple[GroupCall, str, tuple]] = []
-        self._lock = threading.Lock()
-        self.ray_calls = 0  # Ray calls sent (the calls of a wait to one actor count once)
+        self._lock = threading.RLock()  # re-entered where a send finds a channel failed
+        self._channels: dict[tuple[int, int], DirectChannel] = {}
+        self._asked: dict[tuple[int, int], Any] = {}  # (group, replica) -> the Ray call for its endpoint
+        self._failed: dict[tuple[int, int], float] = {}  # (group, replica) -> when its channel failed
+        self.calls = 0  # calls sent to actors (the calls of a wait to one actor count once)
+        self.ray_calls = 0  # of which went through Ray (no channel, or again after the channel failed)
+        if direct:
+            for group, replicas in enumerate(actors):
+                for replica in range(len(replicas)):
+                    self.ask_endpoint(group, replica)
+
+    def ask_endpoint(self, group: int, replica: int) -> None:
+        self._asked[group, replica] = self.actors[group][replica].endpoint.remote()
+
+    def channels_open(self) -> int:
+        """Actors whose calls go over their direct channel now."""
+        return len(self._channels)
+
+    def open_channels(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for every actor's endpoint (so that the first requests go
+        direct too); returns the number of channels open."""
+        import ray
+
+        if self._asked:
+            ray.wait(list(self._asked.values()), num_returns=len(self._asked), timeout=timeout)
+        with self._lock:
+            for group, replicas in enumerate(self.actors):
+                for replica in range(len(replicas)):
+                    self.channel(group, replica)
+            return self.channels_open()
+
+    def channel(self, group: int, replica: int) -> DirectChannel | None:
+        """The actor's channel, once its endpoint has come (never waiting for it: until then its
+        calls go through Ray). After a failure the endpoint is asked again (a restarted actor
+        listens elsewhere) once ``CHANNEL_RETRY_S`` has passed."""
+        import ray
+
+        at = (group, replica)
+        if not self.direct or at in self._channels:
+            return self._channels.get(at)
+        if at not in self._asked:
+            if time.monotonic() - self._failed.get(at, -CHANNEL_RETRY_S) < CHANNEL_RETRY_S:
+                return None
+            self.ask_endpoint(group, replica)
+        ref = self._asked[at]
+        if not ray.wait([ref], timeout=0)[0]:
+            return None
+        del self._asked[at]
+        try:
+            self._channels[at] = DirectChannel(ray.get(ref))
+        except Exception as exc:  # the actor died meanwhile: ask its restarted self later
+            self._failed[at] = time.monotonic()
+            log.warning("shard group %d replica %d: no direct channel (%s); Ray carries its calls", group, replica, exc)
+        return self._channels.get(at)
+
+    def channel_failed(self, group: int, replica: int, exc: Exception) -> None:
+        """Forget the actor's channel (its calls go through Ray until it is asked again)."""
+        log.warning("shard group %d replica %d: direct channel failed (%s); through Ray", group, replica, exc)
+        with self._lock:
+            channel = self._channels.pop((group, replica), None)
+            self._failed[group, replica] = time.monotonic()
+        if channel is not None:
+            channel.close()
 
     def submit(self, shard: int, replica: int, method: str, *args: Any) -> GroupCall:
         group, member = self.of_shard[shard]
@@ -99,30 +213,48 @@ class RayShards:
         return call
 
     def send(self) -> None:
-        """One Ray call per (group, replica, method) among the calls not sent yet (of this
-        request, and of any other thread's submitted meanwhile). Under the lock throughout: when
-        it returns, every call submitted before has its batch."""
+        """One call per (group, replica, method) among the calls not sent yet (of this request,
+        and of any other thread's submitted meanwhile). Under the lock throughout: when it
+        returns, every call submitted before has its batch."""
         with self._lock:
             batches: dict[tuple[int, int, str], list[tuple[GroupCall, tuple]]] = {}
             for call, method, args in self._unsent:
                 batches.setdefault((call.group, call.replica, method), []).append((call, args))
             self._unsent = []
-            self.ray_calls += len(batches)
+            self.calls += len(batches)
             for (group, replica, method), calls in batches.items():
                 packed = pickle.dumps((method, [(c.member, args) for c, args in calls]), protocol=5)
-                batch = GroupBatch(self.actors[group][replica].run.remote(packed))
+                batch = GroupBatch(self, group, replica, packed)
                 for slot, (call, _) in enumerate(calls):
                     call.batch, call.slot = batch, slot
+                batch.start(self.channel(group, replica))
 
     def wait(self, handles: list[GroupCall], timeout: float) -> list[GroupCall]:
+        """The handles done within ``timeout`` seconds: direct replies read as they come, Ray calls
+        waited for together (while both are pending, each in short turns)."""
         import ray
 
         self.send()
-        refs = list(dict.fromkeys(h.batch.ref for h in handles))
-        # one wait for all: a failed call is done at once, so only a hung one holds it to the timeout
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        finished = set(done)
-        return [h for h in handles if h.batch.ref in finished]
+        deadline = time.monotonic() + timeout
+        batches = list(dict.fromkeys(h.batch for h in handles))
+        while True:
+            receiving = [b for b in batches if b.direct is not None]
+            remote = [b for b in batches if b.direct is None and b.answers is None and not b.ready]
+            left = deadline - time.monotonic()
+            if not (receiving or remote) or left <= 0:
+                break
+            if receiving:
+                calls = {id(b.direct): b for b in receiving}
+                for call in readable([b.direct for b in receiving], min(left, MIXED_POLL_S) if remote else left):
+                    calls[id(call)].receive(deadline)
+            if remote:
+                refs = [b.ref for b in remote]
+                # one wait for all: a failed call is done at once, so only a hung one holds it to the timeout
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0 if receiving else left)
+                finished = set(done)
+                for b in remote:
+                    b.ready = b.ref in finished
+        return [h for h in handles if h.batch.done]
 
     def result(self, handle: GroupCall) -> Any:
         if handle.batch is None:

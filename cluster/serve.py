@@ -46,6 +46,7 @@ class ShardServing:
     stage: StageConfig = field(default_factory=StageConfig)  # each node's cache dir, the S3 endpoint
     timeout: float = 10.0  # seconds a request waits for the shards before 503 (or a partial answer)
     images: SourceImagesConfig | None = None  # where shard actors read thumbnails' tars (None: as recorded)
+    transport: str = "direct"  # calls to shard actors: "direct" TCP channels (cluster/direct.py), else Ray calls only
 
 
 def serve_sharded(
@@ -72,7 +73,11 @@ def serve_sharded(
         wait_ready(actors, names, serving.placement.stage_timeout, groups)
     elif len(actors) != len(groups):
         raise ValueError(f"{len(actors)} shard actors for the {len(groups)} shard groups of {path}")
-    return ShardedIndex(infos, source, RayShards(actors, groups), serving.timeout)
+    backend = RayShards(actors, groups, serving.transport == "direct")
+    if backend.direct:
+        opened = backend.open_channels(serving.placement.stage_timeout)
+        log.info("%d of %d shard actors answer over direct channels", opened, sum(map(len, actors)))
+    return ShardedIndex(infos, source, backend, serving.timeout)
 
 
 def open_index(

@@ -12,6 +12,7 @@ from typing import Any
 from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
+TRANSPORTS = ("direct", "ray")  # how the coordinator calls shard actors (cluster/direct.py, cluster/ray_shards.py)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class ServeConfig:
     shards_per_actor: int = 1  # --ray-shards: consecutive shards one actor serves (one Ray call per actor and request)
     shard_cpus: float | None = None  # --ray-shards: CPUs per shard actor, its shards' threads (default: a share, <= 1)
     shard_timeout: float = 10.0  # --ray-shards: seconds a request waits for the shards, then 503 (or partial)
+    # --ray-shards: how the coordinator calls shard actors: "direct" (a TCP channel to each, its key
+    # handed out through Ray; Ray where a channel fails) or "ray" (Ray calls only)
+    shard_transport: str = "direct"
     cache_dir: str | None = (
         None  # --ray-shards: each node's local dir for staged shards ({node}: node id); default <tmp>
     )
@@ -46,6 +50,9 @@ def shard_serving(conf: ServeConfig, tar_dirs: tuple[str, ...] = ()) -> Any:
 
     if conf.shard_timeout <= 0:
         raise NeedleInputError(f"--shard-timeout must be positive, got {conf.shard_timeout}")
+    if conf.shard_transport not in TRANSPORTS:
+        choices = ", ".join(TRANSPORTS)
+        raise NeedleInputError(f"--shard-transport must be one of {choices}, got {conf.shard_transport!r}")
     if conf.shard_cpus is not None and conf.shard_cpus <= 0:
         raise NeedleInputError(f"--shard-cpus must be positive, got {conf.shard_cpus}")
     return ShardServing(
@@ -58,6 +65,7 @@ def shard_serving(conf: ServeConfig, tar_dirs: tuple[str, ...] = ()) -> Any:
         StageConfig(conf.cache_dir, conf.s3_endpoint_url, conf.stage_local),
         conf.shard_timeout,
         SourceImagesConfig(tuple(tar_dirs), conf.s3_endpoint_url) if tar_dirs or conf.s3_endpoint_url else None,
+        conf.shard_transport,
     )
 
 

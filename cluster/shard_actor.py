@@ -51,6 +51,19 @@ def current_node() -> str:
     return socket.gethostname()
 
 
+def node_address() -> str:
+    """The address other nodes reach this process's node at (Ray's node IP; 127.0.0.1 outside a
+    Ray worker)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # not a Ray worker: this machine only
+        pass
+    return "127.0.0.1"
+
+
 def scored_shortlist(
     reranker: Any, query: Any, rows: np.ndarray, scores: np.ndarray, candidates: Any, k: int, evidence: bool
 ) -> dict[str, Any]:

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import logging
 import pickle
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from cluster.shard_actor import ShardActor, scored_shortlist, split_scored
+from cluster.direct import DirectServer, Endpoint
+from cluster.shard_actor import ShardActor, node_address, scored_shortlist, split_scored
 from cluster.staging import StageConfig
 from core.tokens import TokenBatch
 from index.search import trim_to_shortlist
@@ -81,6 +83,21 @@ class ShardGroup:
         self.members = [ShardActor(source, e["name"], stage, replica, e, images) for e in entries]
         self.threads = max(1, min(threads, len(self.members)))  # members answering at once
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard") if self.threads > 1 else None
+        self._server: DirectServer | None = None
+        self._server_lock = threading.Lock()
+
+    def endpoint(self) -> Endpoint:
+        """Where this group answers ``run`` over a direct channel (cluster/direct.py), with its
+        key: the channel starts at the first ask, on this node's address."""
+        with self._server_lock:
+            if self._server is None:
+                self._server = DirectServer(self.run, node_address())
+                where = self._server.endpoint
+                log.info("shards %s: direct channel on %s:%d", self.names(), where.host, where.port)
+            return self._server.endpoint
+
+    def names(self) -> list[str]:
+        return [member.name for member in self.members]
 
     def info(self) -> list[dict[str, Any]]:
         """Every member's ``info()`` (where it runs, what it staged)."""

@@ -129,6 +129,7 @@ def test_the_cluster_answers_like_the_single_index(served, index_on_s3):
         with tarfile.open(tars[shard]) as tar:
             data = tar.extractfile(f"{member}.jpg").read()
         assert coordinator.thumbnail(key, 24) == thumbnail_jpeg(data, 24)
+    assert coordinator.backend.calls > 0 and coordinator.backend.ray_calls == 0  # all over the direct channels
 
 
 class Stream:
@@ -207,9 +208,12 @@ def test_shards_grouped_per_actor_answer_in_one_call_per_actor(cluster, index_on
     try:
         assert coordinator.backend.groups == [[0, 1, 2], [3]] and len(coordinator.backend.actors) == 2
         xq = np.ascontiguousarray(xb[::61], dtype=np.float32)
-        before = coordinator.backend.ray_calls
+        backend = coordinator.backend
+        assert backend.channels_open() == 4  # every actor's direct channel open before the first request
+        before, before_ray = backend.calls, backend.ray_calls
         D2, I2 = coordinator.search(xq, 50)
-        assert coordinator.backend.ray_calls - before == 2  # one per actor, not one per shard
+        assert backend.calls - before == 2  # one per actor, not one per shard
+        assert backend.ray_calls == before_ray  # both over the direct channels
         D1, I1 = single.search(xq, 50)
         np.testing.assert_array_equal(I1, I2)
         np.testing.assert_array_equal(D1, D2)
@@ -289,6 +293,8 @@ def test_killed_shard_actors_during_a_stream_of_queries(served, index_on_s3):
             ray.kill(actor, no_restart=False)
         wait_until(lambda: stream.exact_since(second_kill + TIMEOUT), 60, "the killed shard did not come back")
         wait_until(lambda: all_ready(coordinator), 60, "the killed replicas did not come back")
+        # the restarted actors listen elsewhere: their channels open again (until then Ray carries their calls)
+        wait_until(lambda: coordinator.backend.channels_open() == 8, 30, "the direct channels did not open again")
     finally:
         records = stream.finish()
     # a request that was still running at the second kill may meet it: it counts with those after

@@ -403,3 +403,8 @@ def test_serve_flags_for_shards():
     assert shard_serving(config_from_args(ServeConfig, args)).placement.cpus == 3.0
     with pytest.raises(Exception, match="shard-cpus"):
         shard_serving(replace(ServeConfig(), shard_cpus=0))
+    assert shard_serving(ServeConfig()).transport == "direct"
+    args = build_parser().parse_args(["serve", "--index", "idx", "--ray-shards", "--shard-transport", "ray"])
+    assert shard_serving(config_from_args(ServeConfig, args)).transport == "ray"
+    with pytest.raises(Exception, match="shard-transport must be one of direct, ray, got 'grpc'"):
+        shard_serving(replace(ServeConfig(), shard_transport="grpc"))

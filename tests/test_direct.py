@@ -1,0 +1,152 @@
+"""The direct channel between a coordinator and its shard actors (cluster/direct.py): messages
+arrive whole and in order, each connection carries one call at a time, only a client with the key
+is served, and every failure is a ChannelError (the caller then goes through Ray)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from cluster.direct import (
+    HEADER,
+    MAX_MESSAGE,
+    ChannelError,
+    DirectChannel,
+    DirectServer,
+    Endpoint,
+    open_handshake,
+    readable,
+    send_message,
+)
+
+
+@pytest.fixture
+def echo():
+    """A server answering each request reversed (slowly where it asks: b"sleep:<seconds>")."""
+    seen: list[int] = []
+
+    def handler(request: bytes) -> bytes:
+        seen.append(len(request))
+        if bytes(request[:6]) == b"sleep:":
+            time.sleep(float(bytes(request[6:])))
+        if bytes(request) == b"fail":
+            raise RuntimeError("handler failed")
+        return bytes(request)[::-1]
+
+    server = DirectServer(handler)
+    server.seen = seen
+    yield server
+    server.close()
+
+
+def test_round_trips_keep_connections_open_and_carry_large_messages(echo):
+    channel = DirectChannel(echo.endpoint)
+    for payload in [b"", b"abc", np.arange(3_000_000, dtype=np.int32).tobytes()]:  # 12 MB: several reads
+        call = channel.send(payload)
+        assert readable([call], 5.0) == [call]
+        assert bytes(call.receive(5.0)) == payload[::-1]
+    assert len(channel._idle) == 1  # one connection, reused by each call in turn
+    channel.close()
+
+
+def test_calls_in_flight_together_each_get_their_own_reply(echo):
+    channel = DirectChannel(echo.endpoint)
+    calls = [channel.send(pickle.dumps(("call", i))) for i in range(6)]
+    assert len({call.sock.fileno() for call in calls}) == 6  # a connection per call in flight
+    replies = {}
+    deadline = time.monotonic() + 10
+    while len(replies) < len(calls) and time.monotonic() < deadline:
+        for call in readable([c for c in calls if c not in replies], 1.0):
+            replies[call] = pickle.loads(bytes(call.receive(1.0))[::-1])
+    assert [replies[c] for c in calls] == [("call", i) for i in range(6)]
+
+
+def test_readable_waits_for_the_slow_reply_only(echo):
+    channel = DirectChannel(echo.endpoint)
+    slow, fast = channel.send(b"sleep:0.5"), channel.send(b"quick")
+    start = time.monotonic()
+    assert readable([slow, fast], 5.0) == [fast]
+    assert time.monotonic() - start < 0.4
+    assert readable([slow], 0.01) == []  # not yet
+    assert bytes(slow.receive(5.0)) == b"5.0:peels"
+
+
+def test_a_client_without_the_key_is_refused_before_any_request(echo):
+    wrong = DirectChannel(dataclasses.replace(echo.endpoint, key=b"x" * 32))
+    with pytest.raises(ChannelError, match="handshake"):
+        wrong.send(b"hello")
+    assert echo.seen == []
+    assert "key" not in repr(echo.endpoint) and repr(echo.endpoint.key) not in repr(echo.endpoint)
+
+
+def test_a_server_without_the_key_is_not_trusted():
+    """An impostor listening where the actor was: it cannot prove the key, so nothing it would
+    send is unpickled."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def impostor():
+        sock, _ = listener.accept()
+        with sock:
+            sock.sendall(b"n" * 32)  # a challenge
+            sock.recv(64)  # the client's proof and challenge
+            sock.sendall(b"p" * 32)  # a proof it cannot have made
+
+    threading.Thread(target=impostor, daemon=True).start()
+    channel = DirectChannel(Endpoint("127.0.0.1", listener.getsockname()[1], b"k" * 32))
+    with pytest.raises(ChannelError, match="server failed the handshake"):
+        channel.send(b"hello")
+    listener.close()
+
+
+def test_failures_are_channel_errors(echo):
+    channel = DirectChannel(echo.endpoint)
+    call = channel.send(b"sleep:1")
+    with pytest.raises(ChannelError):  # no whole reply in time: the connection is closed, never reused
+        call.receive(0.05)
+    assert channel._idle == []
+    call = channel.send(b"fail")  # the handler raised: the server closes the connection
+    with pytest.raises(ChannelError, match="closed"):
+        call.receive(5.0)
+    port = echo.endpoint.port
+    echo.close()
+    with pytest.raises(ChannelError, match=f"cannot connect to 127.0.0.1:{port}"):
+        DirectChannel(echo.endpoint).send(b"hello")
+
+
+def test_an_idle_connection_closed_by_the_server_fails_at_the_reply():
+    """A restarted actor: the connection kept open reaches a closed socket; the call fails as a
+    ChannelError, not a hang."""
+    server = DirectServer(lambda request: bytes(request))
+    channel = DirectChannel(server.endpoint)
+    call = channel.send(b"one")
+    assert bytes(call.receive(5.0)) == b"one"
+    server.close()  # its connections closed, as a dead actor's process leaves them
+    with pytest.raises(ChannelError):
+        channel.send(b"two").receive(2.0)
+
+
+def test_a_wrong_proof_or_a_corrupt_length_closes_the_connection(echo):
+    with socket.create_connection((echo.endpoint.host, echo.endpoint.port)) as sock:
+        sock.settimeout(5)
+        sock.recv(32)
+        sock.sendall(b"z" * 64)  # a wrong proof: the server closes without reading further
+        assert sock.recv(1) == b""
+    with socket.create_connection((echo.endpoint.host, echo.endpoint.port)) as sock:
+        sock.settimeout(5)
+        open_handshake(sock, echo.endpoint.key)
+        sock.sendall(HEADER.pack(MAX_MESSAGE + 1))  # no message is that long: a corrupt stream
+        assert sock.recv(1) == b""
+    assert echo.seen == []
+
+
+def test_send_message_writes_length_then_payload():
+    a, b = socket.socketpair()
+    with a, b:
+        send_message(a, b"xyz")
+        assert b.recv(16) == b"\x00" * 7 + b"\x03xyz"
