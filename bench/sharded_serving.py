@@ -23,12 +23,16 @@ the same queries and reports:
   that search's answer within the request that searched (a search's own answer gets its keys
   with the candidates: what ``/search`` pays); ``keys_ms_1000_in_shards``: the shards' own work
   for them (their key files, O(k)), without the transport;
-- ``ray_fanout_floor_p50_ms``: one call to every shard doing nothing (the transport alone);
+- ``fanout_floor_p50_ms``: one call to every shard doing nothing (the transport alone);
+- ``transport``: how the coordinator called the actors (``--transport``: ``direct``, the default,
+  over each actor's TCP channel, cluster/direct.py; ``ray``: Ray actor calls only), with the
+  calls sent (``calls``) and how many of them went through Ray (``ray_calls``);
 - ``identical_to_single``: D and I of every query sample equal to the single index's (and the
   re-ranked ones where measured).
 
     OMP_NUM_THREADS=1 python bench/sharded_serving.py --n 1000000 4000000 [--workdir DIR]
     OMP_NUM_THREADS=1 python bench/sharded_serving.py --n 20000 80000   # a quick run
+    OMP_NUM_THREADS=1 python bench/sharded_serving.py --transport ray direct   # both transports, one run
 """
 
 from __future__ import annotations
@@ -222,7 +226,7 @@ def coordinator_child(args: argparse.Namespace) -> None:
     ray.init(address=args.address, log_to_driver=False)
     start = time.perf_counter()
     placement = ShardPlacement(cpus=0.01, concurrency=2, shards_per_actor=args.group)
-    serving = ShardServing(placement, StageConfig(args.cache_dir), timeout=60.0)
+    serving = ShardServing(placement, StageConfig(args.cache_dir), timeout=60.0, transport=args.transport)
     index = serve_sharded(args.index, serving)
     ready_s = time.perf_counter() - start
     xq = np.load(args.queries)[: args.queries_n]
@@ -263,8 +267,12 @@ def coordinator_child(args: argparse.Namespace) -> None:
     out = {
         "ready_s": round(ready_s, 1),
         "coordinator_rss_mb": round(rss / 2**20, 1),
-        "ray_fanout_floor_p50_ms": round(float(np.median(floor)) * 1000, 3),
+        "fanout_floor_p50_ms": round(float(np.median(floor)) * 1000, 3),
         "shards_per_actor": args.group,
+        "transport": args.transport,
+        "direct_channels": index.backend.channels_open(),
+        "ray_calls": index.backend.ray_calls,
+        "calls": index.backend.calls,
         "actors": len(index.backend.actors),
         "single": percentiles(single_times),
         "sharded": percentiles(times),
@@ -298,11 +306,11 @@ def run_size(n: int, args: argparse.Namespace, address: str, work: Path) -> dict
         (work / "rerank_keys.json").write_text(json.dumps(rerank_keys(single, args.rerank_queries)))
     result = {"n": n, "build_s": build_s, "keys_ms_1000_in_shards": keys_in_shards(single, out, xq[:1], args.nprobe)}
     del single
-    for group in args.shards_per_actor:
-        report = work / f"coordinator_g{group}.json"
+    for transport, group in [(t, g) for t in args.transport for g in args.shards_per_actor]:
+        report = work / f"coordinator_{transport}_g{group}.json"
         command = [sys.executable, __file__, "--child", "--address", address, "--index", str(out)]
         command += ["--queries-file", str(work / "queries.npy"), "--queries-n", str(args.queries)]
-        command += ["--result", str(report), "--group", str(group)]
+        command += ["--result", str(report), "--group", str(group), "--transport", transport]
         command += ["--k", str(args.k), "--nprobe", str(args.nprobe), "--cache-dir", str(work / "cache-{node}")]
         command += ["--rerank-keys", str(work / "rerank_keys.json")]
         remove_node_caches(work)
@@ -311,7 +319,7 @@ def run_size(n: int, args: argparse.Namespace, address: str, work: Path) -> dict
         deployment = json.loads(report.read_text())
         deployment["p50_ratio_vs_single"] = round(deployment["sharded"]["p50_ms"] / deployment["single"]["p50_ms"], 2)
         result.setdefault("deployments", []).append(deployment)
-    # the headline figures: the last deployment (shards grouped one actor per node by default)
+    # the headline figures: the last deployment (direct channels, shards grouped one actor per node by default)
     result.update(result["deployments"][-1])
     return result
 
@@ -328,6 +336,13 @@ def main() -> None:
         help="deployments measured, each one child (default: 1, then ceil(shards / nodes): one actor per node)",
     )
     p.add_argument("--group", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--transport",
+        nargs="+",
+        choices=["direct", "ray"],
+        default=["direct"],
+        help="how the coordinator calls the shard actors: deployments measured with each (default: direct)",
+    )
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--nlist", type=int, default=1024)
     p.add_argument("--pq-bytes", type=int, default=16)
@@ -349,6 +364,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         args.queries = args.queries_path
+        args.transport = args.transport[0]
         coordinator_child(args)
         return
 
@@ -388,8 +404,8 @@ def main() -> None:
         "keys_ms_1000_after_search": sizes[-1]["keys_ms_1000_after_search"],
         "identical_to_single": all(s["identical_to_single"] for s in sizes),
         "p50_ratio_vs_single": sizes[-1]["p50_ratio_vs_single"],  # the last deployment's (grouped by default)
-        "p50_ratio_vs_single_by_shards_per_actor": {
-            str(d["shards_per_actor"]): d["p50_ratio_vs_single"] for d in sizes[-1]["deployments"]
+        "p50_ratio_vs_single_by_deployment": {  # "transport/shards per actor"
+            f"{d['transport']}/{d['shards_per_actor']}": d["p50_ratio_vs_single"] for d in sizes[-1]["deployments"]
         },
     }
     line = json.dumps(summary)

@@ -257,4 +257,7 @@ def readable(calls: list[DirectCall], timeout: float) -> list[DirectCall]:
     if not calls:
         return []
     by_socket = {call.sock: call for call in calls}
-    return [by_socket[sock] for sock in wait_readable(list(by_socket), max(timeout, 0.0))]
+    try:
+        return [by_socket[sock] for sock in wait_readable(list(by_socket), max(timeout, 0.0))]
+    except (OSError, ValueError):  # one was closed meanwhile (by another thread's failed receive)
+        return calls  # each receives now: the closed one fails at once, the others wait for their reply

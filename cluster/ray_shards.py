@@ -6,8 +6,11 @@ shards (cluster/shard_group.py; one shard per actor by default) with
 infos (their files: what it maps), ``max_concurrency`` concurrent calls each, and
 ``max_restarts=-1``: a dead actor is restarted, wherever Ray places it, and stages its shards again
 (from its node's cache where it has one). The backend sends the calls a request makes to the
-shards of one actor as one Ray call.
-Calls are reads, so they may be retried: with one replica a call waits for the restart
+shards of one actor as one call: a message on the actor's direct channel (cluster/direct.py; its
+endpoint and key asked of the actor through Ray), or a Ray call where the actor has no channel
+(not yet, ``--shard-transport ray``, or after its channel failed: the call then goes again
+through Ray, to the same actor).
+Calls are reads, so they may be retried: with one replica a Ray call waits for the restart
 (``max_task_retries=-1``, bounded by the coordinator's timeout); with several, a call to a dead
 replica fails at once (``max_task_retries=0``) and goes to the next replica.
 """

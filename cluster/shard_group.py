@@ -1,10 +1,13 @@
 """Several index shards served by one process (one Ray actor): a request reaches the group in one
-call carrying every member's arguments, the members answer in parallel threads (FAISS, numpy and
-torch release the GIL), and one reply carries every answer.
+call (a message on the group's direct channel, cluster/direct.py, or a Ray call) carrying every
+member's arguments, the members answer in parallel threads (FAISS, numpy and torch release the
+GIL), and one reply carries every answer.
 
-Why: a Ray call costs about as much coordinator and transport time as a whole shard's search
-(``bench/sharded_serving.py``: ~0.5 ms of CPU at each end, measured with a method that does
-nothing), so on nodes with fewer cores than shards a request pays per call, not per shard. With
+Why: a call costs coordinator and transport time whatever it carries (a Ray call about as much
+as a whole shard's search, ~0.5 ms of CPU at each end; a direct message less, but still a
+wake-up of the actor and a reply), so on nodes with fewer cores than shards a request pays per
+call, not per shard (``bench/sharded_serving.py``: grouped 1.27x the single index at 4M, one
+actor per shard 1.66x, both direct). With
 ``--shards-per-actor G`` the shards are grouped G to an actor (consecutive shards), one call per
 group. Each member is a ``ShardActor`` (cluster/shard_actor.py), staged and opened as on its own.
 Members answer in up to ``threads`` parallel threads: as many as the CPUs the actor reserved

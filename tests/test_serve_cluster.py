@@ -294,7 +294,11 @@ def test_killed_shard_actors_during_a_stream_of_queries(served, index_on_s3):
         wait_until(lambda: stream.exact_since(second_kill + TIMEOUT), 60, "the killed shard did not come back")
         wait_until(lambda: all_ready(coordinator), 60, "the killed replicas did not come back")
         # the restarted actors listen elsewhere: their channels open again (until then Ray carries their calls)
+        assert coordinator.backend.ray_calls > 0  # the calls that met a dead channel went again through Ray
         wait_until(lambda: coordinator.backend.channels_open() == 8, 30, "the direct channels did not open again")
+        ray_calls, reopened = coordinator.backend.ray_calls, time.monotonic()
+        wait_until(lambda: stream.exact_since(reopened), 30, "no exact answer over the reopened channels")
+        assert coordinator.backend.ray_calls == ray_calls  # all direct again
     finally:
         records = stream.finish()
     # a request that was still running at the second kill may meet it: it counts with those after
