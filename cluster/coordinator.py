@@ -62,13 +62,14 @@ class ReplicaFailed(RuntimeError):
 class ShardBackend(Protocol):
     """Calls to shard replicas: ``submit`` returns a handle, ``wait`` the handles done when all are
     or ``timeout`` seconds have passed, ``result`` a done handle's value (ReplicaFailed where the
-    replica died)."""
+    replica died), ``abandon`` the handles a request stopped waiting for."""
 
     replicas: list[int]  # replicas of each shard
 
     def submit(self, shard: int, replica: int, method: str, *args: Any) -> Any: ...
     def wait(self, handles: list[Any], timeout: float) -> list[Any]: ...
     def result(self, handle: Any) -> Any: ...
+    def abandon(self, handles: list[Any]) -> None: ...  # calls no longer waited for (hung, or hedged and beaten)
 
 
 @dataclass
@@ -204,6 +205,8 @@ class ShardedIndex:
                     if s not in results and submit(s):
                         log.warning("shard %s replica %d is slow: asking another replica", self.names[s], replica)
                         self.suspect[s, replica] = time.monotonic()
+        if pending:  # hung past the timeout, or beaten by a hedged call: nobody waits for them
+            self.backend.abandon(list(pending))
         if self.traffic.count:
             self.count_traffic(args, results)
         missing = [self.names[s] for s in args if s not in results]

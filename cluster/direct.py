@@ -39,7 +39,7 @@ KEY_BYTES = 32
 NONCE_BYTES = 32
 MAX_MESSAGE = 1 << 34  # 16 GiB: larger lengths are a corrupt stream, not a message
 HANDSHAKE_S = 5.0  # seconds either end waits for the other's handshake
-CONNECT_S = 2.0  # seconds a connection may take to open (a lost node must not hold a request)
+CONNECT_S = 1.0  # seconds a connection may take to open (a lost node must not hold every request)
 
 
 class ChannelError(ConnectionError):
@@ -186,6 +186,10 @@ class DirectCall:
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    def close(self) -> None:
+        """Give up on the reply: the connection is closed, never reused."""
+        self.sock.close()
 
     def receive(self, timeout: float | None) -> bytearray:
         """The reply, within ``timeout`` seconds (None: no limit); ChannelError (and the connection

@@ -41,3 +41,7 @@ class LocalShards:
 
     def result(self, handle: Any) -> Any:
         return handle.result()
+
+    def abandon(self, handles: list[Any]) -> None:
+        for handle in handles:
+            handle.cancel()  # a call not started yet is dropped; one running finishes unread

@@ -58,6 +58,7 @@ class GroupBatch:
     fails goes again as a Ray call to the same actor (which waits for a restarting actor)."""
 
     def __init__(self, shards: RayShards, group: int, replica: int, packed: bytes):
+        # the backend (for the actor handle, its channel's failures and the Ray call count)
         self.shards = shards
         self.group, self.replica = group, replica
         self.packed = packed
@@ -103,12 +104,29 @@ class GroupBatch:
                 self.shards.channel_failed(self.group, self.replica, exc)
                 self.through_ray()
 
+    def abandon(self) -> bool:
+        """Close the direct call's connection if it is still waiting for its reply (True then).
+        Another request's calls may share this batch: if one still waits, the batch goes again
+        through Ray then (``resend_if_abandoned``)."""
+        with self._lock:
+            if self.direct is None:
+                return False
+            self.direct.close()
+            self.direct = None
+            return True
+
+    def resend_if_abandoned(self) -> None:
+        with self._lock:
+            if self.direct is None and self.ref is None and self.answers is None:
+                self.through_ray()
+
     def decoded(self) -> list[tuple[str, Any]]:
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         if self.answers is None and self.direct is not None:
             self.receive(None)
+        self.resend_if_abandoned()
         if self.answers is None:
             try:
                 self.answers = pickle.loads(ray.get(self.ref))
@@ -241,15 +259,18 @@ class RayShards:
         deadline = time.monotonic() + timeout
         batches = list(dict.fromkeys(h.batch for h in handles))
         while True:
-            receiving = [b for b in batches if b.direct is not None]
-            remote = [b for b in batches if b.direct is None and b.answers is None and not b.ready]
+            for batch in batches:  # another request gave up on a batch these calls share
+                batch.resend_if_abandoned()
+            # a snapshot: another thread may receive (or give up on) a shared batch meanwhile
+            receiving = {id(call): (b, call) for b in batches if (call := b.direct) is not None}
+            remote = [b for b in batches if b.ref is not None and b.answers is None and not b.ready]
             left = deadline - time.monotonic()
             if not (receiving or remote) or left <= 0:
                 break
             if receiving:
-                calls = {id(b.direct): b for b in receiving}
-                for call in readable([b.direct for b in receiving], min(left, MIXED_POLL_S) if remote else left):
-                    calls[id(call)].receive(deadline)
+                waiting = [call for _, call in receiving.values()]
+                for call in readable(waiting, min(left, MIXED_POLL_S) if remote else left):
+                    receiving[id(call)][0].receive(deadline)
             if remote:
                 refs = [b.ref for b in remote]
                 # one wait for all: a failed call is done at once, so only a hung one holds it to the timeout
@@ -258,6 +279,15 @@ class RayShards:
                 for b in remote:
                     b.ready = b.ref in finished
         return [h for h in handles if h.batch.done]
+
+    def abandon(self, handles: list[GroupCall]) -> None:
+        """Calls a request stopped waiting for: a direct one's connection is closed (its reply would
+        be stale) and its actor's channel dropped, since an actor that hung past a request's
+        timeout may be on a lost node (a new connection there would wait out its connect
+        timeout); Ray carries its calls until its endpoint answers again through Ray."""
+        for batch in dict.fromkeys(h.batch for h in handles if h.batch is not None):
+            if batch.abandon():
+                self.channel_failed(batch.group, batch.replica, ChannelError("no reply before the request gave up"))
 
     def result(self, handle: GroupCall) -> Any:
         if handle.batch is None:

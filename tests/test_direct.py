@@ -150,3 +150,75 @@ def test_send_message_writes_length_then_payload():
     with a, b:
         send_message(a, b"xyz")
         assert b.recv(16) == b"\x00" * 7 + b"\x03xyz"
+
+
+def fake_group_class():
+    """A stand-in for ShardGroup with the same ``endpoint``/``run`` protocol: it echoes each
+    call's method and arguments, hangs 2 s on "hang", and can close its channel (defined in a
+    function: pickled by value for the Ray workers)."""
+    import pickle
+    import time
+
+    from cluster.direct import DirectServer
+
+    class FakeGroup:
+        def __init__(self):
+            self.server = None
+
+        def endpoint(self):
+            if self.server is None:  # a restarted actor listens elsewhere
+                self.server = DirectServer(self.run)
+            return self.server.endpoint
+
+        def close_channel(self) -> None:
+            self.server.close()
+            self.server = None
+
+        def run(self, packed: bytes) -> bytes:
+            method, calls = pickle.loads(packed)
+            if method == "hang":
+                time.sleep(2.0)
+            return pickle.dumps([("ok", (method, args)) for _, args in calls])
+
+    return FakeGroup
+
+
+@pytest.mark.ray
+def test_ray_shards_go_direct_and_fall_back_to_ray(ray_local):
+    """Calls go over the actors' channels; a channel that breaks sends its call again through Ray
+    (the same answer); a call that hangs past the request's timeout is abandoned, its channel
+    dropped (Ray carries the actor's calls) and opened again later."""
+    import ray
+
+    from cluster.coordinator import ShardedIndex, ShardsUnavailable
+    from cluster.ray_shards import CHANNEL_RETRY_S, RayShards
+
+    actors = [[ray.remote(fake_group_class()).options(max_concurrency=4).remote()] for _ in range(2)]
+    backend = RayShards(actors)
+    assert backend.open_channels(30) == 2
+    infos = {"shards": [{"name": "s0", "rows": 1}, {"name": "s1", "rows": 1}], "dim": 4, "ntotal": 2}
+    index = ShardedIndex(infos, "fake", backend, timeout=0.5)
+    assert index.call("echo", {0: (1,), 1: (2,)}) == {0: ("echo", (1,)), 1: ("echo", (2,))}
+    assert (backend.calls, backend.ray_calls) == (2, 0)
+
+    ray.get(actors[1][0].close_channel.remote())  # the connection kept open now meets a closed peer
+    assert index.call("echo", {1: (3,)}) == {1: ("echo", (3,))}
+    assert backend.ray_calls == 1 and backend.channels_open() == 1
+
+    with pytest.raises(ShardsUnavailable, match="s0"):
+        index.call("hang", {0: ()})
+    assert backend.channels_open() == 0  # the hung actor's channel dropped
+    assert index.call("echo", {0: (4,)}) == {0: ("echo", (4,))}  # through Ray meanwhile
+    assert backend.ray_calls == 2
+
+    time.sleep(CHANNEL_RETRY_S)
+    deadline = time.monotonic() + 20
+    while backend.channels_open() < 2 and time.monotonic() < deadline:
+        assert index.call("echo", {0: (5,), 1: (6,)}) == {0: ("echo", (5,)), 1: ("echo", (6,))}
+        time.sleep(0.05)
+    assert backend.channels_open() == 2
+    ray_calls = backend.ray_calls
+    assert index.call("echo", {0: (7,), 1: (8,)}) == {0: ("echo", (7,)), 1: ("echo", (8,))}
+    assert backend.ray_calls == ray_calls  # direct again
+    for replicas in actors:
+        ray.kill(replicas[0])
