@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct("!Q")  # a message's length
 KEY_BYTES = 32
 NONCE_BYTES = 32
+PROOF_BYTES = 32  # an HMAC-SHA256 digest
 MAX_MESSAGE = 1 << 34  # 16 GiB: larger lengths are a corrupt stream, not a message
 HANDSHAKE_S = 5.0  # seconds either end waits for the other's handshake
 CONNECT_S = 1.0  # seconds a connection may take to open (a lost node must not hold every request)
@@ -89,10 +90,10 @@ def accept_handshake(sock: socket.socket, key: bytes) -> None:
     """Server side: challenge the client, check its proof, answer its challenge."""
     challenge = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(challenge)
-    answer = receive_exact(sock, 32 + NONCE_BYTES)
-    if not hmac.compare_digest(bytes(answer[:32]), proof(key, b"client", challenge)):
+    answer = receive_exact(sock, PROOF_BYTES + NONCE_BYTES)
+    if not hmac.compare_digest(bytes(answer[:PROOF_BYTES]), proof(key, b"client", challenge)):
         raise ChannelError("client failed the handshake (wrong key)")
-    sock.sendall(proof(key, b"server", bytes(answer[32:])))
+    sock.sendall(proof(key, b"server", bytes(answer[PROOF_BYTES:])))
 
 
 def open_handshake(sock: socket.socket, key: bytes) -> None:
@@ -100,7 +101,7 @@ def open_handshake(sock: socket.socket, key: bytes) -> None:
     challenge = bytes(receive_exact(sock, NONCE_BYTES))
     mine = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(proof(key, b"client", challenge) + mine)
-    if not hmac.compare_digest(bytes(receive_exact(sock, 32)), proof(key, b"server", mine)):
+    if not hmac.compare_digest(bytes(receive_exact(sock, PROOF_BYTES)), proof(key, b"server", mine)):
         raise ChannelError("server failed the handshake (wrong key)")
 
 

@@ -78,7 +78,7 @@ class GroupBatch:
                 self.direct = channel.send(self.packed)
                 return
             except ChannelError as exc:
-                self.shards.channel_failed(self.group, self.replica, exc)
+                self.shards.channel_failed(self.group, self.replica, channel, exc)
         self.through_ray()
 
     def through_ray(self) -> None:
@@ -101,19 +101,19 @@ class GroupBatch:
                 self.answers = pickle.loads(self.direct.receive(timeout))
                 self.direct = None
             except ChannelError as exc:
-                self.shards.channel_failed(self.group, self.replica, exc)
+                self.shards.channel_failed(self.group, self.replica, self.direct.channel, exc)
                 self.through_ray()
 
-    def abandon(self) -> bool:
-        """Close the direct call's connection if it is still waiting for its reply (True then).
-        Another request's calls may share this batch: if one still waits, the batch goes again
-        through Ray then (``resend_if_abandoned``)."""
+    def abandon(self) -> DirectChannel | None:
+        """Close the direct call's connection if it is still waiting for its reply (its channel
+        then). Another request's calls may share this batch: if one still waits, the batch goes
+        again through Ray then (``resend_if_abandoned``)."""
         with self._lock:
             if self.direct is None:
-                return False
-            self.direct.close()
-            self.direct = None
-            return True
+                return None
+            call, self.direct = self.direct, None
+            call.close()
+            return call.channel
 
     def resend_if_abandoned(self) -> None:
         with self._lock:
@@ -217,14 +217,17 @@ class RayShards:
             log.warning("shard group %d replica %d: no direct channel (%s); Ray carries its calls", group, replica, exc)
         return self._channels.get(at)
 
-    def channel_failed(self, group: int, replica: int, exc: Exception) -> None:
-        """Forget the actor's channel (its calls go through Ray until it is asked again)."""
-        log.warning("shard group %d replica %d: direct channel failed (%s); through Ray", group, replica, exc)
+    def channel_failed(self, group: int, replica: int, channel: DirectChannel, exc: Exception) -> None:
+        """Forget the actor's ``channel``, which failed (its calls go through Ray until the
+        endpoint is asked again); nothing where the actor's channel is already another one (a call
+        of the old channel failing after a restarted actor's new channel opened)."""
         with self._lock:
-            channel = self._channels.pop((group, replica), None)
+            if self._channels.get((group, replica)) is not channel:
+                return
+            del self._channels[group, replica]
             self._failed[group, replica] = time.monotonic()
-        if channel is not None:
-            channel.close()
+        log.warning("shard group %d replica %d: direct channel failed (%s); through Ray", group, replica, exc)
+        channel.close()
 
     def submit(self, shard: int, replica: int, method: str, *args: Any) -> GroupCall:
         group, member = self.of_shard[shard]
@@ -286,8 +289,10 @@ class RayShards:
         timeout may be on a lost node (a new connection there would wait out its connect
         timeout); Ray carries its calls until its endpoint answers again through Ray."""
         for batch in dict.fromkeys(h.batch for h in handles if h.batch is not None):
-            if batch.abandon():
-                self.channel_failed(batch.group, batch.replica, ChannelError("no reply before the request gave up"))
+            channel = batch.abandon()
+            if channel is not None:
+                gave_up = ChannelError("no reply before the request gave up")
+                self.channel_failed(batch.group, batch.replica, channel, gave_up)
 
     def result(self, handle: GroupCall) -> Any:
         if handle.batch is None:

@@ -222,3 +222,17 @@ def test_ray_shards_go_direct_and_fall_back_to_ray(ray_local):
     assert backend.ray_calls == ray_calls  # direct again
     for replicas in actors:
         ray.kill(replicas[0])
+
+
+def test_a_stale_channel_failing_leaves_the_new_channel_open(echo):
+    """A call of an actor's old channel that fails after the restarted actor's new channel opened
+    must not drop the new one (only the channel that failed is forgotten)."""
+    from cluster.ray_shards import RayShards
+
+    backend = RayShards([[object()]], direct=False)  # no Ray: the channel table alone
+    old, new = DirectChannel(echo.endpoint), DirectChannel(echo.endpoint)
+    backend._channels[0, 0] = new
+    backend.channel_failed(0, 0, old, ChannelError("reset"))
+    assert backend._channels[0, 0] is new and (0, 0) not in backend._failed
+    backend.channel_failed(0, 0, new, ChannelError("reset"))
+    assert backend.channels_open() == 0 and (0, 0) in backend._failed
