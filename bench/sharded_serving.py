@@ -325,6 +325,8 @@ def run_size(n: int, args: argparse.Namespace, address: str, work: Path) -> dict
 
 
 def main() -> None:
+    from cluster.serve_run import TRANSPORTS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, nargs="+", default=[1_000_000, 4_000_000])
     p.add_argument("--d", type=int, default=128)
@@ -339,7 +341,7 @@ def main() -> None:
     p.add_argument(
         "--transport",
         nargs="+",
-        choices=["direct", "ray"],
+        choices=TRANSPORTS,
         default=["direct"],
         help="how the coordinator calls the shard actors: deployments measured with each (default: direct)",
     )
