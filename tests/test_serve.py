@@ -153,6 +153,24 @@ def free_port():
         return s.getsockname()[1]
 
 
+def kill_and_wait_until_dead(ray, actor, timeout=30.0):
+    """ray.kill only asks for the kill: until the process is gone the actor still answers, and a
+    health probe sent in that window sees it ready. Return once a call to it fails."""
+    import time
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            break
+        time.sleep(0.05)
+    raise TimeoutError(f"actor {actor} still answers {timeout} s after ray.kill")
+
+
 def test_uvicorn_answers_concurrent_requests_like_sequential_ones(service, built):
     """A real uvicorn server: 8 threads at once get the answers one client gets alone."""
     import time
@@ -239,7 +257,7 @@ def test_ray_serve_deployment_in_front_of_shard_actors(built, ray_local, tmp_pat
         # a shard with no live replica: /health is a 503 naming it, and Serve's health probe of the
         # live deployment's replica fails (the controller then replaces it)
         serve.get_app_handle("needle").check_health.remote().result()
-        ray_local.kill(actors[1][0], no_restart=True)
+        kill_and_wait_until_dead(ray_local, actors[1][0])
         status, health = urlopen_json(f"{url}/health")
         assert status == 503 and health["unavailable_shards"] == ["shard_001"]
         with pytest.raises(Exception, match="shard_001"):
