@@ -8,6 +8,8 @@ Token sources (``LocalConfig.kind``):
   norm; descriptor = the token L2-normalised.
 - ``vit_ames``: ViT patch tokens through the AMES detector head (embed/local_vit.py).
 - ``sift``: kornia's SIFT / RootSIFT keypoints (embed/local_sift.py), weight-free.
+- ``aliked``: ALIKED-N16's learned keypoints and descriptors (embed/local_aliked.py); weight = the
+  keypoint's score (presets ``aliked-n16``, ``aliked-n16-query``).
 
 Multi-scale: the image is resized by each factor of ``scales`` (relative to ``resolution``, the base
 longer side), every token's position is mapped back to base pixels, and the ``top_k`` tokens of
@@ -40,7 +42,14 @@ from core.tokens import CODE_BYTES, LocalTokens
 from embed.extract import batches_by_shape
 from embed.itq import ITQ, load_itq
 from embed.models import build_global_model
-from embed.registry import RANDOM, LocalConfig, get_local_preset, get_model_config, resolve_package_file
+from embed.registry import (
+    KEYPOINT_KINDS,
+    RANDOM,
+    LocalConfig,
+    get_local_preset,
+    get_model_config,
+    resolve_package_file,
+)
 from embed.stages import CNNStageTokens
 from ingest.descriptors import local_fields
 from ingest.images import RESAMPLE, resized_size
@@ -79,10 +88,18 @@ def build_local_model(
         from embed.local_vit import build_vit_ames
 
         return build_vit_ames(conf, weights)
+    # Keypoint detectors propose at most num_features keypoints; keep enough for every scale's top-K.
+    proposals = max(1000, 2 * conf.top_k)
+    if conf.kind == "aliked":
+        from embed.local_aliked import AlikedTokens
+
+        if weights is not None and str(weights) == RANDOM:
+            raise NeedleInputError("ALIKED tokens have no random initialisation: they need the published weights")
+        net = AlikedTokens(num_features=proposals, weights=weights)
+        return net, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), net.weights_path
     from embed.local_sift import SiftTokens
 
-    # SIFT proposes at most num_features keypoints; keep enough candidates for every scale's top-K.
-    return SiftTokens(num_features=max(1000, 2 * conf.top_k)), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), None
+    return SiftTokens(num_features=proposals), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), None
 
 
 @dataclass
@@ -141,9 +158,9 @@ class LocalExtractor:
         scaled = [_resize(image, longer) for image in images]
         out: list[_ScaleTokens | None] = [None] * len(images)
         for idx in batches_by_shape(scaled, self.batch_size):
-            if self.conf.kind == "sift":
+            if self.conf.kind in KEYPOINT_KINDS:
                 for i in idx:
-                    out[i] = self._sift_tokens(scaled[i], images[i], scale_index)
+                    out[i] = self._keypoint_tokens(scaled[i], images[i], scale_index)
                 continue
             desc, weight = self._dense(np.stack([scaled[i] for i in idx]))
             for j, i in enumerate(idx):
@@ -152,7 +169,7 @@ class LocalExtractor:
                 )
         return out  # type: ignore[return-value]
 
-    def _sift_tokens(self, scaled: np.ndarray, original: np.ndarray, scale_index: int) -> _ScaleTokens:
+    def _keypoint_tokens(self, scaled: np.ndarray, original: np.ndarray, scale_index: int) -> _ScaleTokens:
         xy, weight, desc = self.net(scaled)
         to_base = original.shape[1] / scaled.shape[1] / (self.resolution / self.conf.resolution)
         return _ScaleTokens(desc, xy * to_base, weight, np.full(len(xy), scale_index, np.uint8))

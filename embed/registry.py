@@ -430,7 +430,8 @@ def describe(name: str) -> dict[str, Any]:
     return record
 
 
-LOCAL_KINDS = ("cnn", "vit_ames", "sift")
+LOCAL_KINDS = ("cnn", "vit_ames", "sift", "aliked")
+KEYPOINT_KINDS = ("sift", "aliked")  # kinds whose tokens are detected keypoints, not a dense grid
 
 
 class UnknownLocalPresetError(NeedleInputError):
@@ -439,7 +440,7 @@ class UnknownLocalPresetError(NeedleInputError):
 
 @dataclass(frozen=True)
 class LocalConfig:
-    kind: str = "cnn"  # token source: cnn | vit_ames | sift
+    kind: str = "cnn"  # token source: cnn | vit_ames | sift | aliked
     model: str = DEFAULT_MODEL  # registry preset of the backbone (cnn: its weights and normalisation)
     feature_stage: int = (
         4  # cnn: index of the timm block whose output are the tokens (Lite0: 4 = stride 16, 112 channels)
@@ -470,6 +471,7 @@ class LocalConfig:
 # The ITQ projection shipped for the default CNN tokens: learned by `needle locals train-itq` on
 # the demo collection's photos (scikit-image, public domain), never on evaluation data.
 LITE0_ITQ = "package:embed/data/itq_lite0_s16.npz"
+ALIKED_ITQ = "package:embed/data/itq_aliked_n16.npz"  # likewise, for the ALIKED-N16 keypoint tokens
 
 LOCAL_PRESETS: dict[str, LocalConfig] = {
     # Database side: 100 tokens of one scale (2.3 KB per image in the local store).
@@ -487,6 +489,25 @@ LOCAL_PRESETS: dict[str, LocalConfig] = {
     ),
     # Classical: RootSIFT keypoints; needs an ITQ file (--local-itq) for its 128-d descriptors.
     "sift": LocalConfig(kind="sift", resolution=512, top_k=300),
+    # Learned keypoints (embed/local_aliked.py): 100 ALIKED-N16 keypoints at 512 px (2.3 KB per
+    # image, as lite0-s16). realbench (bench/rerank.py): on a par with lite0-s16 overall, ahead on
+    # extreme viewpoints and Phototourism, behind on day/night; ~15x its CPU cost at ingestion.
+    "aliked-n16": LocalConfig(kind="aliked", itq=ALIKED_ITQ),
+    # Query side: 300 keypoints at the base scale (ALIKED's keypoints are found at every scale of
+    # one image; more scales cost a forward pass each).
+    "aliked-n16-query": LocalConfig(kind="aliked", itq=ALIKED_ITQ, top_k=300),
+}
+
+DEFAULT_LOCALS = "lite0-s16"  # the database tokens of `needle demo` and bench/rerank.py unless told otherwise
+
+# Query-side tokens by kind, where re-ranking settings leave them open (RerankConfig.query_scales
+# and query_top_k None): (scales, tokens kept at each scale). The asymmetric setting: queries carry
+# more tokens than database images, at no storage cost.
+QUERY_SIDE: dict[str, tuple[tuple[float, ...], int]] = {
+    "cnn": ((0.75, 1.0, 1.5), 100),
+    "vit_ames": ((0.707, 1.0, 1.414), 100),
+    "sift": ((1.0,), 300),
+    "aliked": ((1.0,), 300),
 }
 
 

