@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import write_json_atomic
+from embed.registry import DEFAULT_LOCALS
 from ingest.demo_data import DemoConfig, build_demo
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ class DemoRunConfig:
     num_cpus: int | None = None  # CPUs of the local head; None: all
     k: int = 1000  # mAP@k cut-off
     address: str | None = None  # dashboard URL of a running Ray cluster; None: start a local head
-    locals: str = "lite0-s16"  # local-token preset ingested beside the globals (re-ranking)
+    locals: str = DEFAULT_LOCALS  # local-token preset ingested beside the globals (re-ranking)
     rerank: str = "sp"  # re-ranking method reported next to global-only
 
 

@@ -116,7 +116,7 @@ class QueryService:
         from query.retrieve import query_local_extractor
 
         conf = conf or self.rerank
-        key = (tuple(conf.query_scales), conf.query_top_k)
+        key = (conf.query_scales, conf.query_top_k)
         with self._lock:
             if key not in self._local_extractors:
                 self._local_extractors[key] = query_local_extractor(self.index, conf, self.files)

@@ -266,17 +266,18 @@ def query_local_extractor(index: SearchIndex, conf: RerankConfig, files: QueryFi
     """The index's local extractor (its recorded files, verified) at the query-side scales and token
     count (the asymmetric setting)."""
     from embed.locals import build_local_extractor
-    from embed.registry import LocalConfig
+    from embed.registry import QUERY_SIDE, LocalConfig
 
     info = recorded_local_extractor(index)
     found = local_files(info, files or QueryFiles(), index.path)
     recorded = LocalConfig(**dict(info["config"], scales=tuple(info["config"]["scales"])))
+    kind_scales, kind_top_k = QUERY_SIDE[recorded.kind]
     return build_local_extractor(
         recorded,
         found["weights"],
-        scales=conf.query_scales,
+        scales=conf.query_scales or kind_scales,
         per_scale=True,
-        top_k=conf.query_top_k,
+        top_k=conf.query_top_k or kind_top_k,
         keep_desc=False,
         itq=found["itq"],
         detector_weights=found["detector_weights"],

@@ -33,8 +33,10 @@ class RerankConfig:
     match: MatchConfig = field(default_factory=MatchConfig)  # tentative correspondences (Hamming threshold, mutual)
     spatial: SpatialConfig = field(default_factory=SpatialConfig)  # spatial verification thresholds
     ames: str | None = None  # AMES checkpoint (method ames)
-    query_scales: tuple[float, ...] = (0.75, 1.0, 1.5)  # query-side extraction factors of the base resolution
-    query_top_k: int = 100  # query tokens kept at each query scale
+    # Query-side extraction factors of the base resolution, and tokens kept at each; None: the token
+    # kind's own (embed.registry.QUERY_SIDE: Lite0 3 x 100 at 0.75/1/1.5, ALIKED 300 at 1).
+    query_scales: tuple[float, ...] | None = None
+    query_top_k: int | None = None
     db_tokens: int | None = None  # use only each candidate's best this many tokens (None: all stored)
 
     def __post_init__(self) -> None:

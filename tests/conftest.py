@@ -71,6 +71,18 @@ def extractor():
     return GlobalExtractor(resolution=160, batch_size=8)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's tests: on a shared 2-core box, OpenMP's spinning threads
+    slow many small ops by 10-50x whenever another process holds a core (measured: SIFT 0.2 s -> 5 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     import ray

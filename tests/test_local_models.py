@@ -22,14 +22,7 @@ REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "ames
 AMES_MODEL = "vit_base_patch14_reg4_dinov2.ames"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """One intra-op thread: on a shared 2-core box, OpenMP's spinning threads slow kornia's many
-    small ops by 10-50x whenever another process holds a core (measured: SIFT 0.2 s -> 5 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one intra-op thread
 
 
 def _reference_shapes() -> dict[str, list[int]]:

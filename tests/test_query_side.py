@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from conftest import jpeg_bytes
 from PIL import Image
 
@@ -20,12 +19,7 @@ ILIAS_SCALES = (0.707, 1.0, 1.414)
 RES = 96  # small: every test image and variant stays cheap on 2 CPU cores
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one intra-op thread
 
 
 @pytest.fixture(scope="module")
