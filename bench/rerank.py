@@ -1,12 +1,15 @@
 """Re-ranking on real photos: ``../shared/data/realbench`` through ingestion (globals + local tokens),
 the exact index and the local store, then re-ranking of each query's global top-1000.
 
-The database holds every image (the 132 grouped ones and the 1,518 distractors) with the default
-database tokens (``lite0-s16``: Lite0's stride-16 stage at 512 px, 128-bit ITQ codes learned on the
-distractors) kept up to ``--db-tokens`` per image, of which the first 100 (2,308 B) are used; the
-queries (every grouped image with another image of its group) get query-side tokens
-(``lite0-s16-query``: 100 tokens at each of 384/512/768 px), ingested (plain codes) and extracted as
-``needle query --image`` does (keeping the float ITQ projections that asymmetric matching scores).
+The database holds every image (the 132 grouped ones and the 1,518 distractors) with the database
+tokens of ``--locals`` (default ``lite0-s16``: Lite0's stride-16 stage at 512 px; ``aliked-n16``:
+ALIKED-N16 keypoints at 512 px), 128-bit ITQ codes learned on a sample of the distractors (the
+first ``ITQ_SAMPLE_SHARDS`` distractor shards), kept up to ``--db-tokens`` per image, of which the
+first 100 (2,308 B) are used; the queries (every grouped image with another image of its group) get
+the preset's query-side tokens (``<locals>-query``: ALIKED 300 keypoints at 512 px; Lite0 100 tokens
+at each of 384/512/768 px), ingested (plain codes) and extracted as ``needle query --image`` does
+(keeping the float ITQ projections that asymmetric matching scores). One token kind per run (and per
+``--workdir``): run it once per kind to compare them.
 
 Cross-validation over instance groups: the queries are split into ``--folds`` folds by group (every
 query of a group in one fold); each fold is scored with the settings and λ chosen on the other
@@ -20,8 +23,7 @@ bytes/image, what each fold chose):
   or none included (``sp, all settings per fold``): the defaults were picked in exploration on
   these same queries, this row is the fully nested number;
 * the defaults followed by α-QE over the verified top and a second scoring of the shortlist;
-* the defaults with other query-side tokens (no storage cost): 100 at each of 5 scales (0.5-2), or
-  150 at each of the 3 default scales;
+* the defaults with other query-side tokens (no storage cost; ``QUERY_TOKEN_VARIANTS`` of the kind);
 * Chamfer plain and asymmetric; AMES trained here on distractor pairs (``--skip-ames`` to leave out).
 
 Prints the table and one JSON line last (also written to ``--out``): ``map_at_1k`` (global, SP as
@@ -31,7 +33,8 @@ timed in the same run; torch threads from OMP_NUM_THREADS), ``local_bytes_per_im
 a curve of mAP against tokens per database image, and ``by_source``: global-only and the defaults'
 mAP@1k per image source of realbench (where re-ranking pays and where it does not).
 
-    OMP_NUM_THREADS=2 python bench/rerank.py [--workdir DIR] [--reuse] [--skip-ames] [--out FILE]
+    OMP_NUM_THREADS=2 python bench/rerank.py [--locals lite0-s16|aliked-n16] [--workdir DIR] [--reuse]
+        [--skip-ames] [--out FILE]
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # This file is named like the `rerank` package: keep its own directory off the import path.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
+
+from embed.registry import DEFAULT_LOCALS  # noqa: E402  (torch-free: the registry of presets)
 
 
 def _load_realbench():
@@ -82,23 +87,24 @@ ASYMMETRIC_MAX_DISTANCE = (28, 32)  # weighted-Hamming thresholds tried with asy
 FLOORS = (0.0, 99.5)  # the shortlist's chance floor of inliers: none, or its 99.5th percentile
 # Query expansion after verification: (results looked at, inliers needed, alpha) tried per fold
 QE_GRID = tuple((top, inliers, alpha) for top in (1, 2, 3, 5) for inliers in (5, 10, 20) for alpha in (0.0, 3.0))
-# Query-side token variants (no storage cost): (name, scales, tokens per scale); the defaults are
-# 100 at each of (0.75, 1.0, 1.5).
-QUERY_TOKEN_VARIANTS = (
-    ("query_5_scales", (0.5, 0.75, 1.0, 1.5, 2.0), 100),
-    ("query_150_per_scale", (0.75, 1.0, 1.5), 150),
-)
+# Query-side token variants (no storage cost) by token kind: (name, scales, tokens per scale); the
+# defaults are embed.registry.QUERY_SIDE (Lite0 100 at each of 0.75/1/1.5, ALIKED 300 at 1).
+QUERY_TOKEN_VARIANTS = {
+    "cnn": (("query_5_scales", (0.5, 0.75, 1.0, 1.5, 2.0), 100), ("query_150_per_scale", (0.75, 1.0, 1.5), 150)),
+    "aliked": (("query_200", (1.0,), 200), ("query_500", (1.0,), 500)),
+}
+ITQ_SAMPLE_SHARDS = 2  # distractor shards (of 7, ~217 images each) the ITQ projection is learned from
 BYTES_PER_TOKEN = 23  # the local store's record (index/locals.py); + 8 B of offset per image
 
 log = logging.getLogger("bench.rerank")
 
 
-def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool) -> str | None:
+def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool, locals_preset: str) -> str | None:
     """Ingest the database and the queries; returns the ITQ file used (None: the shipped one).
 
     With ``itq_from_distractors`` the ITQ projection is first learned from the distractors' local
     descriptors (a sample of the database, never the queries), as a user learns it on a sample of
-    their own collection."""
+    their own collection (here the first ``ITQ_SAMPLE_SHARDS`` distractor shards)."""
     import ray
 
     from cluster.ingest_job import IngestConfig
@@ -110,17 +116,17 @@ def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool) -> str | 
     itq = None
     try:
         if itq_from_distractors:
-            sample = IngestConfig(locals="lite0-s16", local_itq="none", keep_local_desc=True, overwrite=True)
+            sample = IngestConfig(locals=locals_preset, local_itq="none", keep_local_desc=True, overwrite=True)
             distractor_shards = sorted(str(p) for p in (work / "shards").glob("*.tar") if p.stem != GROUPED_SHARD)
-            ingest(sample, distractor_shards, work / "desc_itq")
+            ingest(sample, distractor_shards[:ITQ_SAMPLE_SHARDS], work / "desc_itq")
             itq = str(train_itq(TrainITQConfig(), work / "desc_itq", work / "itq_distractors.npz"))
         ingest(
-            IngestConfig(locals="lite0-s16", local_top_k=db_tokens, local_itq=itq, overwrite=True),
+            IngestConfig(locals=locals_preset, local_top_k=db_tokens, local_itq=itq, overwrite=True),
             str(work / "shards" / "*.tar"),
             work / "desc",
         )
         ingest(
-            IngestConfig(locals="lite0-s16-query", local_itq=itq, overwrite=True),
+            IngestConfig(locals=f"{locals_preset}-query", local_itq=itq, overwrite=True),
             str(work / "shards" / f"{GROUPED_SHARD}.tar"),
             work / "desc_q",
         )
@@ -173,6 +179,7 @@ def query_tokens_with_projections(
     lists: list[dict],
     images: dict[str, str],
     itq: str | None,
+    locals_preset: str,
     scales: tuple[float, ...] | None = None,
     top_k: int | None = None,
 ) -> dict:
@@ -188,7 +195,7 @@ def query_tokens_with_projections(
     cache = work / f"query_tokens_proj{setting}.pkl"
     if cache.is_file():
         return pickle.loads(cache.read_bytes())
-    extractor = build_local_extractor("lite0-s16-query", itq=itq, scales=scales, top_k=top_k)
+    extractor = build_local_extractor(f"{locals_preset}-query", itq=itq, scales=scales, top_k=top_k)
     out = {}
     keys = [e["key"] for e in lists]
     for start in range(0, len(keys), 8):
@@ -315,12 +322,12 @@ def group_folds(lists: list[dict], groups: dict[str, str], n: int = 2) -> list[n
     return [np.array([i for i, e in enumerate(lists) if fold_of[groups[e["key"]]] == f]) for f in range(n)]
 
 
-def train_ames(work: Path, epochs: int, itq: str | None) -> Path:
+def train_ames(work: Path, epochs: int, itq: str | None, locals_preset: str) -> Path:
     from cluster.ingest_job import IngestConfig, make_local_extractor
     from rerank.ames_train import TrainConfig
     from rerank.ames_train import main as train
 
-    extractor = make_local_extractor(IngestConfig(locals="lite0-s16", local_itq=itq))
+    extractor = make_local_extractor(IngestConfig(locals=locals_preset, local_itq=itq))
     conf = TrainConfig(pairs=1500, epochs=epochs, batch_size=32)
     return train(
         conf,
@@ -334,6 +341,9 @@ def train_ames(work: Path, epochs: int, itq: str | None) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", help="keep tars, descriptors, index and AMES here (default: a temp dir)")
+    parser.add_argument(
+        "--locals", default=DEFAULT_LOCALS, choices=("lite0-s16", "aliked-n16"), help="database token preset"
+    )
     parser.add_argument("--db-tokens", type=int, default=max(TOKEN_CURVE), help="tokens stored per database image")
     parser.add_argument("--folds", type=int, default=5, help="cross-validation folds over the instance groups")
     parser.add_argument("--ames-epochs", type=int, default=10)
@@ -353,6 +363,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
+    from embed.registry import get_local_preset
     from eval.evaluate import read_query_tokens
     from index.build import IndexConfig
     from index.build import main as build_index
@@ -367,7 +378,7 @@ def main() -> None:
     rows, _ = pack_realbench(REALBENCH, work / "shards")
     itq = None if args.shipped_itq else str(work / "itq_distractors.npz")
     if not (args.reuse and (work / "index" / "index_infos.json").is_file()):
-        itq = ingest_all(work, args.db_tokens, not args.shipped_itq)
+        itq = ingest_all(work, args.db_tokens, not args.shipped_itq, args.locals)
         build_index(IndexConfig(kind="flat"), work / "desc", work / "index")
     index = load_index(work / "index")
     queries = [q for q in row_queries(rows) if q["positives"]]
@@ -376,7 +387,7 @@ def main() -> None:
     folds = group_folds(lists, groups, args.folds)
     query_tokens = read_query_tokens(work / "desc_q", [q["key"] for q in queries])
     images = {r["key"]: r["image"] for r in rows}
-    proj_tokens = query_tokens_with_projections(work, lists, images, itq)
+    proj_tokens = query_tokens_with_projections(work, lists, images, itq, args.locals)
     token_sets = {"ingested": query_tokens, "image": proj_tokens}
 
     global_map = 100.0 * float(np.mean([ap_of_order(e["positive"], e["n_positives"], K) for e in lists]))
@@ -486,8 +497,8 @@ def main() -> None:
     result["map_at_1k"]["sp_default_qe"] = round(qe_map, 2)
 
     # Query-side tokens cost no storage: more scales or more tokens per scale, the defaults otherwise.
-    for name, scales, top_k in QUERY_TOKEN_VARIANTS:
-        token_sets[name] = query_tokens_with_projections(work, lists, images, itq, scales, top_k)
+    for name, scales, top_k in QUERY_TOKEN_VARIANTS[get_local_preset(args.locals).kind]:
+        token_sets[name] = query_tokens_with_projections(work, lists, images, itq, args.locals, scales, top_k)
         vq, ms = scored(name, RerankConfig(method="sp"))
         value, chosen = cross_validated_map(vq, folds, "sp")
         variants.append(
@@ -541,7 +552,7 @@ def main() -> None:
     if not args.skip_ames:
         ckpt = work / "ames.pt"
         if not (args.reuse and ckpt.is_file()):
-            ckpt = train_ames(work, args.ames_epochs, itq)
+            ckpt = train_ames(work, args.ames_epochs, itq, args.locals)
         ames = Reranker(RerankConfig(method="ames", ames=str(ckpt), shortlist=args.ames_shortlist))
         # AMES was trained on single-scale database tokens: the query uses its stored ones too.
         stored = {e["key"]: index.local_store.tokens(index.position_of(e["key"])) for e in lists}
@@ -574,6 +585,7 @@ def main() -> None:
             "local_bytes_per_image": bytes_per_image,
             "global_search_ms_per_query": round(global_ms, 2),
             "folds": args.folds,
+            "locals": args.locals,
             "itq": "learned on the distractors' tokens" if itq else "shipped (demo photos)",
             "store_bytes_per_image": index.infos["locals"]["bytes_per_image"],
             "variants": variants,
