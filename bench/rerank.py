@@ -3,12 +3,13 @@ the exact index and the local store, then re-ranking of each query's global top-
 
 The database holds every image (the 132 grouped ones and the 1,518 distractors) with the database
 tokens of ``--locals`` (default ``lite0-s16``: Lite0's stride-16 stage at 512 px; ``aliked-n16``:
-ALIKED-N16 keypoints at 512 px), 128-bit ITQ codes learned on a sample of the distractors (the
-first ``ITQ_SAMPLE_SHARDS`` distractor shards), kept up to ``--db-tokens`` per image, of which the
-first 100 (2,308 B) are used; the queries (every grouped image with another image of its group) get
-the preset's query-side tokens (``<locals>-query``: ALIKED 300 keypoints at 512 px; Lite0 100 tokens
-at each of 384/512/768 px), ingested (plain codes) and extracted as ``needle query --image`` does
-(keeping the float ITQ projections that asymmetric matching scores). One token kind per run (and per
+ALIKED-N16 keypoints at 512 px), 128-bit ITQ codes learned on a sample of the distractors (every
+``ITQ_SAMPLE_STRIDE``-th distractor shard, ``ITQ_SAMPLE_TOKENS`` tokens per image), kept up to
+``--db-tokens`` per image, of which the first 100 (2,308 B) are used; the queries (every grouped
+image with another image of its group) get the preset's query-side tokens (``<locals>-query``:
+ALIKED 300 keypoints at 512 px; Lite0 100 tokens at each of 384/512/768 px), ingested (plain codes)
+and extracted as ``needle query --image`` does (keeping the float ITQ projections that asymmetric
+matching scores). One token kind per run (and per
 ``--workdir``): run it once per kind to compare them.
 
 Cross-validation over instance groups: the queries are split into ``--folds`` folds by group (every
@@ -93,7 +94,12 @@ QUERY_TOKEN_VARIANTS = {
     "cnn": (("query_5_scales", (0.5, 0.75, 1.0, 1.5, 2.0), 100), ("query_150_per_scale", (0.75, 1.0, 1.5), 150)),
     "aliked": (("query_200", (1.0,), 200), ("query_500", (1.0,), 500)),
 }
-ITQ_SAMPLE_SHARDS = 2  # distractor shards (of 7, ~217 images each) the ITQ projection is learned from
+# The ITQ projection is learned from every ITQ_SAMPLE_STRIDE-th distractor shard (of 7, ~217 images
+# each: shards 0, 3 and 6), ITQ_SAMPLE_TOKENS tokens per image. ALIKED's 128-d descriptors need
+# that many: learned on 2 shards x 100 keypoints (43k descriptors) its re-ranking scored 2-3 mAP
+# lower than on ~150k (issue 21's probes).
+ITQ_SAMPLE_STRIDE = 3
+ITQ_SAMPLE_TOKENS = 300
 BYTES_PER_TOKEN = 23  # the local store's record (index/locals.py); + 8 B of offset per image
 
 log = logging.getLogger("bench.rerank")
@@ -104,7 +110,8 @@ def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool, locals_pr
 
     With ``itq_from_distractors`` the ITQ projection is first learned from the distractors' local
     descriptors (a sample of the database, never the queries), as a user learns it on a sample of
-    their own collection (here the first ``ITQ_SAMPLE_SHARDS`` distractor shards)."""
+    their own collection (here every ``ITQ_SAMPLE_STRIDE``-th distractor shard, ``ITQ_SAMPLE_TOKENS``
+    tokens per image)."""
     import ray
 
     from cluster.ingest_job import IngestConfig
@@ -116,9 +123,15 @@ def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool, locals_pr
     itq = None
     try:
         if itq_from_distractors:
-            sample = IngestConfig(locals=locals_preset, local_itq="none", keep_local_desc=True, overwrite=True)
+            sample = IngestConfig(
+                locals=locals_preset,
+                local_top_k=ITQ_SAMPLE_TOKENS,
+                local_itq="none",
+                keep_local_desc=True,
+                overwrite=True,
+            )
             distractor_shards = sorted(str(p) for p in (work / "shards").glob("*.tar") if p.stem != GROUPED_SHARD)
-            ingest(sample, distractor_shards[:ITQ_SAMPLE_SHARDS], work / "desc_itq")
+            ingest(sample, distractor_shards[::ITQ_SAMPLE_STRIDE], work / "desc_itq")
             itq = str(train_itq(TrainITQConfig(), work / "desc_itq", work / "itq_distractors.npz"))
         ingest(
             IngestConfig(locals=locals_preset, local_top_k=db_tokens, local_itq=itq, overwrite=True),
