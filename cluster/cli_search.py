@@ -36,6 +36,22 @@ def add_rerank_flags(p: argparse.ArgumentParser) -> None:
         overrides={"lam": {"flag": "--rerank-lambda"}, "gamma": {"flag": "--rerank-gamma"}},
     )
     add_config_flags(g, "rerank.matching:MatchConfig", overrides={"max_distance": {"flag": "--max-hamming"}})
+    add_config_flags(
+        g,
+        "rerank.expand:ExpansionConfig",
+        overrides={
+            "top": {
+                "flag": "--rerank-qe",
+                "default": None,
+                "metavar": "TOP",
+                "help": "α-QE after SP: average the query with the re-ranked top TOP results that have "
+                "--rerank-qe-min-inliers inliers, then score the shortlist again (0: none; default: the "
+                "index's token kind's own, embed.registry.QUERY_EXPANSION)",
+            },
+            "min_inliers": {"flag": "--rerank-qe-min-inliers", "default": None},
+            "alpha": {"flag": "--rerank-qe-alpha", "default": None},
+        },
+    )
 
 
 def rerank_config(args: argparse.Namespace):
@@ -43,11 +59,21 @@ def rerank_config(args: argparse.Namespace):
     if not args.rerank:
         return None
     from rerank.ensemble import EnsembleConfig
+    from rerank.expand import ExpansionConfig
     from rerank.matching import MatchConfig
     from rerank.rerank import RerankConfig
 
+    expansion = None  # the token kind's own
+    if args.rerank_qe is not None:
+        expansion = config_from_args(ExpansionConfig, args)
+    elif args.rerank_qe_min_inliers is not None or args.rerank_qe_alpha is not None:
+        log.warning("--rerank-qe-min-inliers and --rerank-qe-alpha apply with --rerank-qe only: ignored")
     return config_from_args(
-        RerankConfig, args, ensemble=config_from_args(EnsembleConfig, args), match=config_from_args(MatchConfig, args)
+        RerankConfig,
+        args,
+        ensemble=config_from_args(EnsembleConfig, args),
+        match=config_from_args(MatchConfig, args),
+        expansion=expansion,
     )
 
 

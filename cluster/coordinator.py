@@ -357,6 +357,27 @@ class ShardedIndex:
             out[owners == s] = vectors
         return out.reshape((*I.shape, self.d))
 
+    def rescore(self, xq: np.ndarray, I: np.ndarray) -> np.ndarray:
+        """Exact scores (nq, C) of (nq, d) queries with rows ``I`` (nq, C), -inf for -1: each shard
+        scores the rows it owns (their vectors stay where they are; a query vector travels)."""
+        xq = np.ascontiguousarray(np.atleast_2d(xq), dtype=np.float32)
+        I = np.atleast_2d(np.asarray(I, np.int64))
+        owners = self.shard_of_rows(I.reshape(-1)).reshape(I.shape)
+        D = np.full(I.shape, -np.inf, dtype=np.float32)
+        args, places = {}, {}
+        for s in np.unique(owners[owners >= 0]):
+            mine = owners == s
+            width = int(mine.sum(1).max())
+            rows = np.full((len(I), width), -1, np.int64)
+            place = [np.flatnonzero(m) for m in mine]  # each query's columns this shard owns
+            for q, columns in enumerate(place):
+                rows[q, : len(columns)] = I[q, columns]
+            args[int(s)], places[int(s)] = (xq, rows), place
+        for s, scores in self.call("rescore", args, "the second scoring").items():
+            for q, columns in enumerate(places[s]):
+                D[q, columns] = scores[q, : len(columns)]
+        return D
+
     # --- re-ranking: scored where the tokens are --------------------------------------------
     def score_shortlists(
         self,

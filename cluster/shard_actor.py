@@ -203,6 +203,10 @@ class ShardActor:
         positions = self.shard.positions_of_rows(np.asarray(rows, np.int64))
         return np.asarray(self.shard.vectors[positions], dtype=np.float32)
 
+    def rescore(self, xq: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Exact scores (nq, C) of (nq, d) queries with this shard's rows (nq, C), -inf for -1."""
+        return self.shard.rescore(writable(xq), np.asarray(rows, np.int64))
+
     def store(self) -> Any:
         from core.errors import NeedleInputError
 

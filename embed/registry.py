@@ -510,6 +510,17 @@ QUERY_SIDE: dict[str, tuple[tuple[float, ...], int]] = {
     "aliked": ((1.0,), 300),
 }
 
+# α-QE after re-ranking by kind, where re-ranking settings leave it open (RerankConfig.expansion
+# None): (results at the top of the re-ranked list looked at, inliers each needs to be averaged
+# in, alpha); top 0: none. realbench (bench/rerank.py): on ALIKED's verified top the cross-validated
+# folds all chose expansion (+2.5 mAP@1k); on Lite0's it lost 0.7, so Lite0 keeps none.
+QUERY_EXPANSION: dict[str, tuple[int, int, float]] = {
+    "cnn": (0, 10, 0.0),
+    "vit_ames": (0, 10, 0.0),
+    "sift": (0, 10, 0.0),
+    "aliked": (5, 10, 0.0),
+}
+
 
 def get_local_preset(name: str, **overrides: Any) -> LocalConfig:
     try:

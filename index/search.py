@@ -470,6 +470,22 @@ class SearchIndex:
         vectors = np.asarray(self.vectors[positions.clip(0)], dtype=np.float32)
         return np.where((positions >= 0)[..., None], vectors, 0.0).astype(np.float32)
 
+    def rescore(self, xq: np.ndarray, I: np.ndarray) -> np.ndarray:
+        """Exact inner products (nq, C) of (nq, d) queries with their rows ``I`` (nq, C) against the
+        rows' float16 vectors, -inf for the -1 padding (as ``Shard.rescore``): re-ranking's second
+        scoring of a shortlist by an expanded query."""
+        xq = self.check_queries(xq, 1)
+        I = np.atleast_2d(np.asarray(I, np.int64))
+        if len(I) != len(xq):
+            raise NeedleInputError(f"{len(xq)} queries but rows for {len(I)}")
+        positions = self.positions_of_rows(I)
+        D = np.full(I.shape, -np.inf, dtype=np.float32)
+        for q in range(len(xq)):
+            valid = np.flatnonzero(positions[q] >= 0)
+            reads = valid[np.argsort(positions[q, valid])]  # ascending positions: sequential reads of the map
+            D[q, reads] = float16_inner_products(np.asarray(self.vectors[positions[q, reads]]), xq[q])
+        return D
+
     def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
         """Row ids (nq, k) -> keys, None for the -1 padding."""
         I = np.atleast_2d(I)

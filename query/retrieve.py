@@ -22,6 +22,7 @@ from core.errors import NeedleInputError
 from core.tokens import LocalTokens
 from index.search import SearchIndex
 from query.recorded import QueryFiles, adapter_file, local_files, model_weights
+from rerank.expand import ExpansionConfig, expand, verified_top
 from rerank.rerank import LocalScores, RerankConfig, Reranker, candidate_width
 
 log = logging.getLogger(__name__)
@@ -333,6 +334,59 @@ def shortlist_local_scores(
     ]
 
 
+def expansion_of(index: SearchIndex, conf: RerankConfig) -> ExpansionConfig:
+    """The α-QE after re-ranking: ``conf.expansion``, else the one of the index's token kind
+    (embed.registry.QUERY_EXPANSION); none for methods without inliers, or for an index whose
+    token kind is not recorded."""
+    if conf.method != "sp":
+        return ExpansionConfig()
+    if conf.expansion is not None:
+        return conf.expansion
+    from embed.registry import QUERY_EXPANSION
+
+    kind = (recorded_local_extractor(index).get("config") or {}).get("kind")
+    top, min_inliers, alpha = QUERY_EXPANSION.get(kind, (0, 10, 0.0))
+    return ExpansionConfig(top=top, min_inliers=min_inliers, alpha=alpha)
+
+
+def expanded_global_scores(
+    index: SearchIndex,
+    xq: np.ndarray,
+    shortlists: dict[int, np.ndarray],
+    s_global: dict[int, np.ndarray],
+    inliers: dict[int, np.ndarray],
+    orders: dict[int, np.ndarray],
+    conf: ExpansionConfig,
+) -> dict[int, tuple[np.ndarray, int]]:
+    """α-QE after re-ranking, for the queries ``q`` whose re-ranked shortlist (rows
+    ``shortlists[q]`` in ``orders[q]``) has verified results at its top: {q: (the shortlist's
+    global scores against the expanded query, results averaged in)}. Two batched calls whatever the
+    number of queries: the averaged results' vectors, and the second scoring, each done where the
+    rows live (the shards of a coordinator). A member no shard scored keeps its first score."""
+    picked = {q: verified_top(orders[q], inliers[q], conf) for q in inliers} if conf.top else {}
+    picked = {q: p for q, p in picked.items() if len(p)}
+    if not picked:
+        return {}
+    asked = sorted(picked)
+    neighbour_rows = np.full((len(asked), max(len(p) for p in picked.values())), -1, np.int64)
+    for i, q in enumerate(asked):
+        neighbour_rows[i, : len(picked[q])] = shortlists[q][picked[q]]
+    neighbours = index.vectors_of_rows(neighbour_rows)
+    expanded = {q: expand(xq[q], neighbours[i, : len(picked[q])], conf) for i, q in enumerate(asked)}
+    asked = [q for q in asked if expanded[q] is not None]
+    if not asked:
+        return {}
+    rows = np.full((len(asked), max(len(shortlists[q]) for q in asked)), -1, np.int64)
+    for i, q in enumerate(asked):
+        rows[i, : len(shortlists[q])] = shortlists[q]
+    D2 = index.rescore(np.stack([expanded[q] for q in asked]).astype(np.float32), rows)
+    out = {}
+    for i, q in enumerate(asked):
+        second = D2[i, : len(shortlists[q])].astype(np.float64)
+        out[q] = (np.where(np.isfinite(second), second, s_global[q]), len(picked[q]))
+    return out
+
+
 def expand_queries(index: SearchIndex, xq: np.ndarray, conf: QueryConfig) -> np.ndarray:
     """Average query expansion: each query plus its top ``qe_top`` database vectors weighted by
     their similarity to it, L2-normalised (the ILIAS query-side option)."""
@@ -383,13 +437,21 @@ def search(
         evidence,
     )
     local_of = dict(zip(asked, scored))
+    # copies: the rows are written back below in their new order
+    shortlists = {q: I[q, : sizes[q]].copy() for q in asked}
+    s_first = {q: D[q, : sizes[q]].copy() for q in asked}
+    orders = {q: reranker.order(shortlists[q], s_first[q], local_of[q])[0] for q in asked}
+    with_inliers = {q: local_of[q].inliers for q in asked if local_of[q].inliers is not None}
+    second = expanded_global_scores(
+        index, xq, shortlists, s_first, with_inliers, orders, expansion_of(index, conf.rerank)
+    )
     details = []
     for q in range(len(xq)):
         if tokens[q] is None:
             details.append({})
             continue
-        # copies: the rows below are written back in their new order
-        rows, s_global, local = I[q, : sizes[q]].copy(), D[q, : sizes[q]].copy(), local_of[q]
+        rows, local = shortlists[q], local_of[q]
+        s_global, averaged = second.get(q, (s_first[q], 0))
         order, scores = reranker.order(rows, s_global, local)
         I[q, : sizes[q]], D[q, : sizes[q]] = rows[order], scores[order]
         details.append(
@@ -397,6 +459,7 @@ def search(
                 "global_score": s_global[order],
                 "local_score": local.raw[order],
                 "inliers": None if local.inliers is None else local.inliers[order],
+                "expanded_with": averaged,
                 "evidence": [local.evidence(i) for i in order[:k]] if evidence and local.evidence else None,
             }
         )

@@ -25,8 +25,8 @@ class ExpansionConfig:
     """α-QE over the verified top of the re-ranked shortlist."""
 
     top: int = 0  # results at the top of the re-ranked list looked at (0: no expansion)
-    min_inliers: int = 8  # of those, only results with at least this many inliers are averaged in
-    alpha: float = 3.0  # each averaged result weighs max(0, its global similarity) ** alpha (0: plain mean)
+    min_inliers: int = 10  # of those, only results with at least this many inliers are averaged in
+    alpha: float = 0.0  # each averaged result weighs max(0, its global similarity) ** alpha (0: plain mean)
 
     def __post_init__(self) -> None:
         if self.top < 0:
@@ -35,6 +35,26 @@ class ExpansionConfig:
             raise NeedleInputError(f"expansion min_inliers must be >= 1, got {self.min_inliers}")
         if not self.alpha >= 0:
             raise NeedleInputError(f"expansion alpha must be >= 0, got {self.alpha}")
+
+
+def verified_top(order: np.ndarray, inliers: np.ndarray, conf: ExpansionConfig) -> np.ndarray:
+    """Positions in the shortlist of the results averaged in: among the first ``conf.top`` of the
+    re-ranked ``order``, those with at least ``conf.min_inliers`` inliers (in re-ranked order)."""
+    top = np.asarray(order[: conf.top], np.int64)
+    return top[np.asarray(inliers)[top] >= conf.min_inliers]
+
+
+def expand(query: np.ndarray, neighbours: np.ndarray, conf: ExpansionConfig) -> np.ndarray | None:
+    """The L2-normalised (d,) float64 query plus its (m, d) ``neighbours`` weighted by
+    ``max(0, similarity) ** alpha``; None where there is no neighbour (or the sum vanishes)."""
+    query = np.asarray(query, np.float64)
+    neighbours = np.asarray(neighbours, np.float64).reshape(-1, len(query))
+    if len(neighbours) == 0:
+        return None
+    weights = np.maximum(neighbours @ query, 0.0) ** conf.alpha
+    expanded = query + weights @ neighbours
+    norm = np.linalg.norm(expanded)
+    return expanded / norm if norm > 0 else None
 
 
 def expanded_query(
@@ -53,15 +73,7 @@ def expanded_query(
         raise NeedleInputError(
             f"order ({len(order)}) and inliers ({len(inliers)}) must cover the {len(vectors)} candidates"
         )
-    top = np.asarray(order[: conf.top], np.int64)
-    top = top[np.asarray(inliers)[top] >= conf.min_inliers]
-    if len(top) == 0:
-        return None
-    neighbours = vectors[top]
-    weights = np.maximum(neighbours @ query, 0.0) ** conf.alpha
-    expanded = query + weights @ neighbours
-    norm = np.linalg.norm(expanded)
-    return expanded / norm if norm > 0 else None
+    return expand(query, vectors[verified_top(order, inliers, conf)], conf)
 
 
 def expanded_scores(

@@ -19,6 +19,7 @@ import numpy as np
 from core.errors import NeedleInputError
 from core.tokens import LocalTokens, TokenBatch
 from rerank.ensemble import METHODS, EnsembleConfig, combine, rerank_order
+from rerank.expand import ExpansionConfig
 from rerank.matching import MatchConfig, matches_from_nearest, nearest_tokens, query_weights_of
 from rerank.spatial import SpatialConfig, verify
 
@@ -38,6 +39,10 @@ class RerankConfig:
     query_scales: tuple[float, ...] | None = None
     query_top_k: int | None = None
     db_tokens: int | None = None  # use only each candidate's best this many tokens (None: all stored)
+    # α-QE over the verified top after SP, then the shortlist scored again (rerank/expand.py); None:
+    # the token kind's own (embed.registry.QUERY_EXPANSION: ALIKED the mean of the top 5 with >= 10
+    # inliers, Lite0 none). Other methods have no inliers: no expansion.
+    expansion: ExpansionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

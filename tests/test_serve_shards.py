@@ -408,3 +408,62 @@ def test_serve_flags_for_shards():
     assert shard_serving(config_from_args(ServeConfig, args)).transport == "ray"
     with pytest.raises(Exception, match="shard-transport must be one of direct, ray, got 'grpc'"):
         shard_serving(replace(ServeConfig(), shard_transport="grpc"))
+
+
+def brute_force_expanded(index, xq, tokens, conf):
+    """α-QE after SP from first principles: the exact global scores of the shortlist, SP's inliers,
+    the first order, the verified top averaged in (rerank.expand.expanded_scores, the function
+    bench/rerank.py scores with, over the shortlist's own vectors), and the order again."""
+    from rerank.ensemble import combine, rerank_order
+    from rerank.expand import expanded_scores
+    from rerank.rerank import Reranker
+
+    reranker, out = Reranker(conf), []
+    D, I = index.search(xq, conf.shortlist)
+    for q in range(len(xq)):
+        rows, s_global = I[q], D[q].astype(np.float64)
+        local = reranker.local_scores(tokens[q], index.local_store.batch(index.positions_of_rows(rows)))
+        first = rerank_order(combine("sp", s_global, local.raw, local.has_locals, conf.ensemble), rows)
+        vectors = index.vectors_of_rows(rows)[0]
+        second = None  # a query without tokens: nothing verified, nothing expanded
+        if local.inliers is not None:
+            second = expanded_scores(xq[q], vectors, first, local.inliers, conf.expansion)
+        s = s_global if second is None else second
+        final = combine("sp", s, local.raw, local.has_locals, conf.ensemble)
+        out.append((rows[rerank_order(final, rows)], second is not None))
+    return out
+
+
+def test_expansion_after_reranking_equals_brute_force_on_the_shards(built, sharded):
+    """α-QE over the verified top (--rerank-qe): the single index and the shards answer alike,
+    and as the brute-force computation; the expansion changes the answers of some queries."""
+    from rerank.expand import ExpansionConfig
+
+    _, out, _ = built
+    single = load_index(out)
+    keys = [f"{s:06d}/{i:05d}" for s in SIZES for i in (1, 17, 90, 101)]
+    # the keys' vectors blurred (a query is never its stored row): the verified row pulls them back
+    xq = np.stack([single.vector_of(k) for k in keys]) + 0.25 * np.random.default_rng(0).standard_normal((len(keys), D))
+    xq = (xq / np.linalg.norm(xq, axis=1, keepdims=True)).astype(np.float32)
+    tokens = stored_tokens(single, keys)
+    from rerank.ensemble import EnsembleConfig
+
+    # global-heavy: the second global scoring then decides between the verified results
+    plain = RerankConfig(method="sp", shortlist=60, ensemble=EnsembleConfig(lam=0.9), expansion=ExpansionConfig(top=0))
+    qe = replace(plain, expansion=ExpansionConfig(top=5, min_inliers=2))
+    D0, I0, _ = search(single, xq, QueryConfig(k=15, rerank=plain), tokens)
+    D1, I1, d1 = search(single, xq, QueryConfig(k=15, rerank=qe), tokens)
+    D2, I2, d2 = search(sharded, xq, QueryConfig(k=15, rerank=qe), stored_tokens(sharded, keys))
+    np.testing.assert_array_equal(I1, I2)
+    np.testing.assert_array_equal(D1, D2)
+    assert [d["expanded_with"] for d in d1] == [d["expanded_with"] for d in d2]
+    reference = brute_force_expanded(single, xq, tokens, qe)
+    for q, (order, expanded) in enumerate(reference):
+        np.testing.assert_array_equal(I1[q], order[:15])
+        assert (d1[q]["expanded_with"] > 0) == expanded
+    assert sum(d["expanded_with"] > 0 for d in d1) >= len(keys) // 4
+    assert (D0 != D1).any() and (I0 != I1).any()  # the expansion moved results
+    # the kind's own default: none for an index whose extractor records no kind
+    D3, I3, d3 = search(single, xq, QueryConfig(k=15, rerank=replace(plain, expansion=None)), tokens)
+    np.testing.assert_array_equal(I3, I0)
+    assert all(d["expanded_with"] == 0 for d in d3)
