@@ -453,18 +453,23 @@ def test_ray_sharded_index_reranks_like_the_single_process_one(tmp_path, local_d
     from index.build import main as build
     from index.search import load_index
     from query.retrieve import QueryConfig, search, stored_tokens
+    from rerank.expand import ExpansionConfig
     from rerank.rerank import RerankConfig
 
     out = build(IndexConfig(kind="flat", shards=2), local_descriptors, tmp_path / "idx")
     keys = ["000000/00000", "000001/01002"]
-    conf = QueryConfig(k=4, rerank=RerankConfig(method="sp", shortlist=6))
-    results = []
-    for index in (load_index(out), serve_sharded(out)):
-        xq = np.stack([index.vector_of(k) for k in keys])
-        D, I, details = search(index, xq, conf, stored_tokens(index, keys))
-        results.append((D, I, [d["inliers"] for d in details]))
-    (D1, I1, n1), (D2, I2, n2) = results
-    np.testing.assert_array_equal(I1, I2)
-    np.testing.assert_allclose(D1, D2)
-    for a, b in zip(n1, n2):
-        np.testing.assert_array_equal(a, b)
+    indexes = (load_index(out), serve_sharded(out))
+    # the kind's own expansion (none for CNN tokens), and α-QE whose second scoring the actors do
+    for expansion in (None, ExpansionConfig(top=3, min_inliers=1)):
+        conf = QueryConfig(k=4, rerank=RerankConfig(method="sp", shortlist=6, expansion=expansion))
+        results = []
+        for index in indexes:
+            xq = np.stack([index.vector_of(k) for k in keys])
+            D, I, details = search(index, xq, conf, stored_tokens(index, keys))
+            results.append((D, I, [d["inliers"] for d in details], [d["expanded_with"] for d in details]))
+        (D1, I1, n1, e1), (D2, I2, n2, e2) = results
+        np.testing.assert_array_equal(I1, I2)
+        np.testing.assert_allclose(D1, D2)
+        for a, b in zip(n1, n2):
+            np.testing.assert_array_equal(a, b)
+        assert e1 == e2 and (expansion is None) == (max(e1) == 0)

@@ -466,4 +466,5 @@ def test_expansion_after_reranking_equals_brute_force_on_the_shards(built, shard
     # the kind's own default: none for an index whose extractor records no kind
     D3, I3, d3 = search(single, xq, QueryConfig(k=15, rerank=replace(plain, expansion=None)), tokens)
     np.testing.assert_array_equal(I3, I0)
+    np.testing.assert_array_equal(D3, D0)
     assert all(d["expanded_with"] == 0 for d in d3)
