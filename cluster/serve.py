@@ -169,15 +169,13 @@ class QueryService:
     ) -> list[dict[str, Any]]:
         """Search, re-ranked where ``tokens`` holds the queries' tokens, with ``rerank`` (default:
         the service's settings)."""
-        from query.retrieve import QueryConfig, add_rerank_details, results_json, search
+        from query.retrieve import QueryConfig, query_json, results_json, search
 
         rerank = (rerank or self.rerank) if tokens is not None else None
         conf = QueryConfig(k=self.check_k(k), nprobe=nprobe, refine_factor=refine_factor, rerank=rerank)
         D, I, details = search(self.index, xq, conf, tokens, self.reranker_for(rerank), evidence=True)
         results = results_json(self.index, D, I)
-        for res, detail in zip(results, details):
-            add_rerank_details(res, detail)
-        return [{"query": label, "k": k, "results": r} for label, r in zip(labels, results)]
+        return [query_json(label, k, r, detail) for label, r, detail in zip(labels, results, details)]
 
     def answering(self, partial: Any, call: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
         """``call()`` as one request to the shards: where ``partial`` allows it and shards were

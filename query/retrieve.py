@@ -233,9 +233,17 @@ def query(
         )
     D, I, details = search(index, np.concatenate(blocks), conf, tokens)
     results = results_json(index, D, I)
-    for res, detail in zip(results, details):
-        add_rerank_details(res, detail)
-    return [{"query": label, "k": conf.k, "results": res} for label, res in zip(labels, results)]
+    return [query_json(label, conf.k, res, detail) for label, res, detail in zip(labels, results, details)]
+
+
+def query_json(label: Any, k: int, results: list[dict[str, Any]], detail: dict[str, Any]) -> dict[str, Any]:
+    """One query's answer: its label, k and results, with the re-ranking details where re-ranked
+    (each result's scores and evidence; ``expanded_with``: the verified results α-QE averaged in)."""
+    add_rerank_details(results, detail)
+    answer = {"query": label, "k": k, "results": results}
+    if detail:
+        answer["expanded_with"] = int(detail.get("expanded_with", 0))
+    return answer
 
 
 def add_rerank_details(results: list[dict[str, Any]], detail: dict[str, Any]) -> None:
