@@ -89,7 +89,7 @@ FLOORS = (0.0, 99.5)  # the shortlist's chance floor of inliers: none, or its 99
 # Query expansion after verification: (results looked at, inliers needed, alpha) tried per fold
 QE_GRID = tuple((top, inliers, alpha) for top in (1, 2, 3, 5) for inliers in (5, 10, 20) for alpha in (0.0, 3.0))
 # Query-side token variants (no storage cost) by token kind: (name, scales, tokens per scale); the
-# defaults are embed.registry.QUERY_SIDE (Lite0 100 at each of 0.75/1/1.5, ALIKED 300 at 1).
+# defaults are embed.registry.RERANK_BY_KIND (Lite0 100 at each of 0.75/1/1.5, ALIKED 300 at 1).
 QUERY_TOKEN_VARIANTS = {
     "cnn": (("query_5_scales", (0.5, 0.75, 1.0, 1.5, 2.0), 100), ("query_150_per_scale", (0.75, 1.0, 1.5), 150)),
     "aliked": (("query_200", (1.0,), 200), ("query_500", (1.0,), 500)),
@@ -413,7 +413,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from embed.registry import QUERY_EXPANSION, get_local_preset
+    from embed.registry import get_local_preset
     from eval.evaluate import read_query_tokens
     from index.build import IndexConfig
     from index.build import main as build_index
@@ -421,7 +421,7 @@ def main() -> None:
     from rerank.ensemble import ap_of_order
     from rerank.expand import ExpansionConfig
     from rerank.matching import MatchConfig
-    from rerank.rerank import RerankConfig, Reranker
+    from rerank.rerank import RerankConfig, Reranker, with_kind_defaults
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="needle-rerank-")
@@ -455,7 +455,10 @@ def main() -> None:
 
     cache: dict[tuple[str, str], tuple[list, float]] = {}  # one scoring pass per (query tokens, setting)
 
+    kind = get_local_preset(args.locals).kind
+
     def scored(tokens_name: str, conf) -> tuple[list, float]:
+        conf = with_kind_defaults(conf, kind)  # what the defaults leave open: the token kind's own
         key = (tokens_name, _describe(conf))
         if key not in cache:
             reranker = Reranker(conf)
@@ -475,7 +478,7 @@ def main() -> None:
         for option in options:
             vq, ms = scored(tokens_name, _sp_config(option))
             for floor in floors:
-                runs[f"{_describe(_sp_config(option))},floor={floor}"] = (vq, ms, floor)
+                runs[f"{_describe(with_kind_defaults(_sp_config(option), kind))},floor={floor}"] = (vq, ms, floor)
         value, chosen = _cv_over_settings(runs, folds)
         timed_conf = _sp_config(timed if timed is not None else options[-1])
         row = {
@@ -510,7 +513,13 @@ def main() -> None:
             timed={"spatial": {"pair_seeds": 0}},
         ),
         sp_row("asymmetric + two-match hypotheses (threshold 28/32)", "image", asym, timed={}),
-        sp_row("defaults without α-QE: asymmetric + two-match + chance floor", "image", [{}], floors=(None,)),
+        sp_row(
+            "defaults (RerankConfig()): asymmetric + two-match + chance floor"
+            + (", before α-QE" if RerankConfig().expansion.top else ""),
+            "image",
+            [{}],
+            floors=(None,),
+        ),
         sp_row(
             "SP, all settings of this issue per fold (asymmetric, threshold 28/32, pairs 0/8, floor none/99.5)",
             "image",
@@ -520,7 +529,7 @@ def main() -> None:
         ),
     ]
     result["map_at_1k"]["sp"] = variants[0]["map_at_1k"]
-    result["map_at_1k"]["sp_default_no_qe"] = default_map = variants[4]["map_at_1k"]
+    default_map = variants[4]["map_at_1k"]  # the defaults' SP; with α-QE below where that is a default
     result["map_at_1k"]["sp_nested"] = nested_map = variants[5]["map_at_1k"]
     default_vq, rerank_ms = scored("image", RerankConfig(method="sp"))
 
@@ -531,11 +540,12 @@ def main() -> None:
         )
         for e in lists
     ]
-    # the kind's own α-QE (embed.registry.QUERY_EXPANSION), part of the defaults where it expands
-    top, min_inliers, alpha = QUERY_EXPANSION[get_local_preset(args.locals).kind]
-    kind_qe = ExpansionConfig(top=top, min_inliers=min_inliers, alpha=alpha)
+    # α-QE is part of the defaults where RerankConfig's expansion is on (it is off today)
+    kind_qe = RerankConfig().expansion
+    top, min_inliers = kind_qe.top, kind_qe.min_inliers
     qe_ms = expansion_ms(index, lists, default_vq, kind_qe if top else ExpansionConfig(top=5))
     if top:
+        result["map_at_1k"]["sp_default_no_qe"] = default_map
         default_map, chosen = qe_cross_validated(lists, default_vq, vectors, folds, [kind_qe])
         rerank_ms += qe_ms
         variants.append(
@@ -561,7 +571,7 @@ def main() -> None:
     qe_map, qe_chosen = qe_cross_validated(lists, default_vq, vectors, folds)
     variants.append(
         {
-            "name": "defaults without α-QE + α-QE chosen per fold (none, or top 1-5, >= 5-20 inliers, alpha 0/3)",
+            "name": "the defaults' SP + α-QE chosen per fold (none, or top 1-5, >= 5-20 inliers, alpha 0/3)",
             "map_at_1k": round(qe_map, 2),
             "ms_per_query": round(variants[4]["ms_per_query"] + qe_ms, 1),
             "bytes_per_image": bytes_per_image,
@@ -606,7 +616,7 @@ def main() -> None:
     result["map_at_1k"]["chamfer_asymmetric"] = variants[-1]["map_at_1k"]
 
     curve = []
-    default_reranker = Reranker(RerankConfig(method="sp"))
+    default_reranker = Reranker(RerankConfig(method="sp"), kind)
     for n in TOKEN_CURVE:
         if n > args.db_tokens:
             continue
@@ -629,7 +639,7 @@ def main() -> None:
         ckpt = work / "ames.pt"
         if not (args.reuse and ckpt.is_file()):
             ckpt = train_ames(work, args.ames_epochs, itq, args.locals)
-        ames = Reranker(RerankConfig(method="ames", ames=str(ckpt), shortlist=args.ames_shortlist))
+        ames = Reranker(RerankConfig(method="ames", ames=str(ckpt), shortlist=args.ames_shortlist), kind)
         # AMES was trained on single-scale database tokens: the query uses its stored ones too.
         stored = {e["key"]: index.local_store.tokens(index.position_of(e["key"])) for e in lists}
         raws, ames_ms = local_scores(index, ames, lists, stored, TIMED_TOKENS, args.ames_shortlist)
@@ -656,7 +666,8 @@ def main() -> None:
             "gain_nested": round(nested_map - global_map, 2),
             "expansion_ms_per_query": round(qe_ms, 2),
             "rerank_ms_per_query": round(rerank_ms, 1),
-            "rerank_setting": f"defaults ({_describe(RerankConfig(method='sp'))}, expansion top {top}) on "
+            "rerank_setting": f"defaults ({_describe(with_kind_defaults(RerankConfig(method='sp'), kind))}, "
+            f"expansion top {top}) on "
             f"{SHORTLIST} candidates x "
             f"{TIMED_TOKENS} binary tokens, query {len(next(iter(proj_tokens.values())))} float tokens, "
             f"{torch.get_num_threads()} threads, gathering the tokens included",
@@ -707,10 +718,9 @@ def _sp_config(option: dict):
 def _describe(conf) -> str:
     m, s = conf.match, conf.spatial
     if conf.method != "sp":
-        return f"{conf.method},max_hamming={m.max_distance},asymmetric={m.asymmetric}"
+        return f"{conf.method},max_hamming={m.threshold},asymmetric={m.asymmetric}"
     return (
-        f"max_hamming={m.max_distance},asymmetric={m.asymmetric},pair_seeds={s.pair_seeds},"
-        f"lo_iterations={s.lo_iterations}"
+        f"max_hamming={m.threshold},asymmetric={m.asymmetric},pair_seeds={s.pair_seeds},lo_iterations={s.lo_iterations}"
     )
 
 

@@ -107,7 +107,7 @@ def bench_query(query, shortlist, repeats: int) -> dict:
     )
 
     def shared() -> None:  # one Hamming pass for matching and Chamfer, then SP
-        nearest = nearest_tokens(query.codes, shortlist, within=config.max_distance, mutual=config.mutual)
+        nearest = nearest_tokens(query.codes, shortlist, within=config.threshold, mutual=config.mutual)
         chamfer_from_nearest(nearest)
         verify(query, shortlist, matches_from_nearest(nearest, config))
 

@@ -3,7 +3,7 @@
 1. build the demo tars from scikit-image photos (ingest.demo_data)
 2. start a local Ray head on 127.0.0.1 (or use the running cluster at ``--address``)
 3. ``ray job submit -- needle ingest --shards ... --out ...``
-   (globals and the default local tokens, ``--locals lite0-s16``)
+   (globals and the default local tokens, ``--locals aliked-n16``: embed.registry.DEFAULT_LOCALS)
 4. stop the head it started; build the index and its local store; evaluate mAP@1k global-only and
    re-ranked with spatial verification; write ``report.json``
 """

@@ -99,12 +99,14 @@ class QueryService:
 
     def __init__(self, index: SearchIndex, files: Any = None, rerank: Any = None):
         from query.recorded import QueryFiles
+        from query.retrieve import token_kind
         from rerank.rerank import Reranker
 
         self.index = index
+        self.token_kind = token_kind(index)  # whose re-ranking settings fill what rerank leaves open
         self.files = files or QueryFiles()  # files in place of those the index records (verified by SHA-256)
         self.rerank = rerank  # RerankConfig: re-rank key and image queries with local tokens; None: global only
-        self.reranker = Reranker(rerank) if rerank is not None else None
+        self.reranker = Reranker(rerank, self.token_kind) if rerank is not None else None
         self._lock = threading.Lock()
         self._extractor = None
         self._adapter: Any = False  # the index's adapter, loaded (and verified) once; False: not yet
@@ -130,7 +132,7 @@ class QueryService:
             return self.reranker
         with self._lock:
             if repr(conf) not in self._rerankers:
-                self._rerankers[repr(conf)] = Reranker(conf)
+                self._rerankers[repr(conf)] = Reranker(conf, self.token_kind)
             return self._rerankers[repr(conf)]
 
     def extractor(self):

@@ -489,36 +489,38 @@ LOCAL_PRESETS: dict[str, LocalConfig] = {
     ),
     # Classical: RootSIFT keypoints; needs an ITQ file (--local-itq) for its 128-d descriptors.
     "sift": LocalConfig(kind="sift", resolution=512, top_k=300),
-    # Learned keypoints (embed/local_aliked.py): 100 ALIKED-N16 keypoints at 512 px (2.3 KB per
-    # image, as lite0-s16). realbench (bench/rerank.py): on a par with lite0-s16 overall, ahead on
-    # extreme viewpoints and Phototourism, behind on day/night; ~15x its CPU cost at ingestion.
+    # Learned keypoints (embed/local_aliked.py), the default: 100 ALIKED-N16 keypoints at 512 px
+    # (2.3 KB per image, as lite0-s16). realbench (bench/rerank.py): +10.5 mAP@1k with the default
+    # re-ranking where lite0-s16 gives +9.4; ahead on extreme viewpoints and Phototourism, behind
+    # on day/night; a forward pass of its own (~0.3 s per 512 px image on one CPU thread).
     "aliked-n16": LocalConfig(kind="aliked", itq=ALIKED_ITQ),
     # Query side: 300 keypoints at the base scale (ALIKED's keypoints are found at every scale of
     # one image; more scales cost a forward pass each).
     "aliked-n16-query": LocalConfig(kind="aliked", itq=ALIKED_ITQ, top_k=300),
 }
 
-DEFAULT_LOCALS = "lite0-s16"  # the database tokens of `needle demo` and bench/rerank.py unless told otherwise
+# The database tokens of `needle demo` and bench/rerank.py unless told otherwise (realbench:
+# ALIKED's re-ranking gains +10.5 mAP@1k, Lite0's +9.4).
+DEFAULT_LOCALS = "aliked-n16"
 
-# Query-side tokens by kind, where re-ranking settings leave them open (RerankConfig.query_scales
-# and query_top_k None): (scales, tokens kept at each scale). The asymmetric setting: queries carry
-# more tokens than database images, at no storage cost.
-QUERY_SIDE: dict[str, tuple[tuple[float, ...], int]] = {
-    "cnn": ((0.75, 1.0, 1.5), 100),
-    "vit_ames": ((0.707, 1.0, 1.414), 100),
-    "sift": ((1.0,), 300),
-    "aliked": ((1.0,), 300),
-}
 
-# α-QE after re-ranking by kind, where re-ranking settings leave it open (RerankConfig.expansion
-# None): (results at the top of the re-ranked list looked at, inliers each needs to be averaged
-# in, alpha); top 0: none. realbench (bench/rerank.py): on ALIKED's verified top the cross-validated
-# folds all chose expansion (+2.5 mAP@1k); on Lite0's it lost 0.7, so Lite0 keeps none.
-QUERY_EXPANSION: dict[str, tuple[int, int, float]] = {
-    "cnn": (0, 10, 0.0),
-    "vit_ames": (0, 10, 0.0),
-    "sift": (0, 10, 0.0),
-    "aliked": (5, 10, 0.0),
+@dataclass(frozen=True)
+class KindRerank:
+    """A token kind's re-ranking settings, where RerankConfig leaves them open (None)."""
+
+    # Query-side extraction factors of the base resolution and tokens kept at each (the asymmetric
+    # setting: queries carry more tokens than database images, at no storage cost).
+    query_scales: tuple[float, ...]
+    query_top_k: int
+    max_hamming: int  # tentative matches within this many (weighted) differing bits of 128
+
+
+RERANK_BY_KIND: dict[str, KindRerank] = {
+    "cnn": KindRerank((0.75, 1.0, 1.5), 100, max_hamming=32),
+    "vit_ames": KindRerank((0.707, 1.0, 1.414), 100, max_hamming=32),
+    "sift": KindRerank((1.0,), 300, max_hamming=32),
+    # realbench (bench/rerank.py): every validation fold chose 28 over 32 for ALIKED's codes
+    "aliked": KindRerank((1.0,), 300, max_hamming=28),
 }
 
 

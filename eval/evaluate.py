@@ -50,7 +50,7 @@ from eval.ilias import (
 from eval.metrics import average_precision_at_k, binned_ap, ilias_oracle, recall_at_k
 from index.search import SearchIndex, load_index
 from query.recorded import QueryFiles
-from query.retrieve import QueryConfig, adapt_queries, embed_texts, search, stored_tokens
+from query.retrieve import QueryConfig, adapt_queries, embed_texts, search, stored_tokens, token_kind
 from rerank.rerank import RerankConfig, Reranker
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def evaluate(
     query_conf = QueryConfig(
         k=min(index.ntotal, conf.k + 1 + len(ignore)), nprobe=conf.nprobe, rerank=conf.rerank, qe_top=conf.qe_top
     )
-    reranker = Reranker(conf.rerank) if conf.rerank else None
+    reranker = Reranker(conf.rerank, token_kind(index)) if conf.rerank else None
     keys = [q["key"] for q in image_queries]
     external = read_query_vectors(conf.query_descriptors, keys) if conf.query_descriptors and keys else None
     query_tokens = read_query_tokens(conf.query_locals, keys) if conf.rerank and conf.query_locals and keys else None

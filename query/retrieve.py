@@ -23,7 +23,7 @@ from core.tokens import LocalTokens
 from index.search import SearchIndex
 from query.recorded import QueryFiles, adapter_file, local_files, model_weights
 from rerank.expand import ExpansionConfig, expand, verified_top
-from rerank.rerank import LocalScores, RerankConfig, Reranker, candidate_width
+from rerank.rerank import LocalScores, RerankConfig, Reranker, candidate_width, with_kind_defaults
 
 log = logging.getLogger(__name__)
 
@@ -271,22 +271,28 @@ def recorded_local_extractor(index: SearchIndex) -> dict[str, Any]:
     return info
 
 
+def token_kind(index: SearchIndex) -> str | None:
+    """The local-token kind the index was built with (None: no tokens, or not recorded)."""
+    info = (index.infos.get("locals") or {}).get("extractor") or {}
+    return (info.get("config") or {}).get("kind")
+
+
 def query_local_extractor(index: SearchIndex, conf: RerankConfig, files: QueryFiles | None = None):
     """The index's local extractor (its recorded files, verified) at the query-side scales and token
     count (the asymmetric setting)."""
     from embed.locals import build_local_extractor
-    from embed.registry import QUERY_SIDE, LocalConfig
+    from embed.registry import LocalConfig
 
     info = recorded_local_extractor(index)
     found = local_files(info, files or QueryFiles(), index.path)
     recorded = LocalConfig(**dict(info["config"], scales=tuple(info["config"]["scales"])))
-    kind_scales, kind_top_k = QUERY_SIDE[recorded.kind]
+    conf = with_kind_defaults(conf, recorded.kind)
     return build_local_extractor(
         recorded,
         found["weights"],
-        scales=conf.query_scales or kind_scales,
+        scales=conf.query_scales,
         per_scale=True,
-        top_k=conf.query_top_k or kind_top_k,
+        top_k=conf.query_top_k,
         keep_desc=False,
         itq=found["itq"],
         detector_weights=found["detector_weights"],
@@ -340,21 +346,6 @@ def shortlist_local_scores(
         reranker.local_scores(query, store.batch(index.positions_of_rows(rows), db_tokens))
         for rows, query in zip(shortlists, tokens)
     ]
-
-
-def expansion_of(index: SearchIndex, conf: RerankConfig) -> ExpansionConfig:
-    """The α-QE after re-ranking: ``conf.expansion``, else the one of the index's token kind
-    (embed.registry.QUERY_EXPANSION); none for methods without inliers, or for an index whose
-    token kind is not recorded."""
-    if conf.method != "sp":
-        return ExpansionConfig()
-    if conf.expansion is not None:
-        return conf.expansion
-    from embed.registry import QUERY_EXPANSION
-
-    kind = (recorded_local_extractor(index).get("config") or {}).get("kind")
-    top, min_inliers, alpha = QUERY_EXPANSION.get(kind, (0, 10, 0.0))
-    return ExpansionConfig(top=top, min_inliers=min_inliers, alpha=alpha)
 
 
 def expanded_global_scores(
@@ -429,7 +420,7 @@ def search(
         raise NeedleInputError(
             f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank"
         )
-    reranker = reranker or Reranker(conf.rerank)
+    reranker = reranker or Reranker(conf.rerank, token_kind(index))
     k = min(conf.k, index.ntotal)
     D, I = index.search(xq, max(k, conf.rerank.shortlist), conf.nprobe, refine_factor=conf.refine_factor)
     D = D.astype(np.float64)
@@ -450,9 +441,9 @@ def search(
     s_first = {q: D[q, : sizes[q]].copy() for q in asked}
     orders = {q: reranker.order(shortlists[q], s_first[q], local_of[q])[0] for q in asked}
     with_inliers = {q: local_of[q].inliers for q in asked if local_of[q].inliers is not None}
-    second = expanded_global_scores(
-        index, xq, shortlists, s_first, with_inliers, orders, expansion_of(index, conf.rerank)
-    )
+    # α-QE needs inliers: SP only
+    expansion = conf.rerank.expansion if conf.rerank.method == "sp" else ExpansionConfig()
+    second = expanded_global_scores(index, xq, shortlists, s_first, with_inliers, orders, expansion)
     details = []
     for q in range(len(xq)):
         if tokens[q] is None:

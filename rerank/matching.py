@@ -42,6 +42,7 @@ from core.tokens import CODE_BITS, CODE_BYTES, LocalTokens, TokenBatch, hamming
 # L2/L3 between the lookups and the reductions. Measured on a 2-core AVX2 EPYC, 300 query tokens x
 # 1000 candidates x 100 tokens (the whole re-ranking): 0.15M 131 ms, 0.3M 104, 0.6M 91, 1.5M 95.
 BLOCK_VALUES = 600_000
+DEFAULT_MAX_DISTANCE = 32  # MatchConfig's Hamming threshold where neither it nor a token kind sets one
 _PAD_BYTE = 256  # row of the sign table that is all zeros: padded tokens
 _SIGN_ROWS = 257
 # Keys: products times 2**bits plus the two tie-breaks (< 2**bits together). float32 holds every
@@ -61,7 +62,9 @@ class RerankInputError(NeedleInputError):
 class MatchConfig:
     """Which nearest neighbours count as tentative correspondences."""
 
-    max_distance: int = 32  # keep a match only within this many differing bits (of 128); 0..128
+    # Keep a match only within this many differing bits (of 128), 0..128; None: the token kind's own
+    # where the re-ranking knows it (embed.registry.RERANK_BY_KIND: Lite0 32, ALIKED 28), else 32.
+    max_distance: int | None = None
     mutual: bool = True  # also require the candidate token's nearest query token to be this query token
     # Score the query's float ITQ projections (where its tokens carry them: image queries) against
     # the database's binary codes: bits weigh by the query's confidence in them (weighted Hamming
@@ -70,8 +73,13 @@ class MatchConfig:
     asymmetric: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 <= self.max_distance <= CODE_BITS:
+        if self.max_distance is not None and not 0 <= self.max_distance <= CODE_BITS:
             raise RerankInputError(f"max_distance must be in 0..{CODE_BITS} bits, got {self.max_distance}")
+
+    @property
+    def threshold(self) -> int:
+        """The Hamming threshold in use: ``max_distance``, or 32 where it was left open."""
+        return DEFAULT_MAX_DISTANCE if self.max_distance is None else self.max_distance
 
 
 @dataclass(frozen=True)
@@ -299,9 +307,7 @@ def match_tokens(query: LocalTokens, candidates: TokenBatch, config: MatchConfig
     """Tentative correspondences of ``query`` with every candidate of the shortlist."""
     weights = query_weights_of(query, config)
     return matches_from_nearest(
-        nearest_tokens(
-            query.codes, candidates, within=config.max_distance, mutual=config.mutual, query_weights=weights
-        ),
+        nearest_tokens(query.codes, candidates, within=config.threshold, mutual=config.mutual, query_weights=weights),
         config,
     )
 
@@ -309,14 +315,14 @@ def match_tokens(query: LocalTokens, candidates: TokenBatch, config: MatchConfig
 def matches_from_nearest(nearest: NearestTokens, config: MatchConfig = MatchConfig()) -> Matches:
     """The matches of ``config`` among already computed nearest neighbours (which must have been
     collected within at least ``config.max_distance`` bits, with ``mutual`` when the config asks)."""
-    if nearest.within < config.max_distance:
+    if nearest.within < config.threshold:
         raise RerankInputError(
-            f"nearest tokens were collected within {nearest.within} bits, the match config needs {config.max_distance}"
+            f"nearest tokens were collected within {nearest.within} bits, the match config needs {config.threshold}"
         )
     if config.mutual and nearest.mutual is None:
         raise RerankInputError("the match config asks for mutual matches but nearest tokens were computed without")
     distance = nearest.pair_distance
-    keep = distance <= config.max_distance
+    keep = distance <= config.threshold
     if config.mutual:
         keep &= nearest.mutual
     return _pad_matches(
@@ -369,7 +375,7 @@ def match_pair(
             exact = asymmetric_distances(query_weights, candidate_codes)
             for q in range(len(query_codes)):
                 t = int(np.argmin(exact[q]))
-                if exact[q, t] > config.max_distance:
+                if exact[q, t] > config.threshold:
                     continue
                 if config.mutual and int(np.argmin(exact[:, t])) != q:
                     continue
@@ -378,7 +384,7 @@ def match_pair(
             return out[:, 0], out[:, 1], out[:, 2]
         for q in range(len(query_codes)):
             t = int(np.argmin(dist[q]))  # np.argmin returns the first minimum
-            if dist[q, t] > config.max_distance:
+            if dist[q, t] > config.threshold:
                 continue
             if config.mutual and int(np.argmin(dist[:, t])) != q:
                 continue

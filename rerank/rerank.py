@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -31,18 +31,18 @@ class RerankConfig:
     method: str = "sp"  # sp | chamfer | ames
     shortlist: int = 1000  # global top candidates re-ranked
     ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)  # s = lam * global + (1 - lam) * f(local)
-    match: MatchConfig = field(default_factory=MatchConfig)  # tentative correspondences (Hamming threshold, mutual)
+    # tentative correspondences (Hamming threshold, mutual); a threshold left open (None) is the token kind's
+    match: MatchConfig = field(default_factory=MatchConfig)
     spatial: SpatialConfig = field(default_factory=SpatialConfig)  # spatial verification thresholds
     ames: str | None = None  # AMES checkpoint (method ames)
     # Query-side extraction factors of the base resolution, and tokens kept at each; None: the token
-    # kind's own (embed.registry.QUERY_SIDE: Lite0 3 x 100 at 0.75/1/1.5, ALIKED 300 at 1).
+    # kind's own (embed.registry.RERANK_BY_KIND: Lite0 3 x 100 at 0.75/1/1.5, ALIKED 300 at 1).
     query_scales: tuple[float, ...] | None = None
     query_top_k: int | None = None
     db_tokens: int | None = None  # use only each candidate's best this many tokens (None: all stored)
-    # α-QE over the verified top after SP, then the shortlist scored again (rerank/expand.py); None:
-    # the token kind's own (embed.registry.QUERY_EXPANSION: ALIKED the mean of the top 5 with >= 10
-    # inliers, Lite0 none). Other methods have no inliers: no expansion.
-    expansion: ExpansionConfig | None = None
+    # α-QE over the verified top after SP, then the shortlist scored again (rerank/expand.py); top 0
+    # (the default): none. Other methods have no inliers: no expansion.
+    expansion: ExpansionConfig = field(default_factory=ExpansionConfig)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -53,6 +53,25 @@ class RerankConfig:
             raise NeedleInputError(
                 "re-ranking with AMES needs a checkpoint (--ames FILE, trained by `needle ames train`)"
             )
+
+
+def with_kind_defaults(conf: RerankConfig, kind: str | None) -> RerankConfig:
+    """``conf`` with what it leaves open (None) set to the token kind's own settings
+    (embed.registry.RERANK_BY_KIND); kind None (not known): left open, MatchConfig's generic
+    threshold applies."""
+    if kind is None:
+        return conf
+    from embed.registry import RERANK_BY_KIND
+
+    if kind not in RERANK_BY_KIND:
+        raise NeedleInputError(f"unknown local-token kind {kind!r}; known: {sorted(RERANK_BY_KIND)}")
+    own = RERANK_BY_KIND[kind]
+    return replace(
+        conf,
+        match=conf.match if conf.match.max_distance is not None else replace(conf.match, max_distance=own.max_hamming),
+        query_scales=conf.query_scales or own.query_scales,
+        query_top_k=conf.query_top_k or own.query_top_k,
+    )
 
 
 @dataclass(frozen=True)
@@ -77,9 +96,11 @@ def candidate_width(conf: RerankConfig, longest: Callable[[], int]) -> int | Non
 
 
 class Reranker:
-    """Scores shortlists with one method; holds the AMES model when that is the method."""
+    """Scores shortlists with one method; holds the AMES model when that is the method. ``kind``:
+    the index's local-token kind, whose settings fill what ``conf`` leaves open."""
 
-    def __init__(self, conf: RerankConfig):
+    def __init__(self, conf: RerankConfig, kind: str | None = None):
+        conf = with_kind_defaults(conf, kind)
         self.conf = conf
         self.ames = None
         if conf.method == "ames":
@@ -104,7 +125,7 @@ class Reranker:
         nearest = nearest_tokens(
             query.codes,
             candidates,
-            within=self.conf.match.max_distance,
+            within=self.conf.match.threshold,
             mutual=self.conf.match.mutual,
             query_weights=weights,
         )

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from core.errors import NeedleInputError
 from embed.local_aliked import AlikedTokens, AlikedWeightsMissing, aliked_weights_path, deform_conv2d
 from embed.locals import build_local_extractor
-from embed.registry import KEYPOINT_KINDS, LOCAL_KINDS, QUERY_SIDE, RANDOM
+from embed.registry import KEYPOINT_KINDS, LOCAL_KINDS, RANDOM, RERANK_BY_KIND
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one intra-op thread
 
@@ -149,15 +149,32 @@ def test_bad_images_are_refused():
         AlikedTokens(num_features=10)(np.zeros((32, 32), np.uint8))
 
 
-def test_every_kind_has_query_side_defaults():
-    assert set(QUERY_SIDE) == set(LOCAL_KINDS) and set(KEYPOINT_KINDS) <= set(LOCAL_KINDS)
-    assert QUERY_SIDE["aliked"] == ((1.0,), 300) and QUERY_SIDE["cnn"] == ((0.75, 1.0, 1.5), 100)
+def test_every_kind_has_its_re_ranking_defaults():
+    from rerank.matching import MatchConfig
+    from rerank.rerank import RerankConfig, Reranker, with_kind_defaults
+
+    assert set(RERANK_BY_KIND) == set(LOCAL_KINDS) and set(KEYPOINT_KINDS) <= set(LOCAL_KINDS)
+    aliked, cnn = RERANK_BY_KIND["aliked"], RERANK_BY_KIND["cnn"]
+    assert (aliked.query_scales, aliked.query_top_k, aliked.max_hamming) == ((1.0,), 300, 28)
+    assert (cnn.query_scales, cnn.query_top_k, cnn.max_hamming) == ((0.75, 1.0, 1.5), 100, 32)
+    # what a RerankConfig leaves open is the kind's; what it sets stays
+    filled = with_kind_defaults(RerankConfig(), "aliked")
+    assert (filled.match.max_distance, filled.query_scales, filled.query_top_k) == (28, (1.0,), 300)
+    given = RerankConfig(match=MatchConfig(max_distance=40, mutual=False), query_top_k=50)
+    kept = with_kind_defaults(given, "aliked")
+    assert (kept.match, kept.query_scales, kept.query_top_k) == (given.match, (1.0,), 50)
+    assert Reranker(RerankConfig(), "cnn").conf.match.max_distance == 32
+    # no kind known: left open, the generic threshold applies
+    assert Reranker(RerankConfig()).conf == RerankConfig() and MatchConfig().threshold == 32
+    with pytest.raises(NeedleInputError, match="unknown local-token kind 'orb'"):
+        with_kind_defaults(RerankConfig(), "orb")
 
 
 @pytest.mark.slow
 def test_an_aliked_index_re_ranks_image_queries_with_300_query_keypoints(tmp_path, photos, extractor):
     """Ingest -> index -> `query --image --rerank sp`: the query side takes the kind's own setting
-    (QUERY_SIDE: 300 keypoints at one scale), the recorded ALIKED weights are verified and found."""
+    (RERANK_BY_KIND: 300 keypoints at one scale, threshold 28), the recorded ALIKED weights are
+    verified and found."""
     import json
 
     from conftest import jpeg_bytes, write_tar
@@ -166,8 +183,8 @@ def test_an_aliked_index_re_ranks_image_queries_with_300_query_keypoints(tmp_pat
     from index.build import main as build
     from index.search import load_index
     from ingest.pipeline import process_shard
-    from query.retrieve import QueryConfig, query, query_local_extractor
-    from rerank.rerank import RerankConfig
+    from query.retrieve import QueryConfig, query, query_local_extractor, token_kind
+    from rerank.rerank import RerankConfig, Reranker
 
     locals_extractor = build_local_extractor("aliked-n16")
     names = list(photos)[:4]
@@ -178,6 +195,7 @@ def test_an_aliked_index_re_ranks_image_queries_with_300_query_keypoints(tmp_pat
     index = load_index(build(IndexConfig(kind="flat"), tmp_path / "desc", tmp_path / "index"))
     side = query_local_extractor(index, RerankConfig())
     assert side.conf.kind == "aliked" and side.conf.scales == (1.0,) and side.conf.top_k == 300
+    assert token_kind(index) == "aliked" and Reranker(RerankConfig(), token_kind(index)).conf.match.threshold == 28
     image = tmp_path / "q.jpg"
     image.write_bytes(jpeg_bytes(photos[names[2]][40:-40, 40:-40]))  # a crop of the third photo
     (result,) = query(index, QueryConfig(k=4, rerank=RerankConfig()), images=[image])

@@ -459,8 +459,8 @@ def test_ray_sharded_index_reranks_like_the_single_process_one(tmp_path, local_d
     out = build(IndexConfig(kind="flat", shards=2), local_descriptors, tmp_path / "idx")
     keys = ["000000/00000", "000001/01002"]
     indexes = (load_index(out), serve_sharded(out))
-    # the kind's own expansion (none for CNN tokens), and α-QE whose second scoring the actors do
-    for expansion in (None, ExpansionConfig(top=3, min_inliers=1)):
+    # no expansion (the default), and α-QE whose second scoring the actors do
+    for expansion in (ExpansionConfig(), ExpansionConfig(top=3, min_inliers=1)):
         conf = QueryConfig(k=4, rerank=RerankConfig(method="sp", shortlist=6, expansion=expansion))
         results = []
         for index in indexes:
@@ -472,4 +472,4 @@ def test_ray_sharded_index_reranks_like_the_single_process_one(tmp_path, local_d
         np.testing.assert_allclose(D1, D2)
         for a, b in zip(n1, n2):
             np.testing.assert_array_equal(a, b)
-        assert e1 == e2 and (expansion is None) == (max(e1) == 0)
+        assert e1 == e2 and (expansion.top == 0) == (max(e1) == 0)

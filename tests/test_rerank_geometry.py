@@ -116,7 +116,7 @@ def test_batched_matching_equals_loop(config: MatchConfig) -> None:
     # one chunk for all and one candidate per chunk
     for block_values in (10**9, 1):
         nearest = nearest_tokens(
-            query.codes, batch, within=config.max_distance, mutual=config.mutual, block_values=block_values
+            query.codes, batch, within=config.threshold, mutual=config.mutual, block_values=block_values
         )
         got = batched_as_list(matches_from_nearest(nearest, config))
         assert [len(w) for w in want] == [len(g) for g in got]
@@ -176,7 +176,7 @@ def test_asymmetric_matching_equals_loop(config: MatchConfig) -> None:
         nearest = nearest_tokens(
             query.codes,
             batch,
-            within=config.max_distance,
+            within=config.threshold,
             mutual=config.mutual,
             block_values=block_values,
             query_weights=weights,

@@ -463,8 +463,8 @@ def test_expansion_after_reranking_equals_brute_force_on_the_shards(built, shard
         assert (d1[q]["expanded_with"] > 0) == expanded
     assert sum(d["expanded_with"] > 0 for d in d1) >= len(keys) // 4
     assert (D0 != D1).any() and (I0 != I1).any()  # the expansion moved results
-    # the kind's own default: none for an index whose extractor records no kind
-    D3, I3, d3 = search(single, xq, QueryConfig(k=15, rerank=replace(plain, expansion=None)), tokens)
+    # the default: no expansion
+    D3, I3, d3 = search(single, xq, QueryConfig(k=15, rerank=replace(plain, expansion=ExpansionConfig())), tokens)
     np.testing.assert_array_equal(I3, I0)
     np.testing.assert_array_equal(D3, D0)
     assert all(d["expanded_with"] == 0 for d in d3)
