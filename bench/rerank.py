@@ -515,7 +515,7 @@ def main() -> None:
         sp_row("asymmetric + two-match hypotheses (threshold 28/32)", "image", asym, timed={}),
         sp_row(
             "defaults (RerankConfig()): asymmetric + two-match + chance floor"
-            + (", before α-QE" if RerankConfig().expansion.top else ""),
+            + (", before α-QE" if with_kind_defaults(RerankConfig(), kind).expansion.top else ""),
             "image",
             [{}],
             floors=(None,),
@@ -540,8 +540,8 @@ def main() -> None:
         )
         for e in lists
     ]
-    # α-QE is part of the defaults where RerankConfig's expansion is on (it is off today)
-    kind_qe = RerankConfig().expansion
+    # α-QE is part of the defaults where the token kind's is on (embed.registry.RERANK_BY_KIND)
+    kind_qe = with_kind_defaults(RerankConfig(), kind).expansion
     top, min_inliers = kind_qe.top, kind_qe.min_inliers
     qe_ms = expansion_ms(index, lists, default_vq, kind_qe if top else ExpansionConfig(top=5))
     if top:

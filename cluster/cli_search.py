@@ -42,12 +42,14 @@ def add_rerank_flags(p: argparse.ArgumentParser) -> None:
         overrides={
             "top": {
                 "flag": "--rerank-qe",
+                "default": None,
                 "metavar": "TOP",
                 "help": "α-QE after SP: average the query with the re-ranked top TOP results that have "
-                "--rerank-qe-min-inliers inliers, then score the shortlist again (0: none)",
+                "--rerank-qe-min-inliers inliers, then score the shortlist again (0: none; default: the "
+                "index's token kind's own, embed.registry.RERANK_BY_KIND)",
             },
-            "min_inliers": {"flag": "--rerank-qe-min-inliers"},
-            "alpha": {"flag": "--rerank-qe-alpha"},
+            "min_inliers": {"flag": "--rerank-qe-min-inliers", "default": None},
+            "alpha": {"flag": "--rerank-qe-alpha", "default": None},
         },
     )
 
@@ -56,17 +58,23 @@ def rerank_config(args: argparse.Namespace):
     """The re-ranking flags as a RerankConfig (None without --rerank)."""
     if not args.rerank:
         return None
+    from core.errors import NeedleInputError
     from rerank.ensemble import EnsembleConfig
     from rerank.expand import ExpansionConfig
     from rerank.matching import MatchConfig
     from rerank.rerank import RerankConfig
 
+    expansion = None  # the token kind's own
+    if args.rerank_qe is not None:
+        expansion = config_from_args(ExpansionConfig, args)
+    elif args.rerank_qe_min_inliers is not None or args.rerank_qe_alpha is not None:
+        raise NeedleInputError("--rerank-qe-min-inliers and --rerank-qe-alpha need --rerank-qe TOP")
     return config_from_args(
         RerankConfig,
         args,
         ensemble=config_from_args(EnsembleConfig, args),
         match=config_from_args(MatchConfig, args),
-        expansion=config_from_args(ExpansionConfig, args),
+        expansion=expansion,
     )
 
 

@@ -441,8 +441,8 @@ def search(
     s_first = {q: D[q, : sizes[q]].copy() for q in asked}
     orders = {q: reranker.order(shortlists[q], s_first[q], local_of[q])[0] for q in asked}
     with_inliers = {q: local_of[q].inliers for q in asked if local_of[q].inliers is not None}
-    # α-QE needs inliers: SP only
-    expansion = conf.rerank.expansion if conf.rerank.method == "sp" else ExpansionConfig()
+    # α-QE needs inliers: SP only; the reranker's settings have the token kind's filled in
+    expansion = reranker.conf.expansion if conf.rerank.method == "sp" else ExpansionConfig()
     second = expanded_global_scores(index, xq, shortlists, s_first, with_inliers, orders, expansion)
     details = []
     for q in range(len(xq)):

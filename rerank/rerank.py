@@ -40,9 +40,10 @@ class RerankConfig:
     query_scales: tuple[float, ...] | None = None
     query_top_k: int | None = None
     db_tokens: int | None = None  # use only each candidate's best this many tokens (None: all stored)
-    # α-QE over the verified top after SP, then the shortlist scored again (rerank/expand.py); top 0
-    # (the default): none. Other methods have no inliers: no expansion.
-    expansion: ExpansionConfig = field(default_factory=ExpansionConfig)
+    # α-QE over the verified top after SP, then the shortlist scored again (rerank/expand.py); None:
+    # the token kind's own (RERANK_BY_KIND: ALIKED the mean of the top 5 with >= 10 inliers, Lite0
+    # none), none where no kind is known. Other methods have no inliers: no expansion.
+    expansion: ExpansionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -57,10 +58,10 @@ class RerankConfig:
 
 def with_kind_defaults(conf: RerankConfig, kind: str | None) -> RerankConfig:
     """``conf`` with what it leaves open (None) set to the token kind's own settings
-    (embed.registry.RERANK_BY_KIND); kind None (not known): left open, MatchConfig's generic
-    threshold applies."""
+    (embed.registry.RERANK_BY_KIND); kind None (not known): no expansion, the query side left open,
+    MatchConfig's generic threshold."""
     if kind is None:
-        return conf
+        return replace(conf, expansion=conf.expansion or ExpansionConfig())
     from embed.registry import RERANK_BY_KIND
 
     if kind not in RERANK_BY_KIND:
@@ -71,6 +72,7 @@ def with_kind_defaults(conf: RerankConfig, kind: str | None) -> RerankConfig:
         match=conf.match if conf.match.max_distance is not None else replace(conf.match, max_distance=own.max_hamming),
         query_scales=conf.query_scales or own.query_scales,
         query_top_k=conf.query_top_k or own.query_top_k,
+        expansion=conf.expansion or ExpansionConfig(*own.expansion),
     )
 
 

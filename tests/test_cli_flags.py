@@ -257,6 +257,26 @@ def test_renamed_flags_reach_their_fields():
     )
 
 
+def test_rerank_flags_leave_the_kind_defaults_open_unless_given():
+    """--rerank sp alone leaves the threshold and α-QE to the index's token kind (None); given
+    flags are kept; QE's details without --rerank-qe are an error, not ignored."""
+    from cluster.cli import build_parser
+    from cluster.cli_search import rerank_config
+    from core.errors import NeedleInputError
+    from rerank.expand import ExpansionConfig
+
+    def parsed(*flags):
+        return rerank_config(build_parser().parse_args(["query", "--index", "i", "--rerank", "sp", *flags]))
+
+    conf = parsed()
+    assert conf.match.max_distance is None and conf.expansion is None
+    conf = parsed("--max-hamming", "30", "--rerank-qe", "3", "--rerank-qe-alpha", "1")
+    assert conf.match.max_distance == 30 and conf.expansion == ExpansionConfig(top=3, alpha=1.0)
+    assert parsed("--rerank-qe", "0").expansion == ExpansionConfig(top=0)
+    with pytest.raises(NeedleInputError, match="need --rerank-qe"):
+        parsed("--rerank-qe-min-inliers", "4")
+
+
 def test_eval_without_a_subcommand_is_a_usage_error(capsys):
     from cluster.cli import main
 

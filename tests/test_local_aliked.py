@@ -150,6 +150,7 @@ def test_bad_images_are_refused():
 
 
 def test_every_kind_has_its_re_ranking_defaults():
+    from rerank.expand import ExpansionConfig
     from rerank.matching import MatchConfig
     from rerank.rerank import RerankConfig, Reranker, with_kind_defaults
 
@@ -160,12 +161,15 @@ def test_every_kind_has_its_re_ranking_defaults():
     # what a RerankConfig leaves open is the kind's; what it sets stays
     filled = with_kind_defaults(RerankConfig(), "aliked")
     assert (filled.match.max_distance, filled.query_scales, filled.query_top_k) == (28, (1.0,), 300)
+    assert filled.expansion == ExpansionConfig(top=5, min_inliers=10, alpha=0.0)
+    assert with_kind_defaults(RerankConfig(), "cnn").expansion.top == 0
     given = RerankConfig(match=MatchConfig(max_distance=40, mutual=False), query_top_k=50)
     kept = with_kind_defaults(given, "aliked")
     assert (kept.match, kept.query_scales, kept.query_top_k) == (given.match, (1.0,), 50)
     assert Reranker(RerankConfig(), "cnn").conf.match.max_distance == 32
-    # no kind known: left open, the generic threshold applies
-    assert Reranker(RerankConfig()).conf == RerankConfig() and MatchConfig().threshold == 32
+    # no kind known: no expansion, the rest left open (the generic threshold applies)
+    assert Reranker(RerankConfig()).conf == RerankConfig(expansion=ExpansionConfig()) and MatchConfig().threshold == 32
+    assert with_kind_defaults(RerankConfig(expansion=ExpansionConfig(top=2)), "aliked").expansion.top == 2
     with pytest.raises(NeedleInputError, match="unknown local-token kind 'orb'"):
         with_kind_defaults(RerankConfig(), "orb")
 
