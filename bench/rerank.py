@@ -2,9 +2,9 @@
 the exact index and the local store, then re-ranking of each query's global top-1000.
 
 The database holds every image (the 132 grouped ones and the 1,518 distractors) with the database
-tokens of ``--locals`` (default ``lite0-s16``: Lite0's stride-16 stage at 512 px; ``aliked-n16``:
-ALIKED-N16 keypoints at 512 px), 128-bit ITQ codes learned on a sample of the distractors (every
-``ITQ_SAMPLE_STRIDE``-th distractor shard, ``ITQ_SAMPLE_TOKENS`` tokens per image), kept up to
+tokens of ``--locals`` (default ``aliked-n16``: ALIKED-N16 keypoints at 512 px; ``lite0-s16``:
+Lite0's stride-16 stage at 512 px), 128-bit ITQ codes learned on a sample of the distractors
+(``ITQ_SAMPLE``: per token kind, which distractor shards and how many tokens per image), kept up to
 ``--db-tokens`` per image, of which the first 100 (2,308 B) are used; the queries (every grouped
 image with another image of its group) get the preset's query-side tokens (``<locals>-query``:
 ALIKED 300 keypoints at 512 px; Lite0 100 tokens at each of 384/512/768 px), ingested (plain codes)
@@ -94,12 +94,12 @@ QUERY_TOKEN_VARIANTS = {
     "cnn": (("query_5_scales", (0.5, 0.75, 1.0, 1.5, 2.0), 100), ("query_150_per_scale", (0.75, 1.0, 1.5), 150)),
     "aliked": (("query_200", (1.0,), 200), ("query_500", (1.0,), 500)),
 }
-# The ITQ projection is learned from every ITQ_SAMPLE_STRIDE-th distractor shard (of 7, ~217 images
-# each: shards 0, 3 and 6), ITQ_SAMPLE_TOKENS tokens per image. ALIKED's 128-d descriptors need
-# that many: learned on 2 shards x 100 keypoints (43k descriptors) its re-ranking scored 2-3 mAP
-# lower than on ~150k (issue 21's probes).
-ITQ_SAMPLE_STRIDE = 3
-ITQ_SAMPLE_TOKENS = 300
+# The distractor sample each token kind's ITQ projection is learned from: (every how many-th
+# distractor shard of the 7 of ~217 images, tokens per image). ALIKED's keypoints: shards 0, 3 and
+# 6 at 300 per image (~150k descriptors; on 2 shards x 100 its re-ranking read 2-3 mAP lower).
+# Lite0's tokens: their stored 100 per image of every shard (from the top 300 of every third its
+# defaults read 53.6 instead of 56.4: weak tokens are not what it stores).
+ITQ_SAMPLE = {"aliked": (3, 300), "cnn": (1, 100)}
 BYTES_PER_TOKEN = 23  # the local store's record (index/locals.py); + 8 B of offset per image
 
 log = logging.getLogger("bench.rerank")
@@ -110,12 +110,12 @@ def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool, locals_pr
 
     With ``itq_from_distractors`` the ITQ projection is first learned from the distractors' local
     descriptors (a sample of the database, never the queries), as a user learns it on a sample of
-    their own collection (here every ``ITQ_SAMPLE_STRIDE``-th distractor shard, ``ITQ_SAMPLE_TOKENS``
-    tokens per image)."""
+    their own collection (here the token kind's ``ITQ_SAMPLE`` of the distractor shards)."""
     import ray
 
     from cluster.ingest_job import IngestConfig
     from cluster.ingest_job import main as ingest
+    from embed.registry import get_local_preset
     from embed.train_itq import TrainITQConfig
     from embed.train_itq import main as train_itq
 
@@ -123,15 +123,16 @@ def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool, locals_pr
     itq = None
     try:
         if itq_from_distractors:
+            stride, tokens = ITQ_SAMPLE[get_local_preset(locals_preset).kind]
             sample = IngestConfig(
                 locals=locals_preset,
-                local_top_k=ITQ_SAMPLE_TOKENS,
+                local_top_k=tokens,
                 local_itq="none",
                 keep_local_desc=True,
                 overwrite=True,
             )
             distractor_shards = sorted(str(p) for p in (work / "shards").glob("*.tar") if p.stem != GROUPED_SHARD)
-            ingest(sample, distractor_shards[::ITQ_SAMPLE_STRIDE], work / "desc_itq")
+            ingest(sample, distractor_shards[::stride], work / "desc_itq")
             itq = str(train_itq(TrainITQConfig(), work / "desc_itq", work / "itq_distractors.npz"))
         ingest(
             IngestConfig(locals=locals_preset, local_top_k=db_tokens, local_itq=itq, overwrite=True),
