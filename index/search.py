@@ -113,6 +113,18 @@ def float16_inner_products(block: np.ndarray, x: np.ndarray) -> np.ndarray:
     return (torch.from_numpy(np.ascontiguousarray(block)).float() * torch.from_numpy(x)).sum(1).numpy()
 
 
+def inner_products_at(vectors: Any, positions: np.ndarray, xq: np.ndarray) -> np.ndarray:
+    """(nq, C) inner products of each query ``xq[q]`` with the float16 rows ``vectors[positions[q]]``
+    (-inf where a position is -1), each query's rows read in ascending order: sequential reads of
+    the map."""
+    D = np.full(positions.shape, -np.inf, dtype=np.float32)
+    for q in range(len(xq)):
+        valid = np.flatnonzero(positions[q] >= 0)
+        reads = valid[np.argsort(positions[q, valid])]
+        D[q, reads] = float16_inner_products(np.asarray(vectors[positions[q, reads]]), xq[q])
+    return D
+
+
 def search_params(index: Any, nprobe: int, quantizer_ef: int | None = None) -> Any | None:
     """FAISS search parameters for one call (None for a flat index): ``nprobe`` lists visited per
     query, and for an HNSW coarse quantizer a graph depth of ``quantizer_ef`` (the build's) and
@@ -333,13 +345,7 @@ class Shard:
 
     def rescore(self, xq: np.ndarray, I: np.ndarray) -> np.ndarray:
         """Exact inner products of the candidates against their float16 vectors (-inf for -1)."""
-        positions = positions_of_rows(I, self.offsets)
-        D = np.full(I.shape, -np.inf, dtype=np.float32)
-        for q in range(len(xq)):
-            valid = np.flatnonzero(positions[q] >= 0)
-            reads = valid[np.argsort(positions[q, valid])]  # ascending positions: sequential reads of the map
-            D[q, reads] = float16_inner_products(self.vector_rows[positions[q, reads]], xq[q])
-        return D
+        return inner_products_at(self.vector_rows, positions_of_rows(I, self.offsets), xq)
 
 
 @dataclass
@@ -478,13 +484,7 @@ class SearchIndex:
         I = np.atleast_2d(np.asarray(I, np.int64))
         if len(I) != len(xq):
             raise NeedleInputError(f"{len(xq)} queries but rows for {len(I)}")
-        positions = self.positions_of_rows(I)
-        D = np.full(I.shape, -np.inf, dtype=np.float32)
-        for q in range(len(xq)):
-            valid = np.flatnonzero(positions[q] >= 0)
-            reads = valid[np.argsort(positions[q, valid])]  # ascending positions: sequential reads of the map
-            D[q, reads] = float16_inner_products(np.asarray(self.vectors[positions[q, reads]]), xq[q])
-        return D
+        return inner_products_at(self.vectors, self.positions_of_rows(I), xq)
 
     def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
         """Row ids (nq, k) -> keys, None for the -1 padding."""
