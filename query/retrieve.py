@@ -439,7 +439,8 @@ def search(
     # copies: the rows are written back below in their new order
     shortlists = {q: I[q, : sizes[q]].copy() for q in asked}
     s_first = {q: D[q, : sizes[q]].copy() for q in asked}
-    orders = {q: reranker.order(shortlists[q], s_first[q], local_of[q])[0] for q in asked}
+    firsts = {q: reranker.order(shortlists[q], s_first[q], local_of[q]) for q in asked}  # (order, scores)
+    orders = {q: order for q, (order, _) in firsts.items()}
     with_inliers = {q: local_of[q].inliers for q in asked if local_of[q].inliers is not None}
     # α-QE needs inliers: SP only; the reranker's settings have the token kind's filled in
     expansion = reranker.conf.expansion if conf.rerank.method == "sp" else ExpansionConfig()
@@ -451,7 +452,8 @@ def search(
             continue
         rows, local = shortlists[q], local_of[q]
         s_global, averaged = second.get(q, (s_first[q], 0))
-        order, scores = reranker.order(rows, s_global, local)
+        # an expanded query is ordered again by its second global scores; any other keeps its first order
+        order, scores = reranker.order(rows, s_global, local) if q in second else firsts[q]
         I[q, : sizes[q]], D[q, : sizes[q]] = rows[order], scores[order]
         details.append(
             {
