@@ -9,8 +9,8 @@ Lite0's stride-16 stage at 512 px), 128-bit ITQ codes learned on a sample of the
 image with another image of its group) get the preset's query-side tokens (``<locals>-query``:
 ALIKED 300 keypoints at 512 px; Lite0 100 tokens at each of 384/512/768 px), ingested (plain codes)
 and extracted as ``needle query --image`` does (keeping the float ITQ projections that asymmetric
-matching scores). One token kind per run (and per
-``--workdir``): run it once per kind to compare them.
+matching scores). One token kind per run (and per ``--workdir``): run it once per kind to compare
+them.
 
 Cross-validation over instance groups: the queries are split into ``--folds`` folds by group (every
 query of a group in one fold); each fold is scored with the settings and λ chosen on the other
@@ -244,19 +244,14 @@ def map_by_source(
     """Global-only and re-ranked mAP@K per image source of realbench (each query re-ranked with the
     λ its fold was scored with, then expanded with ``expansion`` where given): where re-ranking pays
     and where it does not."""
-    from rerank.ensemble import EnsembleConfig, ap_of_order, combine, rerank_order
-    from rerank.expand import expanded_scores
+    from rerank.ensemble import EnsembleConfig, ap_of_order
 
     rows: dict[str, list[tuple[float, float]]] = {}
     for f, fold in enumerate(folds):
         conf = EnsembleConfig(lam=chosen[f]["lam"])
         for i in fold:
             q = vq[i]
-            order = rerank_order(combine("sp", q.s_global, q.raw_local, q.has_locals, conf), q.rows)
-            if expansion is not None:
-                s_qe = expanded_scores(vectors[i][0], vectors[i][1], order, q.raw_local, expansion)
-                if s_qe is not None:
-                    order = rerank_order(combine("sp", s_qe, q.raw_local, q.has_locals, conf), q.rows)
+            order = sp_order(q, conf, expansion, None if vectors is None else vectors[i])
             aps = (ap_of_order(q.positive, q.n_positives, K), ap_of_order(q.positive[order], q.n_positives, K))
             rows.setdefault(source[lists[i]["key"]], []).append(aps)
     return {
@@ -269,26 +264,34 @@ def map_by_source(
     }
 
 
+def sp_order(q, conf, expansion=None, vectors: tuple | None = None) -> np.ndarray:
+    """Validation query ``q``'s shortlist order by SP and its global score mixed with ensemble
+    ``conf``; with ``expansion``, α-QE over the verified top (``vectors``: the query's and the
+    shortlist's global vectors) and the order again by the expanded query's scores."""
+    from rerank.ensemble import combine, rerank_order
+    from rerank.expand import expanded_scores
+
+    order = rerank_order(combine("sp", q.s_global, q.raw_local, q.has_locals, conf), q.rows)
+    if expansion is None:
+        return order
+    s_qe = expanded_scores(vectors[0], vectors[1], order, q.raw_local, expansion)
+    if s_qe is None:
+        return order
+    return rerank_order(combine("sp", s_qe, q.raw_local, q.has_locals, conf), q.rows)
+
+
 def qe_cross_validated(
     lists: list[dict], vq: list, vectors: list, folds: list[np.ndarray], settings: list | None = None
 ) -> tuple[float, list[dict]]:
     """mAP@K of the default SP followed by α-QE over the verified top and a second global scoring of
     the shortlist, every (λ, QE setting of ``settings`` (ExpansionConfig or None: none); default
     none and every one of QE_GRID) chosen on the other folds."""
-    from rerank.ensemble import EnsembleConfig, ap_of_order, combine, rerank_order
-    from rerank.expand import ExpansionConfig, expanded_scores
+    from rerank.ensemble import EnsembleConfig, ap_of_order
+    from rerank.expand import ExpansionConfig
 
     def fold_map(idx, lam, qe):
-        conf, aps = EnsembleConfig(lam=lam), []
-        for i in idx:
-            q = vq[i]
-            scores = combine("sp", q.s_global, q.raw_local, q.has_locals, conf)
-            order = rerank_order(scores, q.rows)
-            if qe is not None:
-                s_qe = expanded_scores(vectors[i][0], vectors[i][1], order, q.raw_local, qe)
-                if s_qe is not None:
-                    order = rerank_order(combine("sp", s_qe, q.raw_local, q.has_locals, conf), q.rows)
-            aps.append(ap_of_order(q.positive[order], q.n_positives, K))
+        conf = EnsembleConfig(lam=lam)
+        aps = [ap_of_order(vq[i].positive[sp_order(vq[i], conf, qe, vectors[i])], vq[i].n_positives, K) for i in idx]
         return 100.0 * float(np.mean(aps))
 
     if settings is None:
