@@ -13,11 +13,11 @@ torchvision's ``deform_conv2d`` is a compiled op that this project's torchvision
 load, so :func:`deform_conv2d` computes it with ``grid_sample`` (bilinear, zeros outside), checked
 against a plain per-pixel reference in tests/test_local_aliked.py.
 
-Measured on realbench (bench/rerank.py --locals aliked-n16): 100 ALIKED tokens per database image at
-512 px re-rank about as well as Lite0's stride-16 tokens at the same 2,308 bytes overall (55.5 vs
-56.4 mAP@1k with the defaults; 58.6 with an ITQ learned on another distractor sample), ahead on
-extreme viewpoints (EVD) and Phototourism, behind on day/night and season pairs (WxBS). On CPU a
-512 px image costs ~0.7-0.9 s on one thread.
+Measured on realbench (bench/rerank.py, bench/results/rerank_realbench_aliked.json): 100 ALIKED
+tokens per database image at 512 px (2,308 bytes) re-rank to 60.35 mAP@1k with the defaults, where
+Lite0's stride-16 tokens reach 56.36 (global only: 46.97); ahead on extreme viewpoints (EVD) and
+Phototourism, behind on day/night and season pairs (WxBS). On CPU a 512 px image costs ~0.3 s on
+one thread.
 """
 
 from __future__ import annotations

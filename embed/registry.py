@@ -490,7 +490,7 @@ LOCAL_PRESETS: dict[str, LocalConfig] = {
     # Classical: RootSIFT keypoints; needs an ITQ file (--local-itq) for its 128-d descriptors.
     "sift": LocalConfig(kind="sift", resolution=512, top_k=300),
     # Learned keypoints (embed/local_aliked.py), the default: 100 ALIKED-N16 keypoints at 512 px
-    # (2.3 KB per image, as lite0-s16). realbench (bench/rerank.py): +10.5 mAP@1k with the default
+    # (2.3 KB per image, as lite0-s16). realbench (bench/rerank.py): +13.4 mAP@1k with the default
     # re-ranking where lite0-s16 gives +9.4; ahead on extreme viewpoints and Phototourism, behind
     # on day/night; a forward pass of its own (~0.3 s per 512 px image on one CPU thread).
     "aliked-n16": LocalConfig(kind="aliked", itq=ALIKED_ITQ),
@@ -500,7 +500,7 @@ LOCAL_PRESETS: dict[str, LocalConfig] = {
 }
 
 # The database tokens of `needle demo` and bench/rerank.py unless told otherwise (realbench:
-# ALIKED's re-ranking gains +10.5 mAP@1k, Lite0's +9.4).
+# ALIKED's re-ranking gains +13.4 mAP@1k, Lite0's +9.4).
 DEFAULT_LOCALS = "aliked-n16"
 
 
