@@ -155,7 +155,7 @@ def build(args, work: Path) -> dict:
     command = [
         sys.executable,
         "-m",
-        "cluster.cli",
+        "cli.main",
         "index",
         "build",
         "--descriptors",
@@ -216,7 +216,7 @@ def main() -> None:
     import ray
 
     from cluster.serve import ShardServing, serve_sharded
-    from cluster.staging import StageConfig
+    from shards.staging import StageConfig
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     service = serve_sharded(work / "sharded", ShardServing(stage=StageConfig(copy_local=False)))  # mapped in place

@@ -182,8 +182,8 @@ class CpuAccount:
 def run_pipeline(args, model: str, jpegs: list[bytes], cpus: int, decoder: str) -> dict:
     import ray
 
-    from cluster.ingest_job import IngestConfig
     from cluster.ingest_job import main as ingest
+    from ingest.config import IngestConfig
 
     with tempfile.TemporaryDirectory(prefix="needle-throughput-") as tmp:
         pattern = write_tars(jpegs, Path(tmp), args.per_tar)

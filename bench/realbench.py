@@ -88,11 +88,11 @@ def main() -> None:
 
     import ray
 
-    from cluster.ingest_job import IngestConfig
     from cluster.ingest_job import main as ingest
     from eval.evaluate import EvalConfig, evaluate
     from index.build import IndexConfig
     from index.build import main as build_index
+    from ingest.config import IngestConfig
 
     if not REALBENCH.is_dir():
         sys.exit(f"realbench data not found at {REALBENCH}")

@@ -113,11 +113,11 @@ def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool, locals_pr
     their own collection (here the token kind's ``ITQ_SAMPLE`` of the distractor shards)."""
     import ray
 
-    from cluster.ingest_job import IngestConfig
     from cluster.ingest_job import main as ingest
     from embed.registry import get_local_preset
     from embed.train_itq import TrainITQConfig
     from embed.train_itq import main as train_itq
+    from ingest.config import IngestConfig
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     itq = None
@@ -377,7 +377,8 @@ def group_folds(lists: list[dict], groups: dict[str, str], n: int = 2) -> list[n
 
 
 def train_ames(work: Path, epochs: int, itq: str | None, locals_preset: str) -> Path:
-    from cluster.ingest_job import IngestConfig, make_local_extractor
+    from cluster.ingest_job import make_local_extractor
+    from ingest.config import IngestConfig
     from rerank.ames_train import TrainConfig
     from rerank.ames_train import main as train
 

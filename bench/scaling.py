@@ -162,7 +162,6 @@ def adaptation_study(
     """mAP@1k (exact) with no adaptation, PCAw, Lw and the linear adaptation at 256 and 512 dims."""
     import ray
 
-    from cluster.ingest_job import IngestConfig
     from cluster.ingest_job import main as ingest
     from embed.adapt import AdaptConfig, labelled_descriptors, read_labels, save_adapter, train_adapter
     from embed.augment import AugmentConfig
@@ -171,6 +170,7 @@ def adaptation_study(
     from eval.evaluate import EvalConfig, evaluate
     from index.build import IndexConfig
     from index.build import main as build_index
+    from ingest.config import IngestConfig
 
     timings = {}
     start = time.perf_counter()
@@ -278,10 +278,10 @@ def main() -> None:
 
     import ray
 
-    from cluster.ingest_job import IngestConfig
     from cluster.ingest_job import main as ingest
     from eval.scaling import ScalingConfig
     from eval.scaling import main as scaling
+    from ingest.config import IngestConfig
 
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="needle-scaling-")
     work = Path(args.workdir or tmp.name)

@@ -25,7 +25,7 @@ the same queries and reports:
   for them (their key files, O(k)), without the transport;
 - ``fanout_floor_p50_ms``: one call to every shard doing nothing (the transport alone);
 - ``transport``: how the coordinator called the actors (``--transport``: ``direct``, the default,
-  over each actor's TCP channel, cluster/direct.py; ``ray``: Ray actor calls only), with the
+  over each actor's TCP channel, shards/direct.py; ``ray``: Ray actor calls only), with the
   calls sent (``calls``) and how many of them went through Ray (``ray_calls``);
 - ``identical_to_single``: D and I of every query sample equal to the single index's (and the
   re-ranked ones where measured).
@@ -219,9 +219,9 @@ def coordinator_child(args: argparse.Namespace) -> None:
 
     from cluster.ray_shards import ShardPlacement
     from cluster.serve import ShardServing, serve_sharded
-    from cluster.staging import StageConfig
     from index.memory import process_memory
     from index.search import load_index
+    from shards.staging import StageConfig
 
     ray.init(address=args.address, log_to_driver=False)
     start = time.perf_counter()

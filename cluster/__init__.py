@@ -1,7 +1,8 @@
-"""The Ray layer: the ingestion job, local heads for the demo, serving (one process, or shard
-actors across nodes: serve, ray_shards, shard_actor, staging, coordinator), and the ``needle``
-command.
+"""The Ray layer and nothing else: the ingestion job over actor workers, parallel index builds,
+local heads and job submission for the demo, shard actors placed across nodes, and the Ray Serve
+deployment of the query service.
 
-Ray is imported only inside this package; ingest/, embed/, index/, rerank/ and eval/ are plain
-libraries that this package schedules.
+Ray is imported only inside this package; the packages below it are plain libraries that this
+package schedules (shards/ holds the Ray-free sharded query these actors run, service/ the HTTP
+app, cli/ the ``needle`` command).
 """

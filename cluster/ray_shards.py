@@ -1,12 +1,12 @@
 """Shard actors on a Ray cluster, placed on purpose, and the coordinator's Ray backend.
 
 ``start_shard_actors`` starts ``replicas`` actors per group of ``shards_per_actor`` consecutive
-shards (cluster/shard_group.py; one shard per actor by default) with
+shards (shards/shard_group.py; one shard per actor by default) with
 ``scheduling_strategy="SPREAD"`` (across nodes), ``memory=`` its shards' bytes from the top-level
 infos (their files: what it maps), ``max_concurrency`` concurrent calls each, and
 ``max_restarts=-1``: a dead actor is restarted, wherever Ray places it, and stages its shards again
 (from its node's cache where it has one). The backend sends the calls a request makes to the
-shards of one actor as one call: a message on the actor's direct channel (cluster/direct.py; its
+shards of one actor as one call: a message on the actor's direct channel (shards/direct.py; its
 endpoint and key asked of the actor through Ray), or a Ray call where the actor has no channel
 (not yet, ``--shard-transport ray``, or after its channel failed: the call then goes again
 through Ray, to the same actor).
@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.coordinator import ReplicaFailed, ShardsUnavailable
-from cluster.direct import ChannelError, DirectCall, DirectChannel, readable
-from cluster.shard_group import ShardGroup
-from cluster.staging import StageConfig
 from ingest.source_images import SourceImagesConfig
+from shards.coordinator import ReplicaFailed, ShardsUnavailable
+from shards.direct import ChannelError, DirectCall, DirectChannel, readable
+from shards.shard_group import ShardGroup
+from shards.staging import StageConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def shard_groups(n_shards: int, shards_per_actor: int) -> list[list[int]]:
 
 class GroupBatch:
     """One call to a group actor carrying several shard calls, over its direct channel
-    (cluster/direct.py) or as a Ray call; its answers decoded once. A direct call whose connection
+    (shards/direct.py) or as a Ray call; its answers decoded once. A direct call whose connection
     fails goes again as a Ray call to the same actor (which waits for a restarting actor)."""
 
     def __init__(self, shards: RayShards, group: int, replica: int, packed: bytes):
@@ -147,7 +147,7 @@ class GroupCall:
 
 
 class RayShards:
-    """A ShardBackend over ShardGroup actors ``[group][replica]`` (cluster/shard_group.py): the
+    """A ShardBackend over ShardGroup actors ``[group][replica]`` (shards/shard_group.py): the
     calls submitted to one actor before a wait go as one call (arguments and answers pickled in
     one bytes object each way), over the actor's direct channel where ``direct`` (each actor's
     endpoint asked of it through Ray once, and again after the channel failed) and as a Ray call
@@ -303,6 +303,41 @@ class RayShards:
         return value
 
 
+def current_node() -> str:
+    """This process's Ray node id (its host name outside a Ray worker)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # not a Ray worker: the host names the node
+        pass
+    import socket
+
+    return socket.gethostname()
+
+
+def node_address() -> str:
+    """The address other nodes reach this process's node at (Ray's node IP; 127.0.0.1 outside a
+    Ray worker)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # not a Ray worker: this machine only
+        pass
+    return "127.0.0.1"
+
+
+class RayShardGroup(ShardGroup):
+    """A ShardGroup in a Ray actor: its members know their Ray node, its direct channel listens on
+    the node's address."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, node=current_node(), address=node_address(), **kwargs)
+
+
 def start_shard_actors(
     source: str,
     infos: dict[str, Any],
@@ -328,7 +363,7 @@ def start_shard_actors(
     if cpus is None:
         cpus = min(1.0, ray.cluster_resources().get("CPU", 1) / (len(groups) * placement.replicas))
     threads = max(1, int(cpus))  # members searching at once: no more than the CPUs reserved
-    actor_cls = ray.remote(ShardGroup)
+    actor_cls = ray.remote(RayShardGroup)
     actors = []
     for shards in groups:
         members = [entries[s] for s in shards]

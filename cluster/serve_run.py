@@ -1,6 +1,6 @@
 """Running ``needle serve``'s app until it is stopped: uvicorn in this process, or a Ray Serve
 deployment (Ray and Serve started, the deployment run, SIGTERM/SIGINT handled, Serve and Ray shut
-down in order). The app itself is cluster.webapp's; the index service cluster.serve's."""
+down in order). The app itself is service.webapp's; the index service cluster.serve's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
-TRANSPORTS = ("direct", "ray")  # how the coordinator calls shard actors (cluster/direct.py, cluster/ray_shards.py)
+TRANSPORTS = ("direct", "ray")  # how the coordinator calls shard actors (shards/direct.py, cluster/ray_shards.py)
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ def shard_serving(conf: ServeConfig, tar_dirs: tuple[str, ...] = ()) -> Any:
     directories (on every node) where shard actors look for tars ingestion recorded no URL of."""
     from cluster.ray_shards import ShardPlacement
     from cluster.serve import ShardServing
-    from cluster.staging import StageConfig
     from ingest.source_images import SourceImagesConfig
+    from shards.staging import StageConfig
 
     if conf.shard_timeout <= 0:
         raise NeedleInputError(f"--shard-timeout must be positive, got {conf.shard_timeout}")
@@ -81,8 +81,9 @@ def run(conf: ServeConfig, index: str | Path, files: Any = None, rerank: Any = N
         return
     import uvicorn
 
-    from cluster.serve import QueryService, open_index
-    from cluster.webapp import create_app
+    from cluster.serve import open_index
+    from service.query_service import QueryService
+    from service.webapp import create_app
 
     tar_dirs = tuple(page.shard_dirs) if page is not None else ()
     serving = shard_serving(conf, tar_dirs) if conf.ray_shards else None
@@ -108,7 +109,7 @@ def run_ray_serve(
     from ray import serve
 
     from cluster.ingest_job import connect_ray
-    from cluster.webapp import ray_app
+    from cluster.serve import ray_app
 
     if conf.replicas < 1:
         raise NeedleInputError(f"--replicas must be at least 1, got {conf.replicas}")

@@ -20,13 +20,13 @@ import torch
 
 from core.errors import NeedleInputError
 from core.hashing import file_sha256
+from core.multiscale import check_scales_rotations
 from embed.models import build_global_model
 from embed.registry import DEFAULT_MODEL, PRETRAINED, RANDOM, describe, get_model_config
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-ROTATIONS = (1, 2, 4)  # rotation counts: none, 0/180 degrees, 0/90/180/270 degrees
 MIN_SCALED_SIDE = 16  # a down-scaled variant keeps at least this many pixels per side (CNN strides)
 
 
@@ -63,20 +63,6 @@ def plan_batches(
             part = idx[s : s + batch_size]
             plan.append((part, (max(shapes[i][0] for i in part), max(shapes[i][1] for i in part))))
     return plan
-
-
-def check_scales_rotations(scales: Any, rotations: Any) -> tuple[tuple[float, ...], int]:
-    """``(scales, rotations)`` validated: a non-empty sequence of positive scales and 1, 2 or 4
-    rotations. Raises NeedleInputError naming the bad value."""
-    try:
-        values = tuple(float(s) for s in scales)
-    except (TypeError, ValueError) as exc:
-        raise NeedleInputError(f"scales must be a sequence of positive numbers, got {scales!r}") from exc
-    if not values or not all(np.isfinite(s) and s > 0 for s in values):
-        raise NeedleInputError(f"scales must be a non-empty sequence of positive numbers, got {scales!r}")
-    if isinstance(rotations, bool) or rotations not in ROTATIONS:
-        raise NeedleInputError(f"rotations must be one of {ROTATIONS}, got {rotations!r}")
-    return values, int(rotations)
 
 
 def parse_scales(text: str) -> tuple[float, ...]:

@@ -181,7 +181,7 @@ def merge_shortlists(
     ``kk`` best candidates by index score (the shortlist a single index over all rows would take:
     every shard's list holds its members), then the top k of their exact scores (ties to the
     lower row id), so shards and a single index agree. The one merge of the in-process index and
-    of the Ray coordinator (cluster/coordinator.py)."""
+    of the Ray coordinator (shards/coordinator.py)."""
     D_index, I, D_exact = (np.concatenate([part[i] for part in parts], axis=1) for i in range(3))
     order = top_order(D_index, I, kk)
     return sort_by_score(np.take_along_axis(D_exact, order, 1), np.take_along_axis(I, order, 1), k)
@@ -194,7 +194,7 @@ def trim_to_shortlist(parts: list[tuple[np.ndarray, np.ndarray]], kk: int) -> li
     candidate outside the kk best of some shards is outside the kk best of all shards, so
     ``merge_shortlists`` gives the same answer from the trimmed parts, and only their members
     need exact scores and keys: kk rows per query, however many shards answered (the in-process
-    index, and shards served together by one actor: cluster/shard_group.py)."""
+    index, and shards served together by one actor: shards/shard_group.py)."""
     D_index = np.concatenate([p[0] for p in parts], axis=1)
     I = np.concatenate([p[1] for p in parts], axis=1)
     keep = np.zeros(I.shape, bool)

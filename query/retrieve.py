@@ -43,7 +43,7 @@ class QueryConfig:
 
     def __post_init__(self) -> None:
         if self.scales != (1.0,) or self.rotations != 1:
-            from embed.extract import check_scales_rotations  # imports torch: only when asked for
+            from core.multiscale import check_scales_rotations  # imports torch: only when asked for
 
             scales, _ = check_scales_rotations(self.scales, self.rotations)
             object.__setattr__(self, "scales", scales)  # a list (from JSON, say) as a tuple of floats
@@ -334,7 +334,7 @@ def shortlist_local_scores(
 ) -> list[LocalScores]:
     """Each query's local evidence on its shortlist (row ids ``shortlists[q]``, global scores
     ``s_global[q]``), scored against the rows' stored tokens. An index whose shards live elsewhere
-    (cluster/coordinator.py) has each shard score its members (``score_shortlists``: with
+    (shards/coordinator.py) has each shard score its members (``score_shortlists``: with
     ``evidence``, the match evidence of the members that can reach the top k comes back with the
     scores); here the tokens are gathered from the local store (evidence made when asked)."""
     remote = getattr(index, "score_shortlists", None)

@@ -60,7 +60,7 @@ def test_adapter_forward_is_normalised_linear_and_files_round_trip(tmp_path):
 
 
 def test_adapt_train_stage_from_parquet_and_csv(tmp_path):
-    from cluster.cli import main as cli
+    from cli.main import main as cli
 
     x, labels = _classes(4, 40, 32, seed=1)
     desc = tmp_path / "desc"

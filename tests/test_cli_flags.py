@@ -1,4 +1,4 @@
-"""cluster/cli_flags.py: flags from a frozen config dataclass (help from the field's comment, type and
+"""cli/flags.py: flags from a frozen config dataclass (help from the field's comment, type and
 default from the field, bools and tuples), back to the config; and the ``needle`` commands that use it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli_flags import UNSET, add_config_flags, config_from_args, field_flags, source_constant
+from cli.flags import UNSET, add_config_flags, config_from_args, field_flags, source_constant
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 3 * 4  # a module constant the example's default refers to
@@ -149,10 +149,10 @@ def test_only_skip_and_overrides():
 
 def test_a_class_read_by_name_without_importing_it():
     code = (
-        "import sys; from cluster.cli_flags import field_flags, source_constant; "
+        "import sys; from cli.flags import field_flags, source_constant; "
         "f = {x.name: x for x in field_flags('eval.evaluate:EvalConfig')}; "
         "assert f['k'].default == 1000 and 'mAP@k' in f['k'].help, f['k']; "
-        "assert source_constant('embed.extract:ROTATIONS') == (1, 2, 4); "
+        "assert source_constant('core.multiscale:ROTATIONS') == (1, 2, 4); "
         "sys.exit(1 if 'torch' in sys.modules or 'eval.evaluate' in sys.modules else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -162,7 +162,7 @@ def test_a_class_read_by_name_without_importing_it():
 
 # --- the needle commands ------------------------------------------------------------------------
 def _config(argv: list[str], config: type, **given):
-    from cluster.cli import build_parser
+    from cli.main import build_parser
 
     return config_from_args(config, build_parser().parse_args(argv), **given)
 
@@ -170,9 +170,7 @@ def _config(argv: list[str], config: type, **given):
 def test_commands_default_to_the_configs_defaults():
     """Every command's flags, left alone, give its config's own defaults: the source was read right."""
     from cluster.demo import DemoRunConfig
-    from cluster.ingest_job import IngestConfig
     from cluster.serve_run import ServeConfig
-    from cluster.webpage import PageConfig
     from embed.adapt import AdaptConfig
     from embed.augment import AugmentConfig
     from embed.train_itq import TrainITQConfig
@@ -180,6 +178,7 @@ def test_commands_default_to_the_configs_defaults():
     from eval.evaluate import EvalConfig
     from eval.scaling import ScalingConfig
     from index.build import IndexConfig
+    from ingest.config import IngestConfig
     from ingest.pack import PackConfig
     from query.recorded import QueryFiles
     from query.retrieve import QueryConfig
@@ -187,6 +186,7 @@ def test_commands_default_to_the_configs_defaults():
     from rerank.ensemble import EnsembleConfig
     from rerank.matching import MatchConfig
     from rerank.rerank import RerankConfig
+    from service.webpage import PageConfig
 
     assert _config(["ingest", "--shards", "x", "--out", "o"], IngestConfig) == IngestConfig()
     assert _config(["pack", "src", "--out", "o"], PackConfig) == PackConfig()
@@ -260,8 +260,8 @@ def test_renamed_flags_reach_their_fields():
 def test_rerank_flags_leave_the_kind_defaults_open_unless_given():
     """--rerank sp alone leaves the threshold and α-QE to the index's token kind (None); given
     flags are kept; QE's details without --rerank-qe are an error, not ignored."""
-    from cluster.cli import build_parser
-    from cluster.cli_search import rerank_config
+    from cli.main import build_parser
+    from cli.search import rerank_config
     from core.errors import NeedleInputError
     from rerank.expand import ExpansionConfig
 
@@ -278,7 +278,7 @@ def test_rerank_flags_leave_the_kind_defaults_open_unless_given():
 
 
 def test_eval_without_a_subcommand_is_a_usage_error(capsys):
-    from cluster.cli import main
+    from cli.main import main
 
     assert main(["eval"]) == 2
     err = capsys.readouterr().err
@@ -301,7 +301,7 @@ def test_eval_without_a_subcommand_is_a_usage_error(capsys):
 )
 def test_help_imports_no_torch(argv):
     code = (
-        "import runpy, sys; sys.argv = ['needle', *sys.argv[1:]]\ntry:\n    runpy.run_module('cluster.cli', "
+        "import runpy, sys; sys.argv = ['needle', *sys.argv[1:]]\ntry:\n    runpy.run_module('cli.main', "
         "run_name='__main__')\nexcept SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
         "sys.exit(3 if 'torch' in sys.modules else 0)"
     )

@@ -25,7 +25,7 @@ def busy_cpus():
 
 def test_demo_end_to_end_on_a_busy_machine(tmp_path, busy_cpus):
     run = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "demo", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "cli.main", "demo", "--workdir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=1500,

@@ -1,4 +1,4 @@
-"""The direct channel between a coordinator and its shard actors (cluster/direct.py): messages
+"""The direct channel between a coordinator and its shard actors (shards/direct.py): messages
 arrive whole and in order, each connection carries one call at a time, only a client with the key
 is served, and every failure is a ChannelError (the caller then goes through Ray)."""
 
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from cluster.direct import (
+from shards.direct import (
     HEADER,
     MAX_MESSAGE,
     ChannelError,
@@ -159,7 +159,7 @@ def fake_group_class():
     import pickle
     import time
 
-    from cluster.direct import DirectServer
+    from shards.direct import DirectServer
 
     class FakeGroup:
         def __init__(self):
@@ -190,8 +190,8 @@ def test_ray_shards_go_direct_and_fall_back_to_ray(ray_local):
     dropped (Ray carries the actor's calls) and opened again later."""
     import ray
 
-    from cluster.coordinator import ShardedIndex, ShardsUnavailable
     from cluster.ray_shards import CHANNEL_RETRY_S, RayShards
+    from shards.coordinator import ShardedIndex, ShardsUnavailable
 
     actors = [[ray.remote(fake_group_class()).options(max_concurrency=4).remote()] for _ in range(2)]
     backend = RayShards(actors)

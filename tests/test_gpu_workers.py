@@ -7,10 +7,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from cluster.ingest_job import IngestConfig, _worker_layout, cpus_per_gpu
+from cluster.ingest_job import _worker_layout, cpus_per_gpu
 from core.errors import ImageDecodeError, NeedleInputError
 from embed.extract import GlobalExtractor, plan_batches
 from embed.registry import RANDOM
+from ingest.config import IngestConfig
 from ingest.images import decode_resized_many
 from ingest.pipeline import process_shard
 from tests.conftest import SHARED, jpeg_bytes, write_tar

@@ -232,7 +232,7 @@ def ilias_dataset(tmp_path, photos, extractor):
 
 
 def test_eval_on_an_ilias_directory_scores_like_the_benchmark(tmp_path, ilias_dataset):
-    from cluster.cli import main
+    from cli.main import main
 
     index, query_desc, dataset_dir = ilias_dataset
     k = 3

@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import jpeg_bytes, write_tar
 
-from cluster.ingest_job import IngestConfig, main
+from cluster.ingest_job import main
+from ingest.config import IngestConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -78,7 +79,7 @@ def test_killed_job_resumes_with_unfinished_shards_only(tmp_path, photos):
     cmd = [
         sys.executable,
         "-m",
-        "cluster.cli",
+        "cli.main",
         "ingest",
         "--shards",
         pattern,

@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import jpeg_bytes, write_tar
 
-from cluster.ingest_job import IngestConfig, IngestFailed, main
+from cluster.ingest_job import IngestFailed, main
+from ingest.config import IngestConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 CONF = IngestConfig(resolution=160, batch_size=8, cpus_per_worker=1)

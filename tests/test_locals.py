@@ -276,7 +276,7 @@ def test_ensemble_map_equals_the_metric_and_grid_search_uses_validation_only():
 
 
 def test_query_and_eval_rerank_with_local_tokens(tmp_path, local_descriptors, capsys):
-    from cluster.cli import main as cli
+    from cli.main import main as cli
     from eval.evaluate import EvalConfig, evaluate
     from index.build import IndexConfig
     from index.build import main as build
@@ -300,7 +300,7 @@ def test_query_and_eval_rerank_with_local_tokens(tmp_path, local_descriptors, ca
 
 
 def test_train_itq_stage_learns_from_kept_descriptors(tmp_path, local_descriptors):
-    from cluster.cli import main as cli
+    from cli.main import main as cli
     from ingest.descriptors import DescriptorFileError
 
     out = tmp_path / "itq.npz"
@@ -329,7 +329,7 @@ def test_ames_train_cli_and_ames_reranking(tmp_path, local_descriptors, photos):
     `needle eval --rerank ames` then uses."""
     from PIL import Image
 
-    from cluster.cli import main as cli
+    from cli.main import main as cli
     from index.build import IndexConfig
     from index.build import main as build
     from rerank.ames import load_ames
@@ -398,11 +398,11 @@ def test_ames_train_cli_and_ames_reranking(tmp_path, local_descriptors, photos):
 def test_serve_reranks_key_and_image_queries_with_evidence(tmp_path, local_descriptors, tiny_shards):
     import tarfile
 
-    from cluster.serve import QueryService
     from index.build import IndexConfig
     from index.build import main as build
     from index.search import load_index
     from rerank.rerank import RerankConfig
+    from service.query_service import QueryService
 
     index = load_index(build(IndexConfig(kind="flat"), local_descriptors, tmp_path / "idx"))
     service = QueryService(index, rerank=RerankConfig(method="sp", shortlist=5))
@@ -424,12 +424,12 @@ def test_serve_image_queries_go_through_the_adapter_and_rerank_per_request(tmp_p
     service started without re-ranking re-ranks a request that asks for it."""
     import tarfile
 
-    from cluster.serve import QueryService
     from embed.adapt import LinearAdapter, save_adapter
     from index.build import IndexConfig
     from index.build import main as build
     from index.search import load_index
     from rerank.rerank import RerankConfig
+    from service.query_service import QueryService
 
     adapter_path = save_adapter(LinearAdapter(1280, 64), tmp_path / "a.pt")
     index = load_index(build(IndexConfig(kind="flat", adapt=str(adapter_path)), local_descriptors, tmp_path / "idx"))

@@ -198,7 +198,7 @@ def test_pretrained_and_local_file_are_exclusive(tmp_path):
 
 
 def test_models_command_lists_presets(capsys):
-    from cluster.cli import main
+    from cli.main import main
 
     assert main(["models"]) == 0
     out = capsys.readouterr().out
@@ -208,7 +208,7 @@ def test_models_command_lists_presets(capsys):
 
 
 def test_ingest_pretrained_and_weights_are_exclusive(capsys):
-    from cluster.cli import main
+    from cli.main import main
 
     assert main(["ingest", "--shards", "x.tar", "--out", "o", "--pretrained", "--weights", "w.pth"]) == 2
     assert "give one of --weights, --pretrained, not several" in capsys.readouterr().err

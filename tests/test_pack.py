@@ -360,7 +360,7 @@ def test_packed_tars_through_process_shard(tmp_path, folder, extractor):
 
 
 def test_cli_pack(tmp_path, folder):
-    from cluster.cli import main as cli
+    from cli.main import main as cli
 
     out = tmp_path / "tars"
     argv = ["pack", str(tmp_path / "photos"), "--out", str(out), "--shard-size", "5", "--extensions", "jpg, jpeg"]

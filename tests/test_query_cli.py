@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def needle(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")

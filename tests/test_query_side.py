@@ -13,7 +13,8 @@ from conftest import jpeg_bytes
 from PIL import Image
 
 from core.errors import NeedleInputError
-from embed.extract import GlobalExtractor, check_scales_rotations, parse_scales
+from core.multiscale import check_scales_rotations
+from embed.extract import GlobalExtractor, parse_scales
 
 ILIAS_SCALES = (0.707, 1.0, 1.414)
 RES = 96  # small: every test image and variant stays cheap on 2 CPU cores
@@ -151,7 +152,7 @@ def test_bad_values_are_refused(scales, rotations, named):
 
 
 def test_bad_values_refused_by_extractor_and_configs():
-    from cluster.ingest_job import IngestConfig
+    from ingest.config import IngestConfig
     from query.retrieve import QueryConfig
 
     with pytest.raises(NeedleInputError, match="rotations"):
@@ -179,7 +180,8 @@ def test_parse_scales():
 
 # --- ingestion with query-side options -------------------------------------------------------
 def test_ingest_worker_records_query_options(tmp_path, tiny_shards):
-    from cluster.ingest_job import IngestConfig, IngestWorker, _check_same_settings, _report
+    from cluster.ingest_job import IngestWorker, _check_same_settings, _report
+    from ingest.config import IngestConfig
 
     conf = IngestConfig(resolution=RES, batch_size=8, query_scales=ILIAS_SCALES, query_rotations=4)
     assert pickle.loads(pickle.dumps(conf)) == conf  # what a Ray actor receives
@@ -206,7 +208,7 @@ def test_ingest_worker_records_query_options(tmp_path, tiny_shards):
 
 def test_ingest_cli_flags_reach_the_config(monkeypatch, tmp_path):
     import cluster.ingest_job
-    from cluster.cli import main
+    from cli.main import main
 
     seen = {}
     monkeypatch.setattr(cluster.ingest_job, "main", lambda conf, shards, out: seen.setdefault("conf", conf))
@@ -242,7 +244,7 @@ def image_index(tmp_path_factory, photos, plain):
 
 
 def test_image_query_with_multiscale_and_rotations(image_index, photos, multi, tmp_path, capsys):
-    from cluster.cli import main
+    from cli.main import main
     from index.search import load_index
     from query.retrieve import embed_image_files
 
@@ -331,14 +333,14 @@ def test_read_text_queries_refuses_bad_input(ilias_text_tree, tmp_path):
 
 
 def test_text_file_query_on_an_image_only_model_is_refused(image_index, ilias_text_tree, caplog):
-    from cluster.cli import main
+    from cli.main import main
 
     assert main(["query", "--index", str(image_index / "index"), "--text-file", str(ilias_text_tree), "--k", "1"]) == 2
     assert "no text tower" in caplog.text
 
 
 def test_text_file_that_is_empty_is_refused_before_the_index_loads(ilias_text_tree, tmp_path, caplog):
-    from cluster.cli import main
+    from cli.main import main
 
     (ilias_text_tree / "inst_a" / "T001.txt").write_text("")
     assert main(["query", "--index", str(tmp_path / "no_index"), "--text-file", str(ilias_text_tree)]) == 2
@@ -374,7 +376,7 @@ def clip_index(tmp_path_factory):
 
 
 def test_text_file_query_end_to_end(clip_index, ilias_text_tree, capsys):
-    from cluster.cli import main
+    from cli.main import main
 
     assert main(["query", "--index", str(clip_index), "--text-file", str(ilias_text_tree), "--k", "3"]) == 0
     out = json.loads(capsys.readouterr().out)

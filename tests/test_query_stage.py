@@ -38,7 +38,7 @@ def test_main_writes_the_answer_and_its_info(index_dir, tmp_path):
 
 
 def test_needle_query_prints_without_out_and_writes_with_it(index_dir, tmp_path, capsys):
-    from cluster.cli import main
+    from cli.main import main
 
     argv = ["query", "--index", str(index_dir), "--key", "000000/00005", "--k", "3"]
     assert main(argv) == 0

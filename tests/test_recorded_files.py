@@ -160,7 +160,7 @@ def _logged_error(caplog) -> str:
 
 
 def _query_cli(index: Path, image: Path, *flags: str) -> int:
-    from cluster.cli import main
+    from cli.main import main
 
     return main(["query", "--index", str(index), "--image", str(image), "--k", "1", *flags])
 

@@ -90,7 +90,8 @@ def test_files_under_a_prefix_read_and_copy_as_under_a_directory(s3_endpoint, bu
 @pytest.mark.ray
 @pytest.mark.slow
 def test_ingest_s3_to_s3_then_index(s3_endpoint, buckets, ray_local, tmp_path):
-    from cluster.ingest_job import IngestConfig, main
+    from cluster.ingest_job import main
+    from ingest.config import IngestConfig
 
     client, src, dst = buckets
     conf = IngestConfig(resolution=160, batch_size=8, cpus_per_worker=1, s3_endpoint_url=s3_endpoint)

@@ -141,7 +141,7 @@ def test_bad_scaling_inputs_are_named(tmp_path, scaling_data):
 
 
 def test_cli_scaling_and_plot_overlay(tmp_path, scaling_data, capsys):
-    from cluster.cli import main
+    from cli.main import main
 
     desc, truth, _, _ = scaling_data
     assert (

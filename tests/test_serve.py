@@ -45,7 +45,7 @@ def test_ray_sharded_service_equals_single_index(built, ray_local):
 
 @pytest.fixture(scope="module")
 def service(built):
-    from cluster.serve import QueryService
+    from service.query_service import QueryService
 
     return QueryService(load_index(built / "single"))
 
@@ -54,7 +54,7 @@ def service(built):
 def client(service):
     from fastapi.testclient import TestClient
 
-    from cluster.webapp import create_app
+    from service.webapp import create_app
 
     with TestClient(create_app(service), raise_server_exceptions=False) as c:
         yield c
@@ -100,7 +100,7 @@ def test_http_bad_input_is_a_4xx_with_a_message(client, path, body, message):
 
 
 def test_http_unknown_endpoint_too_large_body_and_failure(client, service, monkeypatch):
-    import cluster.webapp
+    import service.webapp
 
     response = client.get("/nope")
     assert response.status_code == 404 and response.json() == {"error": "no such endpoint /nope"}
@@ -111,7 +111,7 @@ def test_http_unknown_endpoint_too_large_body_and_failure(client, service, monke
     monkeypatch.setattr(service, "search_json", boom)
     status, out = post(client, "/search", {"keys": ["000000/00001"]})
     assert status == 500 and out == {"error": "RuntimeError: disk on fire"}
-    monkeypatch.setattr(cluster.webapp, "MAX_BODY", 10)
+    monkeypatch.setattr(service.webapp, "MAX_BODY", 10)
     for path in ("/search/image?k=2", "/search"):
         status, out = post(client, path, b"x" * 11)
         assert status == 413 and "over 10" in out["error"]
@@ -178,7 +178,7 @@ def test_uvicorn_answers_concurrent_requests_like_sequential_ones(service, built
 
     import uvicorn
 
-    from cluster.webapp import create_app
+    from service.webapp import create_app
 
     server = uvicorn.Server(
         uvicorn.Config(create_app(service), host="127.0.0.1", port=free_port(), log_level="warning")
@@ -212,7 +212,7 @@ def test_uvicorn_answers_concurrent_requests_like_sequential_ones(service, built
 def test_ray_serve_deployment_answers_through_the_proxy(built, ray_local):
     from ray import serve
 
-    from cluster.webapp import ray_app
+    from cluster.serve import ray_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -235,9 +235,9 @@ def test_ray_serve_deployment_in_front_of_shard_actors(built, ray_local, tmp_pat
     in /health) and answers like the directory loaded in one process."""
     from ray import serve
 
-    from cluster.serve import QueryService, ShardServing, serve_sharded
-    from cluster.staging import StageConfig
-    from cluster.webapp import ray_app
+    from cluster.serve import ShardServing, ray_app, serve_sharded
+    from service.query_service import QueryService
+    from shards.staging import StageConfig
 
     serving = ShardServing(stage=StageConfig(str(tmp_path / "cache")), timeout=20.0)
     actors = serve_sharded(built / "sharded", serving).backend.actors
@@ -281,10 +281,10 @@ def test_ray_parallel_build_equals_sequential(built, ray_local, tmp_path):
 
 
 def test_create_app_with_the_web_page(service):
-    webpage = pytest.importorskip("cluster.webpage")
+    webpage = pytest.importorskip("service.webpage")
     from fastapi.testclient import TestClient
 
-    from cluster.webapp import create_app
+    from service.webapp import create_app
 
     with TestClient(create_app(service, webpage.PageConfig())) as c:
         assert c.get("/").status_code == 200
@@ -292,7 +292,7 @@ def test_create_app_with_the_web_page(service):
 
 
 def test_serve_flags():
-    from cluster.cli import build_parser
+    from cli.main import build_parser
 
     args = build_parser().parse_args(["serve", "--index", "x"])
     assert (args.host, args.port, args.ray, args.replicas, args.ray_shards) == ("127.0.0.1", 8000, False, 1, False)

@@ -74,7 +74,7 @@ def index_on_s3(s3_endpoint, tmp_path_factory):
 def served(cluster, index_on_s3, s3_endpoint, tmp_path_factory):
     from cluster.ray_shards import ShardPlacement
     from cluster.serve import ShardServing, serve_sharded
-    from cluster.staging import StageConfig
+    from shards.staging import StageConfig
 
     cache = tmp_path_factory.mktemp("caches")
     serving = ShardServing(
@@ -92,9 +92,9 @@ def exact_answers(service, single_service, bodies):
 def test_the_cluster_answers_like_the_single_index(served, index_on_s3):
     import ray
 
-    from cluster.serve import QueryService
     from query.retrieve import QueryConfig, search, stored_tokens
     from rerank.rerank import RerankConfig
+    from service.query_service import QueryService
 
     coordinator, cache = served
     _, single, xb, tars = index_on_s3
@@ -147,7 +147,7 @@ class Stream:
         self.thread.start()
 
     def run(self) -> None:
-        from cluster.coordinator import ShardsUnavailable
+        from shards.coordinator import ShardsUnavailable
 
         i = 0
         while not self.stop.is_set():
@@ -197,9 +197,9 @@ def test_shards_grouped_per_actor_answer_in_one_call_per_actor(cluster, index_on
 
     from cluster.ray_shards import ShardPlacement
     from cluster.serve import ShardServing, serve_sharded
-    from cluster.staging import StageConfig
     from query.retrieve import QueryConfig, search, stored_tokens
     from rerank.rerank import RerankConfig
+    from shards.staging import StageConfig
 
     url, single, xb, tars = index_on_s3
     placement = ShardPlacement(replicas=2, cpus=0.05, concurrency=2, shards_per_actor=3)
@@ -276,7 +276,7 @@ def test_killed_shard_actors_during_a_stream_of_queries(served, index_on_s3):
     killed: 503 or partial answers naming shard_001 only, never a hang, then exact again."""
     import ray
 
-    from cluster.serve import QueryService
+    from service.query_service import QueryService
 
     coordinator, _ = served
     _, single, xb, _ = index_on_s3
@@ -315,7 +315,7 @@ def test_killed_shard_actors_during_a_stream_of_queries(served, index_on_s3):
 
 
 def test_a_removed_node_does_not_hang_requests_and_its_shards_restart_elsewhere(cluster, served, index_on_s3):
-    from cluster.serve import QueryService
+    from service.query_service import QueryService
 
     coordinator, _ = served
     _, single, xb, _ = index_on_s3

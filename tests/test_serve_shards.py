@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from helpers_index import write_descriptors_with_tokens, write_source_tars
 
-from cluster.coordinator import ShardedIndex, ShardsUnavailable
-from cluster.local_shards import LocalShards
-from cluster.shard_actor import ShardActor
-from cluster.staging import StageConfig, read_index_infos, stage_shard
 from index.build import SHARD_INFOS_FILE, IndexConfig, main
 from index.search import IndexFileError, UnknownKeyError, load_index, merge_shortlists
 from query.retrieve import QueryConfig, search, stored_tokens
 from rerank.rerank import RerankConfig
+from shards.coordinator import ShardedIndex, ShardsUnavailable
+from shards.local_shards import LocalShards
+from shards.shard_actor import ShardActor
+from shards.staging import StageConfig, read_index_infos, stage_shard
 
 SIZES = {0: 300, 1: 250, 2: 400, 3: 120, 7: 330}
 D = 24
@@ -135,7 +135,7 @@ def test_thumbnails_are_made_by_the_shard_that_owns_the_key(built, sharded):
 
     from PIL import Image
 
-    from cluster.webpage import ImageSource
+    from service.webpage import ImageSource
 
     _, out, _ = built
     single = ImageSource(load_index(out))
@@ -166,7 +166,7 @@ def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path, thread
     an error stays its own."""
     import pickle
 
-    from cluster.shard_group import ShardGroup
+    from shards.shard_group import ShardGroup
 
     _, out, xb = built
     entries = read_index_infos(out)["shards"][:3]
@@ -212,8 +212,8 @@ def test_a_shard_group_scores_its_members_shortlists_together(built, tmp_path, m
     import dataclasses
     import pickle
 
-    from cluster.shard_group import ShardGroup
     from rerank.rerank import candidate_width
+    from shards.shard_group import ShardGroup
 
     _, out, _ = built
     single = load_index(out)
@@ -250,7 +250,7 @@ def test_a_shard_group_scores_its_members_shortlists_together(built, tmp_path, m
 
 
 def test_query_service_answers_like_the_single_index(built, sharded):
-    from cluster.serve import QueryService
+    from service.query_service import QueryService
 
     _, out, xb = built
     rerank = RerankConfig(method="sp", shortlist=40)
@@ -336,8 +336,8 @@ def test_a_hung_replica_is_hedged_on_another_and_then_avoided(built, tmp_path):
 def test_http_503_partial_and_health(built, tmp_path):
     from fastapi.testclient import TestClient
 
-    from cluster.serve import QueryService
-    from cluster.webapp import check_shards, create_app
+    from service.query_service import QueryService
+    from service.webapp import check_shards, create_app
 
     _, out, xb = built
     index = coordinator(out, tmp_path / "cache", replicas=1, timeout=0.5)
@@ -382,8 +382,8 @@ def test_old_layout_is_refused_for_serving_across_nodes(built, tmp_path):
 
 
 def test_serve_flags_for_shards():
-    from cluster.cli import build_parser
-    from cluster.cli_flags import config_from_args
+    from cli.flags import config_from_args
+    from cli.main import build_parser
     from cluster.serve_run import ServeConfig, shard_serving
 
     args = build_parser().parse_args(

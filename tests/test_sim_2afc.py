@@ -534,7 +534,7 @@ def test_ensemble_file_round_trip_and_bad_files(tmp_path):
 
 
 def test_cli_make_train_eval_and_bad_input(groups_dir, tmp_path, capsys):
-    from cluster.cli import main
+    from cli.main import main
 
     csv_path = tmp_path / "tr.csv"
     assert (

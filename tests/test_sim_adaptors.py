@@ -418,7 +418,7 @@ def test_cli_train_and_eval_end_to_end(tmp_path, photos, capsys):
     """Lite0 with its real weights, at 64 pixels: train on one set of photos, evaluate on others."""
     import json
 
-    from cluster.cli import main
+    from cli.main import main
 
     _write_photos(tmp_path / "unlabelled", photos, ["astronaut", "coffee", "rocket"], 4)
     _write_photos(tmp_path / "classes", photos, ["chelsea", "camera", "coins"], 3)
@@ -480,7 +480,7 @@ def test_cli_train_and_eval_end_to_end(tmp_path, photos, capsys):
 
 
 def test_cli_bad_input_exits_2(tmp_path):
-    from cluster.cli import main
+    from cli.main import main
 
     assert (
         main(["similarity", "adaptors", "train", "--images", str(tmp_path / "none"), "--out", str(tmp_path / "a.pt")])

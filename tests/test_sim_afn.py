@@ -304,7 +304,7 @@ def test_features_are_per_layer_normalised_spatial_means(tmp_path, lite0_small):
 
 
 def test_cli_features_train_eval(tmp_path, photos, capsys):
-    from cluster.cli import main
+    from cli.main import main
 
     # TLL layout: each photo on the left, its mirrored, slightly cropped self on the right.
     for name, image in list(photos.items())[:5]:

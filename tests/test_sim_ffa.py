@@ -471,7 +471,7 @@ def write_class_folders(root: Path, photos) -> Path:
 def test_cli_eval_and_embed(tmp_path, photos):
     import torch
 
-    from cluster.cli import main
+    from cli.main import main
 
     torch.set_num_threads(1)
     src = write_class_folders(tmp_path / "classes", photos)
@@ -532,7 +532,7 @@ def test_cli_eval_and_embed(tmp_path, photos):
 
 
 def test_cli_bad_input_exits_2(tmp_path):
-    from cluster.cli import main
+    from cli.main import main
 
     assert (
         main(["similarity", "ffa", "eval", "--groups", str(tmp_path / "missing"), "--out", str(tmp_path / "r.json")])

@@ -1,4 +1,4 @@
-"""The web page (cluster/webpage.py, cluster/web/): its endpoints through TestClient, and the page
+"""The web page (service/webpage.py, service/web/): its endpoints through TestClient, and the page
 itself in Chromium (Playwright): upload, re-ranking evidence lines, error messages, a screenshot."""
 
 from __future__ import annotations
@@ -78,20 +78,20 @@ def web_index(tmp_path_factory, photos, extractor):
 
 @pytest.fixture(scope="module")
 def app(web_index):
-    from cluster.serve import QueryService
-    from cluster.webpage import PageConfig
     from index.search import load_index
+    from service.query_service import QueryService
+    from service.webpage import PageConfig
 
     service = QueryService(load_index(web_index["index"]))
     conf = PageConfig(
         report=str(web_index["report"]), scaling_plot=str(web_index["plot"]), max_upload_bytes=200_000, thumbnail_px=96
     )
     try:
-        from cluster.webapp import create_app
+        from service.webapp import create_app
     except ImportError:  # the JSON API not there: the page on a bare app
         from fastapi import FastAPI
 
-        from cluster.webpage import register_page
+        from service.webpage import register_page
 
         application = FastAPI()
         register_page(application, service, conf)
@@ -148,8 +148,8 @@ def test_thumb_is_a_jpeg_of_the_tar_member(client, web_index):
 
 def test_thumb_falls_back_to_shard_dirs(web_index):
     """Without ingestion records naming the tar, <shard>.tar in a configured directory."""
-    from cluster.webpage import ImageSource
     from index.search import load_index
+    from service.webpage import ImageSource
 
     index = load_index(web_index["index"])
     index.infos = dict(index.infos, descriptors=[])
@@ -211,9 +211,9 @@ def test_report_lists_ap_and_missed_positives(client):
 
 
 def test_report_missed_positives_from_recorded_rankings(tmp_path, web_index):
-    from cluster.serve import QueryService
-    from cluster.webpage import PageConfig, PageSearch, page_report
     from index.search import load_index
+    from service.query_service import QueryService
+    from service.webpage import PageConfig, PageSearch, page_report
 
     path = tmp_path / "r.json"
     path.write_text(
@@ -236,9 +236,9 @@ def test_report_not_configured_is_404(web_index):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from cluster.serve import QueryService
-    from cluster.webpage import register_page
     from index.search import load_index
+    from service.query_service import QueryService
+    from service.webpage import register_page
 
     app = FastAPI()
     register_page(app, QueryService(load_index(web_index["index"])), None)
@@ -346,8 +346,8 @@ def test_page_in_chromium(live_server, web_index, tmp_path):
 
 
 def test_serve_flags_make_the_page_config(tmp_path):
-    from cluster.cli import _page_config, build_parser
-    from cluster.webpage import PageConfig
+    from cli.main import _page_config, build_parser
+    from service.webpage import PageConfig
 
     args = build_parser().parse_args(
         [

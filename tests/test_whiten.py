@@ -154,7 +154,7 @@ def test_learned_whitening_rejects_bad_inputs():
 
 
 def test_whiten_stage_round_trips_and_records_the_method(tmp_path):
-    from cluster.cli import main as cli
+    from cli.main import main as cli
 
     x, labels = _classes(seed=3, n_classes=8, per_class=10, d=16)
     desc = tmp_path / "desc"
@@ -286,7 +286,7 @@ def test_augmented_views_differ_and_the_first_is_the_resized_original():
 
 
 def test_make_classes_cli_and_bad_inputs(tmp_path):
-    from cluster.cli import main as cli
+    from cli.main import main as cli
 
     _images(tmp_path / "in", 3, seed=1)
     assert (

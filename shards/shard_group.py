@@ -1,5 +1,5 @@
 """Several index shards served by one process (one Ray actor): a request reaches the group in one
-call (a message on the group's direct channel, cluster/direct.py, or a Ray call) carrying every
+call (a message on the group's direct channel, shards/direct.py, or a Ray call) carrying every
 member's arguments, the members answer in parallel threads (FAISS, numpy and torch release the
 GIL), and one reply carries every answer.
 
@@ -9,7 +9,7 @@ wake-up of the actor and a reply), so on nodes with fewer cores than shards a re
 call, not per shard (``bench/sharded_serving.py``: grouped 1.27x the single index at 4M, one
 actor per shard 1.66x, both direct). With
 ``--shards-per-actor G`` the shards are grouped G to an actor (consecutive shards), one call per
-group. Each member is a ``ShardActor`` (cluster/shard_actor.py), staged and opened as on its own.
+group. Each member is a ``ShardActor`` (shards/shard_actor.py), staged and opened as on its own.
 Members answer in up to ``threads`` parallel threads: as many as the CPUs the actor reserved
 (``--shard-cpus``), since on a node with fewer free cores than threads handing the GIL between
 them costs more than it saves (measured on the 2-core box: 3 members' searches 2.0 ms one after
@@ -35,12 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from cluster.direct import DirectServer, Endpoint
-from cluster.shard_actor import ShardActor, node_address, scored_shortlist, split_scored
-from cluster.staging import StageConfig
 from core.tokens import TokenBatch
 from index.search import trim_to_shortlist
 from ingest.source_images import SourceImagesConfig
+from shards.direct import DirectServer, Endpoint
+from shards.shard_actor import ShardActor, scored_shortlist, split_scored
+from shards.staging import StageConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +82,22 @@ class ShardGroup:
         replica: int = 0,
         images: SourceImagesConfig | None = None,
         threads: int = 1,
+        node: str | None = None,  # the node this runs on (a Ray node id; None: the host name)
+        address: str = "127.0.0.1",  # the address other nodes reach this process at (its direct channel)
     ):
-        self.members = [ShardActor(source, e["name"], stage, replica, e, images) for e in entries]
+        self.members = [ShardActor(source, e["name"], stage, replica, e, images, node) for e in entries]
+        self.address = address
         self.threads = max(1, min(threads, len(self.members)))  # members answering at once
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard") if self.threads > 1 else None
         self._server: DirectServer | None = None
         self._server_lock = threading.Lock()
 
     def endpoint(self) -> Endpoint:
-        """Where this group answers ``run`` over a direct channel (cluster/direct.py), with its
+        """Where this group answers ``run`` over a direct channel (shards/direct.py), with its
         key: the channel starts at the first ask, on this node's address."""
         with self._server_lock:
             if self._server is None:
-                self._server = DirectServer(self.run, node_address())
+                self._server = DirectServer(self.run, self.address)
                 where = self._server.endpoint
                 log.info("shards %s: direct channel on %s:%d", self.names(), where.host, where.port)
             return self._server.endpoint

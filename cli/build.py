@@ -1,6 +1,6 @@
 """``needle ingest``, ``pack``, ``locals``, ``index``, ``models`` and ``demo``: the commands that
 build a collection (tars, descriptors, local-token projections, indexes). Each parses its flags
-into the stage's frozen config (cluster.cli_flags) and calls the stage's ``main``; stage modules
+into the stage's frozen config (cli.flags) and calls the stage's ``main``; stage modules
 are imported inside the handlers, so that parsing imports no torch."""
 
 from __future__ import annotations
@@ -10,16 +10,17 @@ import logging
 import sys
 from pathlib import Path
 
-from cluster.cli_flags import add_config_flags, config_from_args, source_constant
+from cli.flags import add_config_flags, config_from_args, source_constant
 
 log = logging.getLogger("needle")
 
-INGEST_CONFIG = "cluster.ingest_job:IngestConfig"
-ROTATIONS = "embed.extract:ROTATIONS"  # query-side rotation counts (also needle query's)
+INGEST_CONFIG = "ingest.config:IngestConfig"
+ROTATIONS = "core.multiscale:ROTATIONS"  # query-side rotation counts (also needle query's)
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from cluster.ingest_job import IngestConfig, IngestFailed, main
+    from cluster.ingest_job import IngestFailed, main
+    from ingest.config import IngestConfig
 
     # The published weights, fetched through timm/open_clip, or a seeded random initialisation
     # (embed.registry.PRETRAINED, RANDOM).
@@ -124,7 +125,7 @@ def add_build_parsers(sub: argparse._SubParsersAction) -> None:
         overrides={
             "precision": {"choices": source_constant("embed.extract:PRECISIONS")},
             "num_workers": {"flag": "--workers"},
-            "decoder": {"choices": source_constant("cluster.ingest_job:DECODERS")},
+            "decoder": {"choices": source_constant("ingest.config:DECODERS")},
             "query_scales": {"flag": "--multiscale", "metavar": "S1,S2,..."},
             "query_rotations": {"flag": "--rotations", "choices": source_constant(ROTATIONS)},
         },

@@ -7,7 +7,7 @@
   "vectors" | "text"}``
 - ``POST /search/image?k=10[&nprobe=N][&partial=1]`` raw image bytes (the request body, at most ``MAX_BODY``)
 - ``GET  /docs``                         the OpenAPI page
-- ``/`` and the web page's own routes when a ``PageConfig`` is given (cluster.webpage)
+- ``/`` and the web page's own routes when a ``PageConfig`` is given (service.webpage)
 
 Bad input is answered 400 with ``{"error": message}``, an unknown endpoint 404, a body over
 ``MAX_BODY`` 413, a failure 500 (logged with its traceback). Shards that did not answer within the
@@ -30,13 +30,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.coordinator import ShardsUnavailable
-from cluster.serve import MAX_BODY, QueryService
 from core.errors import ImageDecodeError, NeedleInputError
 from index.search import shard_names
+from service.query_service import MAX_BODY, QueryService
+from shards.coordinator import ShardsUnavailable
 
 if TYPE_CHECKING:
-    from cluster.webpage import PageConfig
+    from service.webpage import PageConfig
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
         return answer(run)
 
     if page is not None:
-        from cluster.webpage import register_page
+        from service.webpage import register_page
 
         register_page(app, service, page)
     return app
@@ -202,48 +202,3 @@ def check_shards(service: QueryService) -> None:
         state = health()
         if not state["ok"]:
             raise ShardsUnavailable(state["unavailable_shards"], "the health check")
-
-
-# Ray Serve: replicas of the same app. Replicas reserve no CPU by default: with --ray-shards the
-# shard actors already hold the cluster's CPUs (see cluster.serve.serve_sharded).
-REPLICA_CPUS = 0.0
-
-
-def ray_app(
-    index_path: str,
-    files: Any = None,
-    rerank: Any = None,
-    page: PageConfig | None = None,
-    shard_actors: list[list[Any]] | None = None,
-    replicas: int = 1,
-    replica_cpus: float = REPLICA_CPUS,
-    serving: Any = None,
-):
-    """The app as a bound Ray Serve deployment (``serve.run(ray_app(...))``; Ray must be initialised).
-
-    Each replica opens the index itself; with ``shard_actors`` (from ``serve_sharded``) every replica
-    is a coordinator in front of the same shard actors, which hold the index (``serving``: their
-    cluster.serve.ShardServing, for the request timeout). A replica's ``check_health`` fails while
-    a shard has no live replica.
-    """
-    from ray import serve
-
-    @serve.deployment(name="needle", num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus})
-    @serve.ingress()
-    class NeedleDeployment:
-        def __init__(self, index_path: str, files: Any, rerank: Any, page: Any, shard_actors: Any, serving: Any):
-            from cluster.serve import serve_sharded
-            from index.search import load_index
-
-            index = serve_sharded(index_path, serving, actors=shard_actors) if shard_actors else load_index(index_path)
-            self.service = QueryService(index, files, rerank)
-            self.page = page
-
-        def __serve_build_asgi_app__(self) -> FastAPI:
-            return create_app(self.service, self.page)
-
-        def check_health(self) -> None:
-            """Serve's health probe: raises while a shard has no live replica."""
-            check_shards(self.service)
-
-    return NeedleDeployment.bind(str(index_path), files, rerank, page, shard_actors, serving)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cluster.coordinator import ReplicaFailed
+from shards.coordinator import ReplicaFailed
 
 
 class LocalShards:

@@ -18,7 +18,7 @@ by the next one, one that hangs (restarting, on a lost node) is hedged on anothe
 ``request(partial=True)`` the answer is made from the shards that answered and the missing ones
 are recorded (``RequestState.missing``); otherwise ``ShardsUnavailable`` names them (HTTP 503).
 The calls go through a ``ShardBackend``: Ray actors (cluster/ray_shards.py) or, in tests,
-ShardActor objects in this process (cluster/local_shards.py).
+ShardActor objects in this process (shards/local_shards.py).
 """
 
 from __future__ import annotations

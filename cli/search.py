@@ -9,7 +9,7 @@ import json
 import logging
 from pathlib import Path
 
-from cluster.cli_flags import add_config_flags, config_from_args, source_constant
+from cli.flags import add_config_flags, config_from_args, source_constant
 
 log = logging.getLogger("needle")
 
@@ -109,7 +109,7 @@ def _query(args: argparse.Namespace) -> int:
     serving = None
     if args.ray_shards and args.s3_endpoint_url:
         from cluster.serve import ShardServing
-        from cluster.staging import StageConfig
+        from shards.staging import StageConfig
 
         serving = ShardServing(stage=StageConfig(endpoint_url=args.s3_endpoint_url))
     index = open_index(args.index, args.ray_shards, args.address, serving)
@@ -122,7 +122,7 @@ def _query(args: argparse.Namespace) -> int:
 
 def page_config(args: argparse.Namespace):
     """The web page's PageConfig from the serve flags."""
-    from cluster.webpage import PageConfig
+    from service.webpage import PageConfig
 
     return config_from_args(PageConfig, args, max_upload_bytes=args.max_upload_mb << 20)
 
@@ -155,7 +155,7 @@ def add_search_parsers(sub: argparse._SubParsersAction) -> None:
         overrides={
             "qe_top": {"flag": "--qe"},
             "scales": {"flag": "--multiscale", "default": None, "metavar": "S1,S2,..."},  # None: not given
-            "rotations": {"choices": source_constant("embed.extract:ROTATIONS")},
+            "rotations": {"choices": source_constant("core.multiscale:ROTATIONS")},
         },
     )
     add_file_flags(p)
@@ -176,7 +176,7 @@ def add_search_parsers(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("web page (/)")
     add_config_flags(
         g,
-        "cluster.webpage:PageConfig",
+        "service.webpage:PageConfig",
         only=("report", "scaling_plot", "shard_dirs"),
         overrides={
             "shard_dirs": {"flag": "--shard-dir", "action": "append", "default": [], "type": str, "metavar": None}

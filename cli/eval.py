@@ -8,8 +8,8 @@ import argparse
 import json
 from pathlib import Path
 
-from cluster.cli_flags import add_config_flags, config_from_args
-from cluster.cli_search import add_file_flags, add_rerank_flags, query_files, rerank_config
+from cli.flags import add_config_flags, config_from_args
+from cli.search import add_file_flags, add_rerank_flags, query_files, rerank_config
 
 # `needle eval scaling`'s --sizes: up to a million distractors (ScalingConfig's own default goes on to 100M).
 CLI_SCALING_SIZES = (0, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000)

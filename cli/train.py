@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cluster.cli_flags import add_config_flags, config_from_args, source_constant
+from cli.flags import add_config_flags, config_from_args, source_constant
 
 
 def _adapt_train(args: argparse.Namespace) -> int:
@@ -36,7 +36,8 @@ def _adapt_make_classes(args: argparse.Namespace) -> int:
 
 
 def _ames_train(args: argparse.Namespace) -> int:
-    from cluster.ingest_job import IngestConfig, make_local_extractor
+    from cluster.ingest_job import make_local_extractor
+    from ingest.config import IngestConfig
     from rerank.ames_train import TrainConfig, main
 
     extractor = make_local_extractor(IngestConfig(locals=args.locals, local_itq=args.local_itq))

@@ -1,5 +1,5 @@
-"""One index shard served where its data is: a Ray actor (cluster/ray_shards.py wraps this class
-with ``ray.remote``) that stages its shard directory to its node's disk (cluster/staging.py),
+"""One index shard served where its data is: a Ray actor (cluster/ray_shards.py wraps ShardGroup, a
+group of these, with ``ray.remote``) that stages its shard directory to its node's disk (shards/staging.py),
 opens it by itself (``index.search.open_shard``) and answers everything about its rows:
 
 - ``search``: its shortlist (index scores, row ids, exact scores) and the shortlist's keys;
@@ -11,21 +11,22 @@ opens it by itself (``index.search.open_shard``) and answers everything about it
   members that can be among the query's final top k (the coordinator combines and orders).
 
 Every method only reads, so a call may be retried on a restarted actor or another replica. The
-class is plain Python: tests run it in-process (cluster/local_shards.py).
+class is plain Python: tests run it in-process (shards/local_shards.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from typing import Any
 
 import numpy as np
 
-from cluster.staging import StageConfig, stage_shard
 from index.search import open_shard
 from ingest.source_images import SourceImages, SourceImagesConfig, tar_urls_of_files, thumbnail_jpeg
+from shards.staging import StageConfig, stage_shard
 
 log = logging.getLogger(__name__)
 
@@ -35,33 +36,6 @@ EVIDENCE_MARGIN = 8  # match evidence sent for this many members past a shard's 
 def writable(xq: np.ndarray) -> np.ndarray:
     """Queries as C-contiguous, writable float32: Ray hands arrays over read-only, torch wants them writable."""
     return np.require(xq, np.float32, ["C", "W"])
-
-
-def current_node() -> str:
-    """This process's Ray node id (its host name outside a Ray worker)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id()
-    except Exception:  # not a Ray worker: the host names the node
-        pass
-    import socket
-
-    return socket.gethostname()
-
-
-def node_address() -> str:
-    """The address other nodes reach this process's node at (Ray's node IP; 127.0.0.1 outside a
-    Ray worker)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # not a Ray worker: this machine only
-        pass
-    return "127.0.0.1"
 
 
 def scored_shortlist(
@@ -114,11 +88,12 @@ class ShardActor:
         replica: int = 0,
         entry: dict[str, Any] | None = None,
         images: SourceImagesConfig | None = None,
+        node: str | None = None,  # the node this runs on (a Ray node id; None: the host name)
     ):
         self.name = name
         self.images_conf = images or SourceImagesConfig(endpoint_url=stage.endpoint_url)
         self.replica = replica
-        self.node = current_node()
+        self.node = node or socket.gethostname()
         self.staged = stage_shard(source, name, stage, self.node, entry)
         self.shard = open_shard(self.staged.directory.parent, name)
         # One search before reporting ready: the first loads what it needs (torch for re-scoring:

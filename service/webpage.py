@@ -1,8 +1,8 @@
 """The browser page of ``needle serve``: query by image, text or key, see thumbnails and evidence.
 
-:func:`register_page` adds to the JSON API's FastAPI app (cluster/webapp.py):
+:func:`register_page` adds to the JSON API's FastAPI app (service/webapp.py):
 
-- ``GET  /``                      the page (cluster/web/index.html; app.js and style.css under ``/web/``)
+- ``GET  /``                      the page (service/web/index.html; app.js and style.css under ``/web/``)
 - ``GET  /page/info``             ``{"has_text", "has_locals", "ntotal", "d", "local_resolution", "rerank", ...}``
 - ``POST /page/search``           JSON ``{"k", "nprobe"?, "rerank"?, "shortlist"?, one of "key" | "text"}``
 - ``POST /page/search/image?k=&nprobe=&rerank=&shortlist=``  raw image bytes (at most ``max_upload_bytes``)
@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 from fastapi import Request  # module level: the routes' annotations are resolved in this module's globals
 
-from cluster.coordinator import ShardsUnavailable
 from core.errors import ImageDecodeError, NeedleInputError
 from ingest.source_images import (
     SourceImages,
@@ -45,6 +44,7 @@ from ingest.source_images import (
     tar_urls_of_files,
     thumbnail_jpeg,
 )
+from shards.coordinator import ShardsUnavailable
 
 log = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parent / "web"
@@ -71,7 +71,7 @@ class ImageSource:
     """Thumbnails of an index searched in this process: the key checked in the index, its image
     read from its source tar (ingest.source_images), the tars' URLs from the index's shard infos
     (``files[].tar``) and, for indexes built before those, from the descriptors' ingestion records.
-    An index whose shards live elsewhere (cluster/coordinator.py) makes them on the shard that
+    An index whose shards live elsewhere (shards/coordinator.py) makes them on the shard that
     owns the key instead (``index.thumbnail``)."""
 
     def __init__(self, index: Any, shard_dirs: tuple[str, ...] = ()):

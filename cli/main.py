@@ -1,6 +1,6 @@
 """The ``needle`` command: one subcommand per stage. Each group of commands registers its own
-subcommands (cluster.cli_build, cli_search, cli_eval, cli_train; similarity.cli), whose flags come
-from the stages' frozen configs (cluster.cli_flags); a handler parses its flags into the stage's
+subcommands (cli.build, cli_search, cli_eval, cli_train; similarity.cli), whose flags come
+from the stages' frozen configs (cli.flags); a handler parses its flags into the stage's
 config and calls the stage's ``main``. No stage is imported until a handler runs, so that ``needle
 --help`` and ``needle <cmd> --help`` import no torch."""
 
@@ -10,11 +10,11 @@ import argparse
 import logging
 import sys
 
-from cluster.cli_build import add_build_parsers, add_tool_parsers
-from cluster.cli_eval import add_eval_parsers
-from cluster.cli_search import add_search_parsers
-from cluster.cli_search import page_config as _page_config  # noqa: F401  (the serve flags' PageConfig, for tests)
-from cluster.cli_train import add_train_parsers
+from cli.build import add_build_parsers, add_tool_parsers
+from cli.eval import add_eval_parsers
+from cli.search import add_search_parsers
+from cli.search import page_config as _page_config  # noqa: F401  (the serve flags' PageConfig, for tests)
+from cli.train import add_train_parsers
 from core.errors import NeedleInputError, ShardReadError
 
 log = logging.getLogger("needle")
