@@ -34,7 +34,7 @@ from embed.models import build_global_model
 from embed.registry import RANDOM, RANDOM_SEED, WeightsError, get_model_config
 
 if TYPE_CHECKING:  # embed.locals imports this module lazily; no import cycle at run time either way
-    from embed.registry import LocalConfig
+    from embed.local_presets import LocalConfig
 
 log = logging.getLogger(__name__)
 

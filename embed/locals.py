@@ -41,15 +41,9 @@ from core.hashing import file_sha256
 from core.tokens import CODE_BYTES, LocalTokens
 from embed.extract import batches_by_shape
 from embed.itq import ITQ, load_itq
+from embed.local_presets import KEYPOINT_KINDS, LocalConfig, get_local_preset
 from embed.models import build_global_model
-from embed.registry import (
-    KEYPOINT_KINDS,
-    RANDOM,
-    LocalConfig,
-    get_local_preset,
-    get_model_config,
-    resolve_package_file,
-)
+from embed.registry import RANDOM, get_model_config, resolve_package_file
 from embed.stages import CNNStageTokens
 from ingest.descriptors import local_fields
 from ingest.images import RESAMPLE, resized_size

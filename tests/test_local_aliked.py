@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from core.errors import NeedleInputError
 from embed.local_aliked import AlikedTokens, AlikedWeightsMissing, aliked_weights_path, deform_conv2d
+from embed.local_presets import KEYPOINT_KINDS, LOCAL_KINDS, RERANK_BY_KIND
 from embed.locals import build_local_extractor
-from embed.registry import KEYPOINT_KINDS, LOCAL_KINDS, RANDOM, RERANK_BY_KIND
+from embed.registry import RANDOM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one intra-op thread
 

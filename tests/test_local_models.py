@@ -14,9 +14,10 @@ from torch import nn
 
 from core.errors import NeedleInputError
 from embed.itq import train_itq
+from embed.local_presets import LocalConfig
 from embed.local_vit import SpatialAttention2d, ViTAmesTokens, build_vit_ames, grid_size, load_detector_weights
 from embed.locals import LocalExtractor
-from embed.registry import RANDOM, LocalConfig, WeightsError
+from embed.registry import RANDOM, WeightsError
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "ames_state_dict_shapes.json"
 AMES_MODEL = "vit_base_patch14_reg4_dinov2.ames"

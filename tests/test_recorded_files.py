@@ -76,7 +76,8 @@ def test_default_weights_recorded_on_another_machine_are_found_in_the_package():
 
 
 def test_local_files_check_itq_and_detector(tmp_path):
-    from embed.registry import LITE0_ITQ, resolve_package_file
+    from embed.local_presets import LITE0_ITQ
+    from embed.registry import resolve_package_file
 
     itq = resolve_package_file(LITE0_ITQ)
     det = _file(tmp_path / "det.pt", b"detector")
