@@ -199,9 +199,11 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from index.build import IDS_FILE, INDEX_FILE, INFOS_FILE, VECTORS_FILE, concatenate_vectors, merge_parts
+    from index.build import IDS_FILE, INDEX_FILE, INFOS_FILE, VECTORS_FILE
+    from index.build_shard import concatenate_vectors, merge_parts
     from index.memory import process_memory
-    from index.search import index_file_paths, load_index
+    from index.search import load_index
+    from index.shard_files import index_file_paths
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="needle-index-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -238,7 +240,7 @@ def main() -> None:
         import pyarrow as pa
         import pyarrow.ipc
 
-        from index.search import read_ids
+        from index.shard_files import read_ids
 
         single = work / "single"
         shutil.rmtree(single, ignore_errors=True)

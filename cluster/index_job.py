@@ -1,11 +1,12 @@
 """``needle index build`` on Ray: the add step's parts run as parallel Ray tasks.
 
-index/build.py does the work (scan, train, parts, merge); this module only supplies the runners:
-for a local output, the parts as tasks on the driver's node (the output is on its disk), each
-reading its range of Parquet files and writing its part files inside its shard's directory; for
-an ``s3://`` output, one task per shard that builds
-the shard on its node's local disk and uploads it with a commit marker (no shared filesystem),
-retried where a task dies (``max_retries``).
+index/build.py chains the steps that do the work (index/build_*.py: plan, train, add, shard);
+this module only supplies the runners: for a local output, the parts (index/build_add.py
+``build_part``) as tasks on the driver's node (the output is on its disk), each reading its range
+of Parquet files and writing its part files inside its shard's directory; for an ``s3://`` output,
+one task per shard (index/build_s3.py ``build_shard_task``) that builds the shard on its node's
+local disk and uploads it with a commit marker (no shared filesystem), retried where a task dies
+(``max_retries``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from index.build import IndexConfig, PartTask, build_part, build_shard_task
+from index.build import IndexConfig
 from index.build import main as build_index
+from index.build_add import build_part
+from index.build_plan import PartTask
+from index.build_s3 import build_shard_task
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,8 @@ def ray_part_runner(cpus_per_part: float = 1, task: Any = build_part):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        remote = ray.remote(num_cpus=cpus_per_part, scheduling_strategy=here)(task)
+        # ray's stubs list only placement-group strategies for a task; node affinity works all the same
+        remote = ray.remote(num_cpus=cpus_per_part, scheduling_strategy=here)(task)  # type: ignore[call-overload]
         return gather_with_progress([remote.remote(*task) for task in tasks], "index parts", "part")
 
     return run

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core.errors import ImageDecodeError, ShardReadError
+from core.storage import Storage, open_url, storage_for
 from ingest.descriptors import (
     STATUS_ERROR,
     STATUS_OK,
@@ -33,7 +34,6 @@ from ingest.descriptors import (
 from ingest.images import decode_resized_many
 from ingest.reader import image_bytes, iter_samples
 from ingest.shards import shard_name
-from ingest.storage import Storage, open_url, storage_for
 
 log = logging.getLogger(__name__)
 

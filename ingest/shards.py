@@ -54,7 +54,7 @@ def expand_shards(spec: str | Iterable[str], s3_endpoint_url: str | None = None)
 def _expand_s3(url: str, endpoint_url: str | None) -> list[str]:
     if not _GLOB_CHARS.search(url):
         return [url]
-    from ingest.storage import list_s3
+    from core.storage import list_s3
 
     matches = list_s3(url, endpoint_url)
     if not matches:

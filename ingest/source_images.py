@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.storage import is_s3, open_url, read_range
 from ingest.shards import shard_name
-from ingest.storage import is_s3, open_url, s3_client, split_s3
 
 WDS_KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset: key = path up to the basename's first dot
 RECORD_FILES = ("ingest_info.json", "manifest.json")  # what ingestion writes beside its Parquet files
@@ -146,7 +146,7 @@ class SourceImages:
         if member_key not in members:
             raise FileNotFoundError(f"{url} holds no image member for {member_key!r} (key {key!r})")
         offset, size = members[member_key]
-        return self.read_range(url, offset, size)
+        return read_range(url, offset, size, self.endpoint_url)
 
     def members(self, url: str) -> dict[str, tuple[int, int]]:
         """{WebDataset key: (offset, size) of its first image member} of the tar at ``url``."""
@@ -169,27 +169,6 @@ class SourceImages:
                 self._members.popitem(last=False)
         return members
 
-    def read_range(self, url: str, offset: int, size: int) -> bytes:
-        if not is_s3(url):
-            with open(url, "rb") as stream:
-                stream.seek(offset)
-                return stream.read(size)
-        if size == 0:
-            return b""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        bucket, key = split_s3(url)
-        try:
-            answer = s3_client(self.endpoint_url).get_object(
-                Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
-            )
-            data = answer["Body"].read()
-        except (ClientError, BotoCoreError) as exc:
-            raise OSError(f"{url}: bytes {offset}-{offset + size - 1}: {exc}") from exc
-        if len(data) != size:
-            raise OSError(f"{url}: {len(data)} bytes at {offset}, the tar header says {size}")
-        return data
-
 
 def add_member(members: dict[str, tuple[int, int]], info: tarfile.TarInfo) -> None:
     """Record ``info`` when it is a sample's first image member."""
@@ -202,8 +181,8 @@ def thumbnail_jpeg(data: bytes, px: int) -> bytes:
     """A JPEG of the image ``data``, upright (EXIF), its longer side at most ``px``."""
     from PIL import Image, ImageOps
 
-    with Image.open(io.BytesIO(data)) as image:
-        image = ImageOps.exif_transpose(image).convert("RGB")
+    with Image.open(io.BytesIO(data)) as source:
+        image = ImageOps.exif_transpose(source).convert("RGB")
         image.thumbnail((px, px))
         out = io.BytesIO()
         image.save(out, format="JPEG", quality=85)

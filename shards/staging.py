@@ -28,9 +28,9 @@ from typing import Any
 
 from core.atomic import atomic_path, write_json_atomic
 from core.hashing import file_sha256
-from index.build import INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE
-from index.search import IndexFileError
-from ingest.storage import StorageError, copy_file_under, is_s3, read_file_under
+from core.storage import StorageError, copy_file_under, is_s3, read_file_under
+from index.errors import IndexFileError
+from index.layout import INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from ingest.storage import (
+from core.storage import (
     MARKER_SUFFIX,
     S3Storage,
     StorageError,

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from helpers_index import write_descriptors_with_tokens, write_source_tars
 
+from core.storage import MARKER_SUFFIX, s3_client
 from index.build import IndexConfig, main
 from index.search import load_index
 from ingest.source_images import thumbnail_jpeg
-from ingest.storage import MARKER_SUFFIX, s3_client
 
 pytestmark = [pytest.mark.ray, pytest.mark.s3, pytest.mark.slow]
 
@@ -94,7 +94,7 @@ def test_the_cluster_answers_like_the_single_index(served, index_on_s3):
 
     from query.retrieve import QueryConfig, search, stored_tokens
     from rerank.rerank import RerankConfig
-    from service.query_service import QueryService
+    from webapi.query_service import QueryService
 
     coordinator, cache = served
     _, single, xb, tars = index_on_s3
@@ -276,7 +276,7 @@ def test_killed_shard_actors_during_a_stream_of_queries(served, index_on_s3):
     killed: 503 or partial answers naming shard_001 only, never a hang, then exact again."""
     import ray
 
-    from service.query_service import QueryService
+    from webapi.query_service import QueryService
 
     coordinator, _ = served
     _, single, xb, _ = index_on_s3
@@ -315,7 +315,7 @@ def test_killed_shard_actors_during_a_stream_of_queries(served, index_on_s3):
 
 
 def test_a_removed_node_does_not_hang_requests_and_its_shards_restart_elsewhere(cluster, served, index_on_s3):
-    from service.query_service import QueryService
+    from webapi.query_service import QueryService
 
     coordinator, _ = served
     _, single, xb, _ = index_on_s3

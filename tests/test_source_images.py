@@ -100,7 +100,7 @@ def test_tar_urls_from_shard_infos_or_ingestion_records(tmp_path):
 
 @pytest.mark.s3
 def test_s3_tar_members_read_by_ranged_gets(tmp_path, s3_endpoint):
-    from ingest.storage import s3_client
+    from core.storage import s3_client
 
     tar = sample_tar(tmp_path / "000007.tar", 30)
     client = s3_client(s3_endpoint)

@@ -1,8 +1,13 @@
-"""Where shards are read from and outputs committed to: a local directory or an ``s3://`` prefix.
+"""The one storage layer of needle: files under a local directory or an ``s3://`` prefix, read,
+copied, listed, uploaded and committed the same way by ingestion, the index build, shard staging
+and the source images of thumbnails.
 
 S3 goes through boto3 with the standard AWS credential chain (environment, config files, instance
 roles; credentials are never logged) and an optional ``endpoint_url`` for S3-compatible stores.
 botocore retries throttling, 5xx and connection errors with exponential backoff ("standard" mode).
+Not ``pyarrow.fs``: its S3 filesystem drops user metadata on upload (``x-amz-meta-sha256``, which
+an S3 index build checks to keep committed shards) and exposes no request hooks to inject faults
+in tests.
 
 Commit protocol. Local: write ``<name>.tmp`` then ``os.replace``. S3: upload the object, then
 write ``<name>.committed`` (a small JSON); readers list only objects that have their marker, so a
@@ -16,24 +21,27 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from core.atomic import write_json_atomic
 from core.errors import NeedleInputError
 
 log = logging.getLogger(__name__)
 
 MARKER_SUFFIX = ".committed"
 S3_MAX_ATTEMPTS = 8  # botocore attempts per request, with exponential backoff between them
+MISSING_CODES = ("NoSuchKey", "404", "NoSuchBucket")  # S3 error codes of an object that is not there
 
 
 class StorageError(NeedleInputError):
-    """An output location that cannot be used (bad URL, missing bucket, no permission)."""
+    """A storage location that cannot be used (bad URL, missing bucket or file, no permission)."""
 
 
-def is_s3(url: str) -> bool:
+def is_s3(url: str | Path) -> bool:
     return str(url).startswith("s3://")
 
 
@@ -60,32 +68,67 @@ def s3_key(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
 
 
-def read_file_under(root: str, relative: str, endpoint_url: str | None = None) -> bytes:
-    """The bytes of ``relative`` under a local directory or an ``s3://`` prefix; StorageError
-    naming the file where it cannot be read."""
-    if is_s3(root):
-        from botocore.exceptions import BotoCoreError, ClientError
+def error_code(exc: Exception) -> str:
+    """The S3 error code of a botocore ClientError (``""`` for other errors)."""
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
 
-        bucket, prefix = split_s3(root)
-        try:
-            return s3_client(endpoint_url).get_object(Bucket=bucket, Key=s3_key(prefix, relative))["Body"].read()
-        except (ClientError, BotoCoreError) as exc:
-            raise StorageError(f"cannot read {root}/{relative}: {exc}") from exc
+
+def s3_errors() -> tuple[type[Exception], ...]:
+    """The exceptions a boto3 call raises for a request that failed (imported late: botocore is big)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (ClientError, BotoCoreError)
+
+
+# --- one file named by a URL: a local path or s3://bucket/key -----------------------------------
+
+
+def open_url(url: str, endpoint_url: str | None = None) -> IO[bytes]:
+    """A readable binary stream of a local file or an S3 object (streamed, not downloaded whole);
+    FileNotFoundError where the object is not there, OSError for other S3 refusals."""
+    if not is_s3(url):
+        return open(url, "rb")
+    from botocore.exceptions import ClientError
+
+    bucket, key = split_s3(url)
     try:
-        return (Path(root) / relative).read_bytes()
-    except OSError as exc:
-        raise StorageError(f"cannot read {Path(root) / relative}: {exc}") from exc
+        return s3_client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"]
+    except ClientError as exc:
+        code = error_code(exc)
+        if code in MISSING_CODES:
+            raise FileNotFoundError(f"{url}: {code}") from exc
+        raise OSError(f"{url}: {code or exc}") from exc
 
 
-def copy_file_under(root: str, relative: str, target: Path, endpoint_url: str | None = None) -> None:
-    """Copy ``relative`` under a local directory or an ``s3://`` prefix to the local path
-    ``target`` (as it comes: callers that must never leave half a file copy to a temporary
-    name and rename)."""
-    if is_s3(root):
-        bucket, prefix = split_s3(root)
-        s3_client(endpoint_url).download_file(bucket, s3_key(prefix, relative), str(target))
+def read_range(url: str, offset: int, size: int, endpoint_url: str | None = None) -> bytes:
+    """``size`` bytes at ``offset`` of a local file (a seek) or an S3 object (one ranged GET);
+    OSError naming the URL and range where they cannot be read whole."""
+    if not is_s3(url):
+        with open(url, "rb") as stream:
+            stream.seek(offset)
+            return stream.read(size)
+    if size == 0:
+        return b""
+    bucket, key = split_s3(url)
+    span = f"{offset}-{offset + size - 1}"
+    try:
+        data = s3_client(endpoint_url).get_object(Bucket=bucket, Key=key, Range=f"bytes={span}")["Body"].read()
+    except s3_errors() as exc:
+        raise OSError(f"{url}: bytes {span}: {exc}") from exc
+    if len(data) != size:
+        raise OSError(f"{url}: {len(data)} bytes at {offset}, {size} asked for")
+    return bytes(data)
+
+
+def download(url: str, target: Path, endpoint_url: str | None = None) -> None:
+    """Copy a local file or an S3 object to the local path ``target``, as it comes (callers that
+    must never leave half a file download to a temporary name and rename)."""
+    if is_s3(url):
+        bucket, key = split_s3(url)
+        s3_client(endpoint_url).download_file(bucket, key, str(target))
     else:
-        shutil.copyfile(Path(root) / relative, target)
+        shutil.copyfile(url, target)
 
 
 def list_s3(url_pattern: str, endpoint_url: str | None = None) -> list[str]:
@@ -97,20 +140,40 @@ def list_s3(url_pattern: str, endpoint_url: str | None = None) -> list[str]:
     return sorted(f"s3://{bucket}/{k}" for k in keys if fnmatch.fnmatchcase(k, pattern))
 
 
-def open_url(url: str, endpoint_url: str | None = None) -> IO[bytes]:
-    """A readable binary stream of a local file or an S3 object (streamed, not downloaded whole)."""
-    if not is_s3(url):
-        return open(url, "rb")
-    from botocore.exceptions import ClientError
+# --- a file under a root: a local directory or an s3:// prefix ----------------------------------
 
-    bucket, key = split_s3(url)
+
+def url_under(root: str, relative: str) -> str:
+    """The URL (or path) of ``relative`` under a local directory or an ``s3://`` prefix."""
+    if is_s3(root):
+        bucket, prefix = split_s3(root.rstrip("/"))
+        return f"s3://{bucket}/{s3_key(prefix, relative)}"
+    return str(Path(root) / relative)
+
+
+def read_file_under(root: str, relative: str, endpoint_url: str | None = None) -> bytes:
+    """The bytes of ``relative`` under a local directory or an ``s3://`` prefix; StorageError
+    naming the file where it cannot be read."""
+    url = url_under(root, relative)
+    if is_s3(url):
+        bucket, key = split_s3(url)
+        try:
+            return bytes(s3_client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read())
+        except s3_errors() as exc:
+            raise StorageError(f"cannot read {root}/{relative}: {exc}") from exc
     try:
-        return s3_client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"]
-    except ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code", "")
-        if code in ("NoSuchKey", "404", "NoSuchBucket"):
-            raise FileNotFoundError(f"{url}: {code}") from exc
-        raise OSError(f"{url}: {code or exc}") from exc
+        return Path(url).read_bytes()
+    except OSError as exc:
+        raise StorageError(f"cannot read {url}: {exc}") from exc
+
+
+def copy_file_under(root: str, relative: str, target: Path, endpoint_url: str | None = None) -> None:
+    """Copy ``relative`` under a local directory or an ``s3://`` prefix to the local path
+    ``target``, as it comes (see ``download``)."""
+    download(url_under(root, relative), target, endpoint_url)
+
+
+# --- an output location: where parts are committed and JSON records written ---------------------
 
 
 class Storage(Protocol):
@@ -144,8 +207,6 @@ class LocalStorage:
         return str(target)
 
     def write_json(self, name: str, obj: Any) -> str:
-        from core.atomic import write_json_atomic
-
         return str(write_json_atomic(obj, self.root / name))
 
     def read_json(self, name: str) -> Any | None:
@@ -165,6 +226,12 @@ class LocalStorage:
         return parts
 
 
+@dataclass(frozen=True)
+class ObjectStat:
+    size: int
+    sha256: str | None  # the SHA-256 recorded as the object's metadata by ``upload``, if any
+
+
 @dataclass
 class S3Storage:
     url: str
@@ -180,19 +247,36 @@ class S3Storage:
         return s3_key(self.prefix, name)
 
     def local_scratch(self) -> Path:
-        import tempfile
-
         if self._scratch is None:
             self._scratch = Path(tempfile.mkdtemp(prefix="needle-s3-"))
         return self._scratch
 
     def commit_file(self, name: str, local_file: Path, marker: dict[str, Any]) -> str:
-        self.client.upload_file(str(local_file), self.bucket, self._key(name))
+        self.upload(name, local_file)
         self.client.put_object(
             Bucket=self.bucket, Key=self._key(name + MARKER_SUFFIX), Body=json.dumps(marker).encode()
         )
         Path(local_file).unlink(missing_ok=True)
         return f"s3://{self.bucket}/{self._key(name)}"
+
+    def upload(self, name: str, local_file: Path, sha256: str | None = None) -> None:
+        """Upload ``local_file`` as ``name``, with its SHA-256 (if given) as object metadata."""
+        extra = {"Metadata": {"sha256": sha256}} if sha256 else None
+        self.client.upload_file(str(local_file), self.bucket, self._key(name), ExtraArgs=extra)
+
+    def download(self, name: str, target: Path) -> None:
+        """Copy object ``name`` to the local path ``target``, as it comes."""
+        self.client.download_file(self.bucket, self._key(name), str(target))
+
+    def stat(self, name: str) -> ObjectStat | None:
+        """Size and recorded SHA-256 of object ``name``, or None where it cannot be seen."""
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(name))
+        except ClientError:
+            return None
+        return ObjectStat(int(head.get("ContentLength", -1)), head.get("Metadata", {}).get("sha256"))
 
     def write_json(self, name: str, obj: Any) -> str:
         body = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
@@ -205,7 +289,7 @@ class S3Storage:
         try:
             return json.loads(self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read())
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            if error_code(exc) in ("NoSuchKey", "404"):
                 return None
             raise
 
