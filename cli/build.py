@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from cli.flags import add_config_flags, config_from_args, source_constant
+from core.errors import NeedleInputError
 
 log = logging.getLogger("needle")
 
@@ -38,11 +39,49 @@ def _ingest(args: argparse.Namespace) -> int:
         return 2
     weights = "pretrained" if args.pretrained else "random" if args.random_init else args.weights
     conf = config_from_args(IngestConfig, args, weights=weights, overwrite=args.overwrite and not args.resume)
+    if args.submit:  # the flags are checked here (above) before the cluster runs them
+        return _submit_ingest(args.submit, sys.argv[1:])
     try:
         main(conf, args.shards, Path(args.out))
     except IngestFailed as exc:
         log.error("%s", exc)
         return 1
+    return 0
+
+
+def submitted_command(argv: list[str]) -> list[str]:
+    """The command ``needle <argv>`` less its ``--submit ADDRESS``: what a ``needle ingest
+    --submit`` job runs on the cluster, every other flag as given."""
+    command, rest = ["needle"], iter(argv)
+    for arg in rest:
+        option = arg.split("=", 1)[0]
+        # argparse also takes an unambiguous prefix of the flag ("--sub"; "--s" could be --shards)
+        if option.startswith("--su") and "--submit".startswith(option):
+            if "=" not in arg:
+                next(rest, None)  # its ADDRESS
+            continue
+        command.append(arg)
+    return command
+
+
+def _submit_ingest(address: str, argv: list[str]) -> int:
+    """Run ``needle <argv>`` less ``--submit`` as a Ray job at ``address``, its logs on stdout;
+    0 when it succeeds."""
+    from cluster.local_ray import JobSubmitError, RayHeadError, submit_job
+
+    command = submitted_command(argv)
+    if len(command) == len(argv) + 1:
+        # Called in-process (cli.main.main(argv)) with another command line than this process's.
+        raise NeedleInputError(f"--submit {address}: this process's arguments {argv} hold no --submit to remove")
+    try:
+        outcome = submit_job(address, command)
+    except (JobSubmitError, RayHeadError) as exc:
+        log.error("%s", exc)
+        return 1
+    if not outcome.ok:
+        log.error("ingest job %s at %s ended %s: %s", outcome.submission_id, address, outcome.status, outcome.message)
+        return 1
+    log.info("ingest job %s at %s succeeded", outcome.submission_id, address)
     return 0
 
 
@@ -61,7 +100,7 @@ def _train_itq(args: argparse.Namespace) -> int:
 
 
 def _local_presets(args: argparse.Namespace) -> int:
-    from embed.registry import LOCAL_PRESETS
+    from embed.local_presets import LOCAL_PRESETS
 
     for name, conf in sorted(LOCAL_PRESETS.items()):
         scales = "/".join(f"{s:g}" for s in conf.scales)
@@ -141,6 +180,14 @@ def add_build_parsers(sub: argparse._SubParsersAction) -> None:
         help="a seeded random initialisation of every model (tests and timing only; recorded, queries rebuild it)",
     )
     p.add_argument("--resume", action="store_true", help="skip committed shards (the default; overrides --overwrite)")
+    p.add_argument(
+        "--submit",
+        metavar="ADDRESS",
+        help="run this command as a Ray job on the cluster whose dashboard is ADDRESS (e.g. http://127.0.0.1:8265) "
+        "instead of here: the same flags less --submit, its logs followed here; exit 0 when the job succeeds, "
+        "1 naming its id and status otherwise. Paths are read on the cluster (give absolute paths or s3://); "
+        "its token: $RAY_AUTH_TOKEN",
+    )
     p.set_defaults(func=_ingest)
 
     p = sub.add_parser(

@@ -2,8 +2,8 @@
 
 1. build the demo tars from scikit-image photos (ingest.demo_data)
 2. start a local Ray head on 127.0.0.1 (or use the running cluster at ``--address``)
-3. ``ray job submit -- needle ingest --shards ... --out ...``
-   (globals and the default local tokens, ``--locals aliked-n16``: embed.registry.DEFAULT_LOCALS)
+3. submit ``needle ingest --shards ... --out ...`` as a Ray job (cluster.local_ray.submit_job)
+   (globals and the default local tokens, ``--locals aliked-n16``: embed.local_presets.DEFAULT_LOCALS)
 4. stop the head it started; build the index and its local store; evaluate mAP@1k global-only and
    re-ranked with spatial verification; write ``report.json``
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import write_json_atomic
-from embed.registry import DEFAULT_LOCALS
+from embed.local_presets import DEFAULT_LOCALS
 from ingest.demo_data import DemoConfig, build_demo
 
 log = logging.getLogger(__name__)
@@ -62,15 +62,15 @@ def main(conf: DemoRunConfig, workdir: Path) -> Path:
         conf.locals,
     ]
     if conf.address:
-        status = submit_job(conf.address, entrypoint)
+        outcome = submit_job(conf.address, entrypoint)
     else:
         head = start_head(conf.num_cpus, log_file=workdir / "ray_head.log")
         try:
-            status = submit_job(head.dashboard_url, entrypoint, head.env, head_log=workdir / "ray_head.log")
+            outcome = submit_job(head.dashboard_url, entrypoint, head.env, head_log=workdir / "ray_head.log")
         finally:
             head.stop()
-    if status != 0:
-        raise DemoJobFailed(f"the ingestion job exited with status {status}")
+    if not outcome.ok:
+        raise DemoJobFailed(f"the ingestion job {outcome.submission_id} ended {outcome.status}: {outcome.message}")
 
     build_index(IndexConfig(), descriptors, index_dir)
     truth = load_ground_truth(shards_dir / "ground_truth.json")

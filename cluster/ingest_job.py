@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import NeedleInputError
+from core.storage import storage_for
 from ingest.config import IngestConfig
 from ingest.shards import expand_shards, shard_ids, shard_name
-from ingest.storage import storage_for
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,6 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
     ``<shard>.parquet`` each; returns ``output``. Raises IngestFailed, after writing the report,
     when any shard failed."""
     import ray
-    from tqdm import tqdm
 
     storage = storage_for(output, conf.s3_endpoint_url)
     previous = storage.read_json(INFO_FILE) or {}
@@ -281,55 +280,8 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
     if not ray.is_initialized():
         connect_ray(conf.address)
     start = time.perf_counter()
-    fresh_info = None  # how this run's workers make their columns (from the first result)
-    results: list[dict[str, Any]] = []
-    if todo:
-        count, options, device, threads = _worker_layout(
-            conf, ray.cluster_resources(), len(todo), cpus_per_gpu(ray.nodes())
-        )
-        log.info("starting %d %s workers (%s)", count, device, options)
-        actor_cls = ray.remote(**options, scheduling_strategy="SPREAD")(IngestWorker)
-
-        created = iter(range(1 << 30))
-        tag = os.urandom(4).hex()
-
-        def make_worker():
-            # Named, so that operators (and the fault tests) can find a job's workers.
-            return actor_cls.options(name=f"needle-ingest-{tag}-{next(created)}").remote(conf, device, threads)
-
-        def submit(worker, url):
-            return worker.process.remote(url, ids[url], storage.url)
-
-        images = 0
-        with tqdm(total=len(todo), unit="shard", desc="ingest", dynamic_ncols=True) as bar:
-            for url, result, attempts, reason in run_queue(todo, make_worker, submit, count, conf.max_retries):
-                if result is None:
-                    result = {
-                        "url": url,
-                        "shard": shard_name(url),
-                        "status": "failed",
-                        "output": None,
-                        "rows": 0,
-                        "error_rows": 0,
-                        "seconds": 0.0,
-                        "reason": reason,
-                    }
-                result["attempts"] = attempts
-                fresh_info = result.pop("extractors", None) or fresh_info
-                results.append(result)
-                entries[result["shard"]] = {
-                    "url": url,
-                    "state": "committed" if result["status"] == "ok" else "failed",
-                    "rows": result["rows"],
-                    "error_rows": result["error_rows"],
-                    "attempts": attempts,
-                    "reason": result["reason"],
-                }
-                storage.write_json(MANIFEST_FILE, {"shards": entries})
-                images += result["rows"]
-                elapsed = time.perf_counter() - start
-                bar.set_postfix(images=images, img_s=f"{images / elapsed:.1f}")
-                bar.update(1)
+    # fresh_info: how this run's workers make their columns (from the first result)
+    results, fresh_info = _run_workers(conf, todo, ids, storage, entries, start) if todo else ([], None)
     storage.write_json(MANIFEST_FILE, {"shards": entries})
     worker_info = {"extractors": fresh_info or previous.get("extractors", [])}
     report = _report(conf, urls, results, entries, time.perf_counter() - start, worker_info)
@@ -344,6 +296,82 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
     if report["failed"]:
         raise IngestFailed(report["failed"])
     return output
+
+
+def _run_workers(
+    conf: IngestConfig, todo: list[str], ids: dict[str, int], storage: Any, entries: dict[str, Any], start: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """Process ``todo`` on a pool of actors, recording each shard in ``entries`` and the manifest as
+    it ends; returns (the shards' results, how the workers make their columns)."""
+    from tqdm import tqdm
+
+    make_worker, submit, count = _worker_pool(conf, len(todo), ids, storage.url)
+    results: list[dict[str, Any]] = []
+    fresh_info = None
+    images = 0
+    with tqdm(total=len(todo), unit="shard", desc="ingest", dynamic_ncols=True) as bar:
+        for url, result, attempts, reason in run_queue(todo, make_worker, submit, count, conf.max_retries):
+            result = _shard_result(url, result, attempts, reason)
+            fresh_info = result.pop("extractors", None) or fresh_info
+            results.append(result)
+            entries[result["shard"]] = _manifest_entry(url, result)
+            storage.write_json(MANIFEST_FILE, {"shards": entries})
+            images += result["rows"]
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(images=images, img_s=f"{images / elapsed:.1f}")
+            bar.update(1)
+    return results, fresh_info
+
+
+def _worker_pool(
+    conf: IngestConfig, n_todo: int, ids: dict[str, int], out: str
+) -> tuple[Callable[[], Any], Callable[[Any, str], Any], int]:
+    """(make a worker actor, submit a shard to one, how many workers) for the cluster's resources."""
+    import ray
+
+    count, options, device, threads = _worker_layout(conf, ray.cluster_resources(), n_todo, cpus_per_gpu(ray.nodes()))
+    log.info("starting %d %s workers (%s)", count, device, options)
+    actor_cls = ray.remote(**options, scheduling_strategy="SPREAD")(IngestWorker)
+
+    created = iter(range(1 << 30))
+    tag = os.urandom(4).hex()
+
+    def make_worker():
+        # Named, so that operators (and the fault tests) can find a job's workers.
+        return actor_cls.options(name=f"needle-ingest-{tag}-{next(created)}").remote(conf, device, threads)
+
+    def submit(worker, url):
+        return worker.process.remote(url, ids[url], out)
+
+    return make_worker, submit, count
+
+
+def _shard_result(url: str, result: dict[str, Any] | None, attempts: int, reason: str) -> dict[str, Any]:
+    """A worker's result for the shard, or (None: its retries exhausted) a failed one saying why."""
+    if result is None:
+        result = {
+            "url": url,
+            "shard": shard_name(url),
+            "status": "failed",
+            "output": None,
+            "rows": 0,
+            "error_rows": 0,
+            "seconds": 0.0,
+            "reason": reason,
+        }
+    result["attempts"] = attempts
+    return result
+
+
+def _manifest_entry(url: str, result: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "url": url,
+        "state": "committed" if result["status"] == "ok" else "failed",
+        "rows": result["rows"],
+        "error_rows": result["error_rows"],
+        "attempts": result["attempts"],
+        "reason": result["reason"],
+    }
 
 
 class IngestFailed(RuntimeError):

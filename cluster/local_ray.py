@@ -8,11 +8,12 @@ the head and passed to every client through the environment (``RAY_AUTH_MODE=tok
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -20,8 +21,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,7 @@ def bin_dir() -> Path:
 class LocalRayHead:
     process: subprocess.Popen
     gcs_address: str  # for ray.init(address=...)
-    dashboard_url: str  # for `ray job submit --address ...`
+    dashboard_url: str  # for job submission (submit_job)
     env: dict[str, str] = field(repr=False)  # environment every client of this head must use
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -140,90 +146,143 @@ def start_head(num_cpus: int | None = None, log_file: Path | None = None, timeou
 # What the dashboard answers while the head node's job agent has not registered yet (Ray waits 10 s
 # for it per request); on a busy machine the agent comes up well after the dashboard does.
 AGENT_NOT_READY = "No available agent to submit job"
-TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 class JobSubmitError(RuntimeError):
-    """``ray job submit`` was refused for a reason other than a job agent still starting."""
+    """The job server could not be reached, or refused a job for a reason other than a job agent
+    still starting."""
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a submitted job ended."""
+
+    submission_id: str
+    status: str  # SUCCEEDED, FAILED or STOPPED
+    message: str = ""  # the job server's word on it, first line (e.g. the entrypoint's exit code)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "SUCCEEDED"
+
+
+def job_client(dashboard_url: str, env: Mapping[str, str] | None = None) -> JobSubmissionClient:
+    """A Jobs API client of the cluster at ``dashboard_url``, sending the ``RAY_AUTH_TOKEN`` of
+    ``env`` (default: our environment), if any.
+
+    The token goes as an explicit header: Ray's own lookup reads this process's environment and
+    ~/.ray, not the client environment of a head started here (``LocalRayHead.env``).
+    """
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    token = (os.environ if env is None else env).get("RAY_AUTH_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    override = os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    if override and override.rstrip("/") != dashboard_url.rstrip("/"):
+        log.warning(
+            "Ray's job client goes to $RAY_API_SERVER_ADDRESS/$RAY_ADDRESS (%s), not %s", override, dashboard_url
+        )
+    try:
+        return JobSubmissionClient(dashboard_url, headers=headers)
+    except (ConnectionError, RuntimeError, AuthenticationError) as exc:
+        raise JobSubmitError(f"no Ray job server answers at {dashboard_url}: {exc}") from exc
 
 
 def submit_job(
     dashboard_url: str,
     entrypoint: list[str],
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
     *,
     ready_timeout: float = 180.0,
     head_log: str | Path | None = None,
-) -> int:
-    """``ray job submit`` an entrypoint to the cluster at ``dashboard_url``, stream its logs, and
-    return its exit status (0: SUCCEEDED).
+) -> JobOutcome:
+    """Submit an entrypoint as a job to the cluster at ``dashboard_url``, write its logs to stdout
+    as they come, and return how it ended.
 
     The submission is retried while the head answers that its job agent is not up yet, for at most
     ``ready_timeout`` seconds (RayHeadError naming ``head_log`` after that). ``env``: the client
-    environment (a head started here passes its token); default: ours, with this interpreter's
-    scripts on PATH.
+    environment whose token authenticates (a head started here: ``head.env``); default: ours.
     """
-    if env is None:
-        env = {**os.environ, "PATH": f"{bin_dir()}{os.pathsep}{os.environ.get('PATH', '')}"}
+    client = job_client(dashboard_url, env)
     submission_id = f"needle-{secrets.token_hex(8)}"
-    submit_when_agent_ready(dashboard_url, entrypoint, env, submission_id, ready_timeout, head_log)
-    ray = str(bin_dir() / "ray")
-    subprocess.run([ray, "job", "logs", "--address", dashboard_url, "--follow", submission_id], env=env)
-    status = job_status(dashboard_url, submission_id, env)
-    log.info("job %s: %s", submission_id, status)
-    return 0 if status == "SUCCEEDED" else 1
+    submit_when_agent_ready(client, entrypoint, submission_id, ready_timeout, head_log)
+    follow_logs(client, submission_id)
+    outcome = wait_for_job(client, submission_id)
+    log.info("job %s: %s %s", submission_id, outcome.status, outcome.message)
+    return outcome
 
 
 def submit_when_agent_ready(
-    dashboard_url: str,
+    client: JobSubmissionClient,
     entrypoint: list[str],
-    env: dict[str, str],
     submission_id: str,
     ready_timeout: float,
     head_log: str | Path | None = None,
     retry_s: float = 2.0,
 ) -> None:
-    """``ray job submit --no-wait`` under ``submission_id``, again while the job agent is starting."""
-    cmd = [
-        str(bin_dir() / "ray"),
-        "job",
-        "submit",
-        "--address",
-        dashboard_url,
-        "--submission-id",
-        submission_id,
-        "--no-wait",
-        "--",
-        *entrypoint,
-    ]
-    log.info("submitting: %s", " ".join(cmd))
+    """Submit ``entrypoint`` under ``submission_id``, again while the job agent is starting."""
+    # Quoted: the job server runs the entrypoint through a shell, which must not re-split or expand it.
+    command = shlex.join(entrypoint)
+    address = client.get_address()
+    log.info("submitting to %s as %s: %s", address, submission_id, command)
     deadline = time.monotonic() + ready_timeout
-    while True:
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        output = run.stdout + run.stderr
-        if run.returncode == 0:
-            sys.stdout.write(run.stdout)
-            return
-        if AGENT_NOT_READY not in output:
-            raise JobSubmitError(f"ray job submit to {dashboard_url} failed (exit {run.returncode}): {output[-2000:]}")
+    while not _try_submit(client, command, submission_id):
         if time.monotonic() + retry_s > deadline:
             where = f"the head's log: {head_log}; " if head_log else ""
             raise RayHeadError(
-                f"the Ray head at {dashboard_url} had no job agent ready after {ready_timeout:.0f}s "
+                f"the Ray head at {address} had no job agent ready after {ready_timeout:.0f}s "
                 f"({where}the agent's own log: dashboard_agent.log in the Ray session's logs directory)"
             )
         log.info("the Ray head's job agent is not up yet; submitting again in %.0fs", retry_s)
         time.sleep(retry_s)
 
 
-def job_status(dashboard_url: str, submission_id: str, env: dict[str, str]) -> str:
-    """The job's final status from the Jobs REST API (``GET /api/jobs/<id>``), polled until final
-    (the logs stream normally ends with the job; a head that goes away raises)."""
-    headers = {"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"} if env.get("RAY_AUTH_TOKEN") else {}
-    request = urllib.request.Request(f"{dashboard_url}/api/jobs/{submission_id}", headers=headers)
+def _try_submit(client: JobSubmissionClient, command: str, submission_id: str) -> bool:
+    """True once submitted; False while the head's job agent is not up (JobSubmitError otherwise)."""
+    from ray.exceptions import AuthenticationError
+
+    try:
+        client.submit_job(entrypoint=command, submission_id=submission_id)
+    except (RuntimeError, OSError, AuthenticationError) as exc:
+        if AGENT_NOT_READY in str(exc):
+            return False
+        raise JobSubmitError(
+            f"the job server at {client.get_address()} refused job {submission_id}: {str(exc)[-2000:]}"
+        ) from exc
+    return True
+
+
+def follow_logs(client: JobSubmissionClient, submission_id: str) -> None:
+    """Write the job's logs to stdout as it produces them, until it ends.
+
+    Best effort: a lost stream is logged, and the job's status still decides (:func:`wait_for_job`).
+    """
+    import aiohttp
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(submission_id):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+    try:
+        asyncio.run(tail())
+    except (RuntimeError, OSError, aiohttp.ClientError) as exc:
+        log.warning(
+            "lost the log stream of job %s (%s); waiting for its status (its logs: ray job logs --address %s %s)",
+            submission_id,
+            exc,
+            client.get_address(),
+            submission_id,
+        )
+
+
+def wait_for_job(client: JobSubmissionClient, submission_id: str, poll_s: float = 1.0) -> JobOutcome:
+    """The job's final status, polled until final (the log stream normally ends with the job; a
+    head that goes away raises)."""
     while True:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            status = json.loads(response.read())["status"]
-        if status in TERMINAL_STATUSES:
-            return status
-        time.sleep(1.0)
+        info = client.get_job_info(submission_id)
+        if info.status.is_terminal():
+            # its first line: the rest repeats the tail of the logs already followed
+            return JobOutcome(submission_id, str(info.status), (info.message or "").split("\n", 1)[0])
+        time.sleep(poll_s)
