@@ -26,9 +26,12 @@ browser:
 demo: install
 	$(BIN)/needle demo --workdir demo_run
 
+# mypy: the low floors and the index protocols (query/index_protocol.py; shards/calls.py and the
+# coordinator and shard actor that implement them); the other packages are read, not reported on.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy core index query shards/calls.py shards/coordinator.py shards/shard_actor.py
 
 format: install
 	$(BIN)/ruff check --fix .

@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-from embed.registry import DEFAULT_LOCALS  # noqa: E402  (torch-free: the registry of presets)
+from embed.local_presets import DEFAULT_LOCALS  # noqa: E402  (torch-free: the registry of presets)
 
 
 def _load_realbench():
@@ -89,7 +89,7 @@ FLOORS = (0.0, 99.5)  # the shortlist's chance floor of inliers: none, or its 99
 # Query expansion after verification: (results looked at, inliers needed, alpha) tried per fold
 QE_GRID = tuple((top, inliers, alpha) for top in (1, 2, 3, 5) for inliers in (5, 10, 20) for alpha in (0.0, 3.0))
 # Query-side token variants (no storage cost) by token kind: (name, scales, tokens per scale); the
-# defaults are embed.registry.RERANK_BY_KIND (Lite0 100 at each of 0.75/1/1.5, ALIKED 300 at 1).
+# defaults are embed.local_presets.RERANK_BY_KIND (Lite0 100 at each of 0.75/1/1.5, ALIKED 300 at 1).
 QUERY_TOKEN_VARIANTS = {
     "cnn": (("query_5_scales", (0.5, 0.75, 1.0, 1.5, 2.0), 100), ("query_150_per_scale", (0.75, 1.0, 1.5), 150)),
     "aliked": (("query_200", (1.0,), 200), ("query_500", (1.0,), 500)),
@@ -114,7 +114,7 @@ def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool, locals_pr
     import ray
 
     from cluster.ingest_job import main as ingest
-    from embed.registry import get_local_preset
+    from embed.local_presets import get_local_preset
     from embed.train_itq import TrainITQConfig
     from embed.train_itq import main as train_itq
     from ingest.config import IngestConfig
@@ -418,7 +418,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from embed.registry import get_local_preset
+    from embed.local_presets import get_local_preset
     from eval.evaluate import read_query_tokens
     from index.build import IndexConfig
     from index.build import main as build_index
@@ -545,7 +545,7 @@ def main() -> None:
         )
         for e in lists
     ]
-    # α-QE is part of the defaults where the token kind's is on (embed.registry.RERANK_BY_KIND)
+    # α-QE is part of the defaults where the token kind's is on (embed.local_presets.RERANK_BY_KIND)
     kind_qe = with_kind_defaults(RerankConfig(), kind).expansion
     top, min_inliers = kind_qe.top, kind_qe.min_inliers
     qe_ms = expansion_ms(index, lists, default_vq, kind_qe if top else ExpansionConfig(top=5))
@@ -697,7 +697,7 @@ def main() -> None:
 
 
 def print_table(result: dict) -> None:
-    """The variants as a Markdown table (the README's)."""
+    """The variants as a Markdown table (docs/results.md's)."""
     g = result["map_at_1k"]["global"]
     print("| variant | mAP@1k | gain | ms/query | bytes/image |")
     print("|---|---|---|---|---|")

@@ -1,7 +1,7 @@
 """Load on the ``needle serve`` app: uvicorn on 127.0.0.1, N concurrent clients against 1.
 
 Builds a small synthetic IVF-PQ index in a temporary directory (or takes ``--index DIR``), starts
-the app (service.webapp) with uvicorn on an ephemeral port of 127.0.0.1 in this process, and sends
+the app (webapi.webapp) with uvicorn on an ephemeral port of 127.0.0.1 in this process, and sends
 a fixed number of ``POST /search`` requests, half by stored key and half by vector, first from
 ``--concurrency`` client threads (one keep-alive httpx client each, in a separate process), then
 from one. Prints one JSON
@@ -122,8 +122,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     from index.search import load_index
-    from service.query_service import QueryService
-    from service.webapp import create_app
+    from webapi.query_service import QueryService
+    from webapi.webapp import create_app
 
     with tempfile.TemporaryDirectory(prefix="needle-serve-load-") as tmp:
         t0 = time.perf_counter()

@@ -197,7 +197,8 @@ def timed_reranks(indexes: list, keys: list[str], k: int, nprobe: int) -> list[t
 def keys_in_shards(single, out: Path, xq: np.ndarray, nprobe: int) -> float:
     """Milliseconds the shards spend on the keys of a 1,000-row answer (each its own rows, from its
     own key files: O(k), whatever n), without the transport."""
-    from index.search import open_shard, shard_names
+    from index.shard import open_shard
+    from index.shard_files import shard_names
     from ingest.descriptors import ROW_SHARD_SHIFT
 
     _, I = single.search(xq, 1000, nprobe)

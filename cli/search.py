@@ -46,7 +46,7 @@ def add_rerank_flags(p: argparse.ArgumentParser) -> None:
                 "metavar": "TOP",
                 "help": "α-QE after SP: average the query with the re-ranked top TOP results that have "
                 "--rerank-qe-min-inliers inliers, then score the shortlist again (0: none; default: the "
-                "index's token kind's own, embed.registry.RERANK_BY_KIND)",
+                "index's token kind's own, embed.local_presets.RERANK_BY_KIND)",
             },
             "min_inliers": {"flag": "--rerank-qe-min-inliers", "default": None},
             "alpha": {"flag": "--rerank-qe-alpha", "default": None},
@@ -122,7 +122,7 @@ def _query(args: argparse.Namespace) -> int:
 
 def page_config(args: argparse.Namespace):
     """The web page's PageConfig from the serve flags."""
-    from service.webpage import PageConfig
+    from webapi.webpage import PageConfig
 
     return config_from_args(PageConfig, args, max_upload_bytes=args.max_upload_mb << 20)
 
@@ -176,7 +176,7 @@ def add_search_parsers(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("web page (/)")
     add_config_flags(
         g,
-        "service.webpage:PageConfig",
+        "webapi.webpage:PageConfig",
         only=("report", "scaling_plot", "shard_dirs"),
         overrides={
             "shard_dirs": {"flag": "--shard-dir", "action": "append", "default": [], "type": str, "metavar": None}

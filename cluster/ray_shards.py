@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ingest.source_images import SourceImagesConfig
-from shards.coordinator import ReplicaFailed, ShardsUnavailable
+from shards.calls import ReplicaFailed
+from shards.coordinator import ShardsUnavailable
 from shards.direct import ChannelError, DirectCall, DirectChannel, readable
 from shards.shard_group import ShardGroup
 from shards.staging import StageConfig

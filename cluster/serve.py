@@ -1,18 +1,18 @@
 """Serving an index with Ray: its shards in Ray actors across nodes (``serve_sharded``:
 cluster/ray_shards.py places them, shards/shard_actor.py stages and serves a shard,
-shards/coordinator.py merges), and the HTTP app (service.webapp) as a Ray Serve deployment
+shards/coordinator.py merges), and the HTTP app (webapi.webapp) as a Ray Serve deployment
 (``ray_app``). In one process without Ray the index is ``index.search.load_index``'s.
 
 A query fans out to every shard actor; each takes its shortlist from its index and re-scores it
 exactly from the memory-mapped float16 vectors of its rows; the coordinator keeps the shortlist a
 single index would take and returns the top k of its exact scores: the same computation
-(``index.search.Shard.search``, ``merge_shortlists``) as searching the directory in one process,
+(``index.shard.Shard.search``, ``merge_shortlists``) as searching the directory in one process,
 and the same answer as a single index over the same data. Re-ranking scores each shortlist member
 on the shard that holds its tokens. A request the shards cannot answer in time is refused
 (``ShardsUnavailable``, HTTP 503), or answered from the shards that answered, marked
 ``"partial": true`` with ``"missing_shards"``, where the caller allows it.
 
-``needle serve --index DIR`` binds 127.0.0.1 by default; its endpoints are in service.webapp. Bad
+``needle serve --index DIR`` binds 127.0.0.1 by default; its endpoints are in webapi.webapp. Bad
 input (non-image bytes, wrong vector dimension, k larger than the index, empty text, unknown key,
 malformed JSON) is answered 400 with ``{"error": message}``.
 """
@@ -31,7 +31,7 @@ from shards.coordinator import ShardedIndex
 from shards.staging import StageConfig
 
 if TYPE_CHECKING:
-    from service.webpage import PageConfig
+    from webapi.webpage import PageConfig
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,8 @@ def ray_app(
     from fastapi import FastAPI
     from ray import serve
 
-    from service.query_service import QueryService
-    from service.webapp import check_shards, create_app
+    from webapi.query_service import QueryService
+    from webapi.webapp import check_shards, create_app
 
     @serve.deployment(name="needle", num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus})
     @serve.ingress()

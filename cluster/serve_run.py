@@ -1,6 +1,6 @@
 """Running ``needle serve``'s app until it is stopped: uvicorn in this process, or a Ray Serve
 deployment (Ray and Serve started, the deployment run, SIGTERM/SIGINT handled, Serve and Ray shut
-down in order). The app itself is service.webapp's; the index service cluster.serve's."""
+down in order). The app itself is webapi.webapp's; the index service cluster.serve's."""
 
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ def run(conf: ServeConfig, index: str | Path, files: Any = None, rerank: Any = N
     import uvicorn
 
     from cluster.serve import open_index
-    from service.query_service import QueryService
-    from service.webapp import create_app
+    from webapi.query_service import QueryService
+    from webapi.webapp import create_app
 
     tar_dirs = tuple(page.shard_dirs) if page is not None else ()
     serving = shard_serving(conf, tar_dirs) if conf.ray_shards else None

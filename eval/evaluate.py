@@ -48,7 +48,8 @@ from eval.ilias import (
     write_results_pickle,
 )
 from eval.metrics import average_precision_at_k, binned_ap, ilias_oracle, recall_at_k
-from index.search import SearchIndex, load_index
+from index.search import load_index
+from query.index_protocol import Index
 from query.recorded import QueryFiles
 from query.retrieve import QueryConfig, adapt_queries, embed_texts, search, stored_tokens, token_kind
 from rerank.rerank import RerankConfig, Reranker
@@ -164,7 +165,7 @@ def read_query_vectors(directory: str | Path, keys: list[str]) -> dict[str, np.n
 
 
 def _query_vectors(
-    index: SearchIndex, chunk: list[dict[str, Any]], external: Mapping[str, np.ndarray] | None, files: QueryFiles
+    index: Index, chunk: list[dict[str, Any]], external: Mapping[str, np.ndarray] | None, files: QueryFiles
 ) -> np.ndarray:
     """(n, d) vectors of a chunk of image queries: stored (already adapted) or from the query
     descriptors (adapted here, as the index was built)."""
@@ -182,7 +183,7 @@ def evaluate(
     queries: list[dict[str, Any]] | GroundTruth,
     conf: EvalConfig,
     ignore: Collection[str] = (),
-    index: SearchIndex | None = None,
+    index: Index | None = None,
 ) -> dict[str, Any]:
     """Search every query and compute AP@k per query, mAP@k x 100, recall@k, ILIAS's oracle and
     the attribute breakdowns.

@@ -195,7 +195,7 @@ def write_subset(
 
 def memory_per_image(index_dir: Path, infos: dict[str, Any]) -> dict[str, float]:
     """Bytes per indexed image of a built index: its FAISS files, refine vectors and local store."""
-    from index.search import index_file_paths
+    from index.shard_files import index_file_paths
 
     n = max(1, infos["ntotal"])
     index_bytes = sum(path.stat().st_size for path in index_file_paths(index_dir, infos))

@@ -70,7 +70,8 @@ def plan_index(
     flat_bytes = int(n * (d * 4 + ID_BYTES) * OVERHEAD)
     if factory:
         kind = "flat" if factory.replace("IDMap2,", "").strip() == "Flat" else "ivfpq"
-        n_list = int(re.search(r"IVF(\d+)", factory).group(1)) if "IVF" in factory else 0
+        lists = re.search(r"IVF(\d+)", factory)
+        n_list = int(lists.group(1)) if lists else 0
         return IndexPlan(factory, kind, n_list, 0, min(n, n_list * points_per_list), 0, [f"factory {factory!r} given"])
     if kind == "flat" or (kind == "auto" and n < flat_threshold and flat_bytes <= budget):
         why = (

@@ -88,7 +88,7 @@ def default_chunk_rows(array: np.ndarray) -> int:
 def advise_willneed(view: np.ndarray) -> None:
     """Ask the kernel to start reading a memory-mapped slice now (best effort, never raises).
 
-    index/search.py maps the vectors for random access (no readahead, right for re-scoring);
+    index/shard_files.py maps the vectors for random access (no readahead, right for re-scoring);
     a full scan needs the readahead back, and asking for the next chunk while the current one is
     scored overlaps the disk with the compute.
     """
@@ -164,11 +164,13 @@ def assignment_quantizer(quantizer: Any, gpu: bool = True) -> Any:
     flat = faiss.IndexFlat(quantizer.d, quantizer.metric_type)
     flat.add(centroids)
     keep: list[Any] = [flat]
+    searched: Any = flat  # the CPU index, or its GPU copy
     if gpu:
         resources = faiss.StandardGpuResources()  # its own: the shared one is for knn_gpu under GPU_LOCK
-        flat = faiss.index_cpu_to_gpu(resources, 0, flat)
-        keep += [resources, flat]
-    stand_in = faiss.IndexRefineFlat(flat, faiss.swig_ptr(centroids))
+        searched = faiss.index_cpu_to_gpu(resources, 0, flat)
+        keep += [resources, searched]
+    # Any: FAISS's bundled (SWIG) stubs lack the attributes its Python layer sets, referenced_objects
+    stand_in: Any = faiss.IndexRefineFlat(searched, faiss.swig_ptr(centroids))
     stand_in.referenced_objects = keep  # FAISS's way of keeping the base index (and GPU resources) alive
     return stand_in
 
@@ -345,7 +347,8 @@ def chunk_topk(
     keeps among equal scores: queries whose k-th score equals the last one returned are searched
     again with 4x the depth until their tie group fits or the whole chunk is returned."""
     kk = min(n, k + TIE_MARGIN)
-    D, I = order_ties(*backend.search(xq, prepared, kk), metric)
+    D, I = backend.search(xq, prepared, kk)
+    D, I = order_ties(D, I, metric)
     width = min(k, n)
     D_out, I_out = D[:, :width].copy(), I[:, :width].copy()
     rows = np.arange(len(xq))
@@ -354,7 +357,8 @@ def chunk_topk(
         if not tied.any():
             break
         rows, kk = rows[tied], min(n, 4 * kk)
-        D, I = order_ties(*backend.search(xq[rows], prepared, kk), metric)
+        D, I = backend.search(xq[rows], prepared, kk)
+        D, I = order_ties(D, I, metric)
         D_out[rows], I_out[rows] = D[:, :k], I[:, :k]
     return D_out, I_out
 

@@ -141,7 +141,7 @@ class LocalStore:
         self._records = [self._map(s.tokens, TOKEN_DTYPE, s.count) for s in self.segments]
         # the same records as (count, 23) bytes, for gathering (``batch``)
         self._bytes = [r.view(np.uint8).reshape(len(r), TOKEN_DTYPE.itemsize) for r in self._records]
-        self._offsets = [np.asarray(self._map(s.offsets, np.int64, s.rows + 1)) for s in self.segments]
+        self._offsets = [np.asarray(self._map(s.offsets, np.dtype(np.int64), s.rows + 1)) for s in self.segments]
 
     def _map(self, name: str, dtype: np.dtype, length: int) -> np.ndarray:
         path = self.directory / name
@@ -223,12 +223,13 @@ class LocalStore:
             source = starts[rows][row_of] + slot
             order = np.argsort(source, kind="stable")
             raw[(rows[row_of] * T + slot)[order]] = self._bytes[s][source[order]]
-        raw = raw.reshape(len(positions), T, width)
-        codes = np.ascontiguousarray(raw[..., :CODE_BYTES])
+        records = raw.reshape(len(positions), T, width)
+        codes = np.ascontiguousarray(records[..., :CODE_BYTES])
+        fields: dict[str, Any] = dict(TOKEN_DTYPE.fields or {})  # a structured dtype: never empty
 
         def field(name: str) -> np.ndarray:
-            dtype, offset = TOKEN_DTYPE.fields[name][:2]
-            return raw[..., offset : offset + dtype.itemsize].copy().view(dtype)[..., 0]
+            dtype, offset = fields[name][:2]
+            return records[..., offset : offset + dtype.itemsize].copy().view(dtype)[..., 0]
 
         xy = np.stack([field("x"), field("y")], -1).astype(np.float32)
         scale = np.where(mask, self.scales[field("scale").clip(0, len(self.scales) - 1)], 1.0).astype(np.float32)
@@ -256,7 +257,7 @@ def max_tokens_of(segments: list[SegmentInfo]) -> int | None:
     """The longest row's tokens over ``segments`` (None when a segment did not record it)."""
     if any(s.max_tokens is None for s in segments):
         return None
-    return max((int(s.max_tokens) for s in segments), default=0)
+    return max((int(s.max_tokens or 0) for s in segments), default=0)
 
 
 def open_local_store(path: Path | str, infos: dict[str, Any]) -> LocalStore | None:

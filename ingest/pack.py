@@ -21,7 +21,7 @@ becomes ``_``. So ``a/b/photo.01.JPG`` -> ``a/b/photo_01``, which needle names
 at the first dot of its base name, so ``photo.01.jpg`` would be a sample ``photo`` with a member
 ``01.jpg`` that the reader does not take for an image. A ``/`` is safe: webdataset's grouping keeps
 it in the key, and needle splits ``<shard>/<key>`` at the first ``/`` only (thumbnails in
-``service/webpage.py``, ILIAS ids in ``eval/ilias.py``). A first directory named like ``__x__`` gets
+``webapi/webpage.py``, ILIAS ids in ``eval/ilias.py``). A first directory named like ``__x__`` gets
 its first ``_`` turned into ``-``: webdataset skips members under such a directory as metadata.
 Keys that clash after this (``x.jpg`` and ``x.png``, ``a.b.jpg`` and ``a_b.jpg``) are made unique
 by the sorted order: the first keeps the key, the next ones get ``~1``, ``~2``, ... (``~`` never

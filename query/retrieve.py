@@ -20,10 +20,10 @@ import numpy as np
 
 from core.errors import NeedleInputError
 from core.tokens import LocalTokens
-from index.search import SearchIndex
+from query.index_protocol import Index
 from query.recorded import QueryFiles, adapter_file, local_files, model_weights
 from rerank.expand import ExpansionConfig, expand, verified_top
-from rerank.rerank import LocalScores, RerankConfig, Reranker, candidate_width, with_kind_defaults
+from rerank.rerank import RerankConfig, Reranker, with_kind_defaults
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class QueryConfig:
             object.__setattr__(self, "scales", scales)  # a list (from JSON, say) as a tuple of floats
 
 
-def results_json(index: SearchIndex, D: np.ndarray, I: np.ndarray) -> list[list[dict[str, Any]]]:
+def results_json(index: Index, D: np.ndarray, I: np.ndarray) -> list[list[dict[str, Any]]]:
     """(D, I) -> per query a list of {key, row, score}, padding (-1) dropped."""
     keys = index.keys_of(I)
     return [
@@ -58,7 +58,7 @@ def results_json(index: SearchIndex, D: np.ndarray, I: np.ndarray) -> list[list[
     ]
 
 
-def recorded_extractor(index: SearchIndex, files: QueryFiles | None = None) -> tuple[dict[str, Any], str | Path]:
+def recorded_extractor(index: Index, files: QueryFiles | None = None) -> tuple[dict[str, Any], str | Path]:
     """(the global extractor's info recorded at ingestion, the weights to build it with: the recorded
     file verified by its SHA-256, or ``files.weights`` of the same bytes; "pretrained" or "random"
     where ingestion used those). A missing or changed file is a RecordedFileError, never a fallback."""
@@ -71,7 +71,7 @@ def recorded_extractor(index: SearchIndex, files: QueryFiles | None = None) -> t
 
 
 def query_extractor(
-    index: SearchIndex, files: QueryFiles | None = None, *, scales: tuple[float, ...] = (1.0,), rotations: int = 1
+    index: Index, files: QueryFiles | None = None, *, scales: tuple[float, ...] = (1.0,), rotations: int = 1
 ):
     """The global extractor the index's descriptors were made with (same model, weights and resolution),
     averaging over ``scales`` x ``rotations`` variants when asked (query side only: whatever the
@@ -90,7 +90,7 @@ def query_extractor(
 
 
 def embed_image_files(
-    index: SearchIndex,
+    index: Index,
     paths: list[Path],
     files: QueryFiles | None = None,
     *,
@@ -106,7 +106,7 @@ def embed_image_files(
     return adapt_queries(index, extractor(images)["global"].astype(np.float32), files)
 
 
-def index_adapter(index: SearchIndex, files: QueryFiles | None = None):
+def index_adapter(index: Index, files: QueryFiles | None = None):
     """The adapter the index was built with (verified by its SHA-256), or None."""
     info = index.infos.get("adapt")
     if not info:
@@ -116,13 +116,13 @@ def index_adapter(index: SearchIndex, files: QueryFiles | None = None):
     return load_adapter(adapter_file(info, (files or QueryFiles()).adapter))
 
 
-def adapt_queries(index: SearchIndex, xq: np.ndarray, files: QueryFiles | None = None) -> np.ndarray:
+def adapt_queries(index: Index, xq: np.ndarray, files: QueryFiles | None = None) -> np.ndarray:
     """Embedded queries through the adapter the index was built with (unchanged without one)."""
     adapter = index_adapter(index, files)
     return xq if adapter is None else adapter.apply(xq)
 
 
-def embed_texts(index: SearchIndex, texts: list[str], files: QueryFiles | None = None) -> np.ndarray:
+def embed_texts(index: Index, texts: list[str], files: QueryFiles | None = None) -> np.ndarray:
     """(n, d) descriptors of text queries, from the text tower of the index's (CLIP-like) model."""
     import torch
 
@@ -144,7 +144,8 @@ def embed_texts(index: SearchIndex, texts: list[str], files: QueryFiles | None =
     net, _ = build_global_model(model["name"], weights)
     tokens = open_clip.get_tokenizer(model["architecture"])(texts)
     with torch.inference_mode():
-        return adapt_queries(index, l2_normalize(net.backbone.encode_text(tokens)).numpy().astype(np.float32), files)
+        backbone: Any = net.backbone  # an open_clip model (torch types a module's attributes as Module | Tensor)
+        return adapt_queries(index, l2_normalize(backbone.encode_text(tokens)).numpy().astype(np.float32), files)
 
 
 def read_text_queries(paths_or_dir: str | Path | Sequence[str | Path]) -> list[tuple[str, str]]:
@@ -195,11 +196,11 @@ def load_vectors(path: Path, d: int) -> np.ndarray:
 
 
 def query(
-    index: SearchIndex,
+    index: Index,
     conf: QueryConfig,
-    keys: list[str] = (),
-    images: list[Path] = (),
-    texts: list[str] = (),
+    keys: Sequence[str] = (),
+    images: Sequence[Path] = (),
+    texts: Sequence[str] = (),
     vectors: np.ndarray | None = None,
     text_queries: Sequence[tuple[str, str]] = (),
 ) -> list[dict[str, Any]]:
@@ -209,7 +210,8 @@ def query(
         raise NeedleInputError("nothing to query: give --key, --image, --text, --text-file or --vectors")
     if conf.k > index.ntotal:
         raise NeedleInputError(f"k={conf.k} is larger than the index ({index.ntotal} vectors)")
-    blocks, labels = [], []
+    blocks: list[np.ndarray] = []
+    labels: list[dict[str, Any]] = []
     if keys:
         blocks.append(np.stack([index.vector_of(k) for k in keys]))
         labels += [{"key": k} for k in keys]
@@ -261,7 +263,7 @@ def add_rerank_details(results: list[dict[str, Any]], detail: dict[str, Any]) ->
 
 
 # --- local tokens and re-ranking ---------------------------------------------------------------
-def recorded_local_extractor(index: SearchIndex) -> dict[str, Any]:
+def recorded_local_extractor(index: Index) -> dict[str, Any]:
     """The local extractor's info recorded at ingestion (and copied into the index infos)."""
     info = (index.infos.get("locals") or {}).get("extractor")
     if not info:
@@ -271,17 +273,17 @@ def recorded_local_extractor(index: SearchIndex) -> dict[str, Any]:
     return info
 
 
-def token_kind(index: SearchIndex) -> str | None:
+def token_kind(index: Index) -> str | None:
     """The local-token kind the index was built with (None: no tokens, or not recorded)."""
     info = (index.infos.get("locals") or {}).get("extractor") or {}
     return (info.get("config") or {}).get("kind")
 
 
-def query_local_extractor(index: SearchIndex, conf: RerankConfig, files: QueryFiles | None = None):
+def query_local_extractor(index: Index, conf: RerankConfig, files: QueryFiles | None = None):
     """The index's local extractor (its recorded files, verified) at the query-side scales and token
     count (the asymmetric setting)."""
+    from embed.local_presets import LocalConfig
     from embed.locals import build_local_extractor
-    from embed.registry import LocalConfig
 
     info = recorded_local_extractor(index)
     found = local_files(info, files or QueryFiles(), index.path)
@@ -300,7 +302,7 @@ def query_local_extractor(index: SearchIndex, conf: RerankConfig, files: QueryFi
 
 
 def query_tokens_of_images(
-    index: SearchIndex, paths: list[Path], conf: RerankConfig, files: QueryFiles | None = None
+    index: Index, paths: list[Path], conf: RerankConfig, files: QueryFiles | None = None
 ) -> list[LocalTokens]:
     """Query-side local tokens of image files."""
     from ingest.images import decode_resized
@@ -317,39 +319,14 @@ def _read_image(path: Path) -> bytes:
         raise NeedleInputError(f"cannot read query image {path}: {exc}") from exc
 
 
-def stored_tokens(index: SearchIndex, keys: list[str]) -> list[LocalTokens]:
+def stored_tokens(index: Index, keys: list[str]) -> list[LocalTokens]:
     """Database-side tokens of stored keys, from the index's local store (or the shard that owns
     each key, for a coordinator of shard actors)."""
     return [index.tokens_of_key(key) for key in keys]
 
 
-def shortlist_local_scores(
-    index: SearchIndex,
-    reranker: Reranker,
-    shortlists: list[np.ndarray],
-    s_global: list[np.ndarray],
-    tokens: list[LocalTokens],
-    k: int,
-    evidence: bool = True,
-) -> list[LocalScores]:
-    """Each query's local evidence on its shortlist (row ids ``shortlists[q]``, global scores
-    ``s_global[q]``), scored against the rows' stored tokens. An index whose shards live elsewhere
-    (shards/coordinator.py) has each shard score its members (``score_shortlists``: with
-    ``evidence``, the match evidence of the members that can reach the top k comes back with the
-    scores); here the tokens are gathered from the local store (evidence made when asked)."""
-    remote = getattr(index, "score_shortlists", None)
-    if remote is not None:
-        return remote(reranker.conf, shortlists, s_global, tokens, k, evidence)
-    store = index.local_store
-    db_tokens = candidate_width(reranker.conf, lambda: store.max_tokens)
-    return [
-        reranker.local_scores(query, store.batch(index.positions_of_rows(rows), db_tokens))
-        for rows, query in zip(shortlists, tokens)
-    ]
-
-
 def expanded_global_scores(
-    index: SearchIndex,
+    index: Index,
     xq: np.ndarray,
     shortlists: dict[int, np.ndarray],
     s_global: dict[int, np.ndarray],
@@ -371,8 +348,9 @@ def expanded_global_scores(
     for i, q in enumerate(asked):
         neighbour_rows[i, : len(picked[q])] = shortlists[q][picked[q]]
     neighbours = index.vectors_of_rows(neighbour_rows)
-    expanded = {q: expand(xq[q], neighbours[i, : len(picked[q])], conf) for i, q in enumerate(asked)}
-    asked = [q for q in asked if expanded[q] is not None]
+    found = {q: expand(xq[q], neighbours[i, : len(picked[q])], conf) for i, q in enumerate(asked)}
+    expanded = {q: query for q, query in found.items() if query is not None}
+    asked = [q for q in asked if q in expanded]
     if not asked:
         return {}
     rows = np.full((len(asked), max(len(shortlists[q]) for q in asked)), -1, np.int64)
@@ -386,7 +364,7 @@ def expanded_global_scores(
     return out
 
 
-def expand_queries(index: SearchIndex, xq: np.ndarray, conf: QueryConfig) -> np.ndarray:
+def expand_queries(index: Index, xq: np.ndarray, conf: QueryConfig) -> np.ndarray:
     """Average query expansion: each query plus its top ``qe_top`` database vectors weighted by
     their similarity to it, L2-normalised (the ILIAS query-side option)."""
     if conf.qe_top < 0:
@@ -400,7 +378,7 @@ def expand_queries(index: SearchIndex, xq: np.ndarray, conf: QueryConfig) -> np.
 
 
 def search(
-    index: SearchIndex,
+    index: Index,
     xq: np.ndarray,
     conf: QueryConfig,
     tokens: list[LocalTokens | None] | None = None,
@@ -426,12 +404,11 @@ def search(
     D = D.astype(np.float64)
     asked = [q for q in range(len(xq)) if tokens[q] is not None]
     sizes = {q: min(conf.rerank.shortlist, int((I[q] >= 0).sum())) for q in asked}
-    scored = shortlist_local_scores(
-        index,
+    scored = index.score_shortlists(
         reranker,
         [I[q, : sizes[q]] for q in asked],
         [D[q, : sizes[q]] for q in asked],
-        [tokens[q] for q in asked],
+        [token for token in tokens if token is not None],  # the tokens of the queries asked, in order
         k,
         evidence,
     )
@@ -441,11 +418,11 @@ def search(
     s_first = {q: D[q, : sizes[q]].copy() for q in asked}
     firsts = {q: reranker.order(shortlists[q], s_first[q], local_of[q]) for q in asked}  # (order, scores)
     orders = {q: order for q, (order, _) in firsts.items()}
-    with_inliers = {q: local_of[q].inliers for q in asked if local_of[q].inliers is not None}
+    with_inliers = {q: inliers for q in asked if (inliers := local_of[q].inliers) is not None}
     # α-QE needs inliers: SP only; the reranker's settings have the token kind's filled in
-    expansion = reranker.conf.expansion if conf.rerank.method == "sp" else ExpansionConfig()
+    expansion = (reranker.conf.expansion or ExpansionConfig()) if conf.rerank.method == "sp" else ExpansionConfig()
     second = expanded_global_scores(index, xq, shortlists, s_first, with_inliers, orders, expansion)
-    details = []
+    details: list[dict[str, Any]] = []
     for q in range(len(xq)):
         if tokens[q] is None:
             details.append({})

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import write_json_atomic
-from index.search import SearchIndex, load_index
+from index.search import load_index
+from query.index_protocol import Index
 from query.retrieve import QueryConfig, load_vectors, query
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ class QueryInputs:
     vectors: str | None = None  # .npy file of query vectors, (d,) or (n, d)
 
 
-def answer(conf: QueryConfig, index: SearchIndex | str | Path, inputs: QueryInputs) -> Any:
+def answer(conf: QueryConfig, index: Index | str | Path, inputs: QueryInputs) -> Any:
     """The results of ``inputs`` on ``index`` (a directory, or an open index: a SearchIndex, or a
     coordinator of shards served elsewhere): one result dict per query, or that dict alone for a
     single query."""
@@ -53,7 +54,7 @@ def info_path(output: Path) -> Path:
     return output.with_name(f"{output.stem if output.suffix == '.json' else output.name}.info.json")
 
 
-def main(conf: QueryConfig, index: SearchIndex | str | Path, inputs: QueryInputs, output: Path) -> Path:
+def main(conf: QueryConfig, index: Index | str | Path, inputs: QueryInputs, output: Path) -> Path:
     """Answer ``inputs`` on ``index``; write the answer to ``output`` and its info beside it; returns
     ``output``."""
     start = time.perf_counter()

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from rerank.ensemble import METHODS, EnsembleConfig, combine, rerank_order
 from rerank.expand import ExpansionConfig
 from rerank.matching import MatchConfig, matches_from_nearest, nearest_tokens, query_weights_of
 from rerank.spatial import SpatialConfig, verify
+
+if TYPE_CHECKING:
+    from index.locals import LocalStore
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ class RerankConfig:
     spatial: SpatialConfig = field(default_factory=SpatialConfig)  # spatial verification thresholds
     ames: str | None = None  # AMES checkpoint (method ames)
     # Query-side extraction factors of the base resolution, and tokens kept at each; None: the token
-    # kind's own (embed.registry.RERANK_BY_KIND: Lite0 3 x 100 at 0.75/1/1.5, ALIKED 300 at 1).
+    # kind's own (embed.local_presets.RERANK_BY_KIND: Lite0 3 x 100 at 0.75/1/1.5, ALIKED 300 at 1).
     query_scales: tuple[float, ...] | None = None
     query_top_k: int | None = None
     db_tokens: int | None = None  # use only each candidate's best this many tokens (None: all stored)
@@ -58,11 +61,11 @@ class RerankConfig:
 
 def with_kind_defaults(conf: RerankConfig, kind: str | None) -> RerankConfig:
     """``conf`` with what it leaves open (None) set to the token kind's own settings
-    (embed.registry.RERANK_BY_KIND); kind None (not known): no expansion, the query side left open,
+    (embed.local_presets.RERANK_BY_KIND); kind None (not known): no expansion, the query side left open,
     MatchConfig's generic threshold."""
     if kind is None:
         return replace(conf, expansion=conf.expansion or ExpansionConfig())
-    from embed.registry import RERANK_BY_KIND
+    from embed.local_presets import RERANK_BY_KIND
 
     if kind not in RERANK_BY_KIND:
         raise NeedleInputError(f"unknown local-token kind {kind!r}; known: {sorted(RERANK_BY_KIND)}")
@@ -141,6 +144,14 @@ class Reranker:
             inliers,
             functools.partial(_inlier_evidence, query, candidates, matches, result),
         )
+
+    def scores_of_stored(
+        self, store: LocalStore, positions: list[np.ndarray], queries: Sequence[LocalTokens]
+    ) -> list[LocalScores]:
+        """Each query's local scores against the stored tokens at its shortlist's ``positions[q]``
+        in ``store`` (an index's local store in this process: index.search.SearchIndex)."""
+        db_tokens = candidate_width(self.conf, lambda: store.max_tokens)
+        return [self.local_scores(query, store.batch(at, db_tokens)) for at, query in zip(positions, queries)]
 
     def rerank(
         self, rows: np.ndarray, s_global: np.ndarray, query: LocalTokens, candidates: TokenBatch

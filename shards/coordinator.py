@@ -1,16 +1,18 @@
 """The coordinator of an index whose shards are served elsewhere (Ray actors on other nodes): it
 holds the top-level ``index_infos.json`` and the shards' handles, nothing that grows with the
-rows (no id table, vectors, key files or local store), and answers like ``SearchIndex``:
+rows (no id table, vectors, key files or local store), and answers the query path's ``Index``
+(query/index_protocol.py) as ``SearchIndex`` does, each call to the shards one of
+``shards.calls.ShardCalls``:
 
 - ``search``: every shard returns its shortlist with its keys; the merge is
-  ``index.search.merge_shortlists``, the single index's own, so D and I (ties included) are
+  ``index.merge.merge_shortlists``, the single index's own, so D and I (ties included) are
   identical to ``load_index`` over the same data;
 - ``keys_of``, ``position_of``, ``vector_of``, ``tokens_of_key``, ``vectors_of_rows``, ``thumbnail``: routed to
   the shard that owns a row (by its Parquet shard id, from the top-level infos), or asked of
   every shard's O(log n) key lookup for a key;
-- ``score_shortlists`` (query.retrieve's re-ranking hook): each shard gets its members of the
-  global shortlist and the query's tokens once, and returns raw local scores; retrieve.search
-  combines and orders the whole shortlist as in one process.
+- ``score_shortlists`` (re-ranking): each shard gets its members of the global shortlist and the
+  query's tokens once, and returns raw local scores; query.retrieve.search combines and orders
+  the whole shortlist as in one process.
 
 Faults. A call goes to one replica of each shard (round robin); a replica that died is replaced
 by the next one, one that hangs (restarting, on a lost node) is hedged on another after
@@ -30,15 +32,22 @@ import logging
 import pickle
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from index.search import SearchIndex, UnknownKeyError, merge_shortlists
+from index.errors import UnknownKeyError
+from index.merge import checked_queries, merge_shortlists, shortlist_size
 from ingest.descriptors import ROW_SHARD_SHIFT
+from shards.calls import ReplicaFailed, ShardBackend, ShardCalls, replica_health
+
+if TYPE_CHECKING:
+    from core.tokens import LocalTokens
+    from query.index_protocol import Index
+    from rerank.rerank import LocalScores, Reranker
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +62,6 @@ class ShardsUnavailable(RuntimeError):
     def __init__(self, missing: list[str], what: str = "the request"):
         self.missing = sorted(missing)
         super().__init__(f"shards {', '.join(self.missing)} did not answer {what} in time")
-
-
-class ReplicaFailed(RuntimeError):
-    """A replica that cannot answer (its actor died or is restarting)."""
-
-
-class ShardBackend(Protocol):
-    """Calls to shard replicas: ``submit`` returns a handle, ``wait`` the handles done when all are
-    or ``timeout`` seconds have passed, ``result`` a done handle's value (ReplicaFailed where the
-    replica died), ``abandon`` the handles a request stopped waiting for."""
-
-    replicas: list[int]  # replicas of each shard
-
-    def submit(self, shard: int, replica: int, method: str, *args: Any) -> Any: ...
-    def wait(self, handles: list[Any], timeout: float) -> list[Any]: ...
-    def result(self, handle: Any) -> Any: ...
-    def abandon(self, handles: list[Any]) -> None: ...  # calls no longer waited for (hung, or hedged and beaten)
 
 
 @dataclass
@@ -98,7 +90,7 @@ class Traffic:
 
 
 class ShardedIndex:
-    """A ``SearchIndex``-like coordinator over shards served by ``backend``."""
+    """The ``Index`` (query/index_protocol.py) of shards served by ``backend``."""
 
     def __init__(self, infos: dict[str, Any], path: str, backend: ShardBackend, timeout: float = 10.0):
         self.infos = infos  # the top-level index_infos.json
@@ -134,10 +126,12 @@ class ShardedIndex:
     def has_locals(self) -> bool:
         return bool(self.infos.get("locals"))
 
-    # The same checks and shortlist size as the single index (SearchIndex's own code, which reads
-    # only d, infos, ntotal and is_exact).
-    check_queries = SearchIndex.check_queries
-    shortlist_size = SearchIndex.shortlist_size
+    # The same checks and shortlist size as the single index (index.merge's, which SearchIndex uses).
+    def check_queries(self, xq: np.ndarray, k: int) -> np.ndarray:
+        return checked_queries(xq, k, self.d)
+
+    def shortlist_size(self, k: int, refine: bool = True, refine_factor: int | None = None) -> int:
+        return shortlist_size(k, self.infos, self.ntotal, refine, refine_factor)
 
     # --- requests and calls ----------------------------------------------------------------
     @contextmanager
@@ -153,13 +147,17 @@ class ShardedIndex:
     def state(self) -> RequestState:
         return _REQUEST.get() or RequestState()
 
-    def call(self, method: str, args: dict[int, tuple], what: str = "the request") -> dict[int, Any]:
-        """``method(*args[s])`` on a replica of each shard ``s``; {shard: result} of those that
+    def call(
+        self, method: Callable[..., Any] | str, args: dict[int, tuple], what: str = "the request"
+    ) -> dict[int, Any]:
+        """``method(*args[s])`` (a ``ShardCalls`` method, or its name) on a replica of each shard
+        ``s``; {shard: result} of those that
         answered within the timeout. A replica that fails is replaced by the next one at once; one
         that has not answered after ``HEDGE_FRACTION`` of the timeout (a restarting actor, a lost
         node) is asked again on another replica, and both are suspect for ``SUSPECT_S`` seconds
         (others are asked first). Missing shards raise ShardsUnavailable, or with a partial
         request are recorded and left out."""
+        method = method if isinstance(method, str) else method.__name__
         start = time.monotonic()
         deadline = start + self.timeout
         several = any(self.backend.replicas[s] > 1 for s in args)
@@ -255,7 +253,7 @@ class ShardedIndex:
         xq = self.check_queries(xq, k)
         k = min(k, self.ntotal)
         kk = self.shortlist_size(k, refine, refine_factor)
-        parts = self.call("search", self.every_shard(xq, kk, nprobe, refine), "the search")
+        parts = self.call(ShardCalls.search, self.every_shard(xq, kk, nprobe, refine), "the search")
         request = _REQUEST.get()
         if request is not None:  # kept for this request's keys_of (-1 padding maps to None, never asked)
             for s in sorted(parts):
@@ -277,7 +275,7 @@ class ShardedIndex:
             owners = self.shard_of_rows(rows[wanted])
             at = np.flatnonzero(wanted)
             args = {int(s): (rows[at[owners == s]],) for s in np.unique(owners[owners >= 0])}
-            for s, shard_keys in self.call("keys_of", args, "the key lookup").items():
+            for s, shard_keys in self.call(ShardCalls.keys_of, args, "the key lookup").items():
                 keys[at[owners == s]] = shard_keys
         return keys[where.reshape(I.shape)].tolist()
 
@@ -293,7 +291,7 @@ class ShardedIndex:
             if k not in state.found or (with_tokens and "tokens" not in state.found[k][1])
         ]
         if todo:
-            answers = self.call("find_keys", self.every_shard(todo, with_tokens), "the key lookup")
+            answers = self.call(ShardCalls.find_keys, self.every_shard(todo, with_tokens), "the key lookup")
             for i, key in enumerate(todo):
                 hits = {s: answer[i] for s, answer in answers.items() if answer[i] is not None}
                 if hits:
@@ -310,6 +308,10 @@ class ShardedIndex:
             raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
         return found[key]
 
+    def prefetch_keys(self, keys: list[str], with_tokens: bool = False) -> None:
+        """``Index.prefetch_keys``: ``find_keys``, its answer kept for the rest of the request."""
+        self.find_keys(keys, with_tokens)
+
     def position_of(self, key: str) -> int:
         s, out = self.find_key(key)
         return int(self.bases[s]) + int(out["position"])
@@ -322,7 +324,7 @@ class ShardedIndex:
             )
         return out["vector"]
 
-    def tokens_of_key(self, key: str) -> Any:
+    def tokens_of_key(self, key: str) -> LocalTokens:
         from core.errors import NeedleInputError
 
         if not self.has_locals:
@@ -332,14 +334,15 @@ class ShardedIndex:
         s, found = self.find_key(key)
         if "tokens" in found:
             return found["tokens"]
-        return self.call("tokens_of_key", {s: (key,)}, "the token lookup")[s]
+        return self.call(ShardCalls.tokens_of_key, {s: (key,)}, "the token lookup")[s]
 
-    def thumbnail(self, key: str, px: int) -> bytes:
+    def thumbnail(self, key: str, px: int, tar_dirs: tuple[str, ...] = ()) -> bytes:
         """A JPEG thumbnail of ``key``'s image, made by the shard that owns the key from its source
-        tar (one call to every shard: an O(log n) lookup each; only the JPEG travels). UnknownKeyError
+        tar (one call to every shard: an O(log n) lookup each; only the JPEG travels; the shards
+        look for tars as their serving configures, ``tar_dirs`` is not theirs). UnknownKeyError
         where no shard holds the key, ShardsUnavailable where a shard that might did not answer."""
         with self.request(partial=True) as state:
-            answers = self.call("thumbnail", self.every_shard(key, px), "the thumbnail")
+            answers = self.call(ShardCalls.thumbnail, self.every_shard(key, px), "the thumbnail")
         for s in sorted(answers):
             if answers[s] is not None:
                 return answers[s]
@@ -353,7 +356,7 @@ class ShardedIndex:
         out = np.zeros((len(flat), self.d), np.float32)
         owners = self.shard_of_rows(flat)
         args = {int(s): (flat[owners == s],) for s in np.unique(owners[owners >= 0])}
-        for s, vectors in self.call("vectors_of_rows", args, "the vector lookup").items():
+        for s, vectors in self.call(ShardCalls.vectors_of_rows, args, "the vector lookup").items():
             out[owners == s] = vectors
         return out.reshape((*I.shape, self.d))
 
@@ -373,7 +376,7 @@ class ShardedIndex:
             for q, columns in enumerate(place):
                 rows[q, : len(columns)] = I[q, columns]
             args[int(s)], places[int(s)] = (xq, rows), place
-        for s, scores in self.call("rescore", args, "the second scoring").items():
+        for s, scores in self.call(ShardCalls.rescore, args, "the second scoring").items():
             for q, columns in enumerate(places[s]):
                 D[q, columns] = scores[q, : len(columns)]
         return D
@@ -381,22 +384,20 @@ class ShardedIndex:
     # --- re-ranking: scored where the tokens are --------------------------------------------
     def score_shortlists(
         self,
-        conf: Any,
+        reranker: Reranker,
         shortlists: list[np.ndarray],
         s_global: list[np.ndarray],
-        tokens: list[Any],
+        tokens: Sequence[LocalTokens | None],
         k: int,
         evidence: bool = True,
-    ) -> list[Any]:
-        """Per query, LocalScores of its shortlist, each member scored by the shard that owns it
-        (query.retrieve.shortlist_local_scores); with ``evidence`` the shards send the match
-        evidence of their members that can reach the top k (any other is asked for when wanted).
-        Members of a shard missing from a partial request keep their global score (no local
-        evidence)."""
+    ) -> list[LocalScores]:
+        """``Index.score_shortlists``: each member scored by the shard that owns it; evidence not
+        sent with the scores is asked for when wanted. Members of a shard missing from a partial
+        request keep their global score (no local evidence)."""
         from rerank.rerank import LocalScores, candidate_width
 
         # the width the single index would gather to (AMES: its longest row), the same on every shard
-        conf = dataclasses.replace(conf, db_tokens=candidate_width(conf, self.max_tokens))
+        conf = dataclasses.replace(reranker.conf, db_tokens=candidate_width(reranker.conf, self.max_tokens))
         owners = [self.shard_of_rows(rows) for rows in shortlists]
         # a query without tokens matches nothing: no shard is asked (as Reranker.local_scores)
         asked = [t is not None and len(t) > 0 for t in tokens]
@@ -412,7 +413,7 @@ class ShardedIndex:
                     k,
                     evidence,
                 )
-        answers = self.call("score_shortlists", args, "the re-ranking") if args else {}
+        answers = self.call(ShardCalls.score_shortlists, args, "the re-ranking") if args else {}
         out = []
         for q, rows in enumerate(shortlists):
             if not asked[q]:
@@ -421,19 +422,19 @@ class ShardedIndex:
             raw = np.zeros(len(rows), np.float64)
             has_locals = np.zeros(len(rows), bool)
             inliers = np.zeros(len(rows), np.int64) if conf.method == "sp" else None
-            evidence: dict[int, Any] = {}
+            sent: dict[int, Any] = {}  # member -> the match evidence its shard sent with the scores
             for s, answer in answers.items():
                 part = answer[q]
                 if part is None:
                     continue
-                members = np.flatnonzero(owners[q] == s)
-                raw[members] = part["raw"]
-                has_locals[members] = part["has_locals"]
+                mine = np.flatnonzero(owners[q] == s)
+                raw[mine] = part["raw"]
+                has_locals[mine] = part["has_locals"]
                 if inliers is not None and part["inliers"] is not None:
-                    inliers[members] = part["inliers"]
+                    inliers[mine] = part["inliers"]
                 if part["evidence"] is not None:
-                    evidence.update((int(members[i]), ev) for i, ev in part["evidence"].items())
-            fetch = self.evidence_fetcher(conf, rows, owners[q], tokens[q], evidence, set(answers))
+                    sent.update((int(mine[i]), ev) for i, ev in part["evidence"].items())
+            fetch = self.evidence_fetcher(conf, rows, owners[q], tokens[q], sent, set(answers))
             out.append(LocalScores(raw, has_locals, inliers, fetch if conf.method == "sp" else None))
         return out
 
@@ -445,7 +446,7 @@ class ShardedIndex:
             if recorded is not None:
                 self._max_tokens = int(recorded)
             else:
-                answers = self.call("max_tokens", self.every_shard(), "the token count")
+                answers = self.call(ShardCalls.max_tokens, self.every_shard(), "the token count")
                 if len(answers) < len(self.names):  # a partial request: the missing shards may hold longer rows
                     return max(answers.values())
                 self._max_tokens = max(answers.values())
@@ -462,37 +463,17 @@ class ShardedIndex:
                 s = int(owners[c])
                 if s not in reached:
                     return {"inliers": 0, "query_xy": [], "db_xy": []}
-                evidence[c] = self.call("evidence_of", {s: (conf, rows[c : c + 1], query)}, "the evidence")[s][0]
+                answer = self.call(ShardCalls.evidence_of, {s: (conf, rows[c : c + 1], query)}, "the evidence")
+                evidence[c] = answer[s][0]
             return evidence[c]
 
         return evidence_of
 
-    # --- health ----------------------------------------------------------------------------
     def health(self, timeout: float | None = None) -> dict[str, Any]:
-        """Every replica's state (ready with its node, or unreachable within ``timeout``) and
-        ``ok``: whether every shard has a live replica."""
-        timeout = min(self.timeout, 5.0) if timeout is None else timeout
-        handles = {
-            self.backend.submit(s, r, "info"): (s, r)
-            for s in range(len(self.names))
-            for r in range(self.backend.replicas[s])
-        }
-        deadline, done = time.monotonic() + timeout, set()
-        while len(done) < len(handles) and time.monotonic() < deadline:
-            finished = self.backend.wait([h for h in handles if h not in done], deadline - time.monotonic())
-            if not finished:
-                break
-            done.update(finished)
-        replicas = []
-        for handle, (s, r) in handles.items():
-            entry = {"shard": self.names[s], "replica": r, "status": "unreachable", "node": None}
-            if handle in done:
-                try:
-                    info = self.backend.result(handle)
-                    entry.update(status="ready", node=info["node"])
-                except ReplicaFailed:
-                    pass
-            replicas.append(entry)
-        live = {e["shard"] for e in replicas if e["status"] == "ready"}
-        unavailable = [name for name in self.names if name not in live]
-        return {"ok": not unavailable, "unavailable_shards": unavailable, "replicas": replicas}
+        """``Index.health``: every replica's state (``replica_health``), within ``timeout`` seconds
+        (default: the request timeout, at most 5 s)."""
+        return replica_health(self.backend, self.names, min(self.timeout, 5.0) if timeout is None else timeout)
+
+
+if TYPE_CHECKING:  # mypy checks that the coordinator is an Index, as SearchIndex is (query/index_protocol.py)
+    _sharded: type[Index] = ShardedIndex

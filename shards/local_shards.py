@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from shards.coordinator import ReplicaFailed
+from shards.calls import ReplicaFailed
 
 
 class LocalShards:

@@ -1,6 +1,7 @@
 """One index shard served where its data is: a Ray actor (cluster/ray_shards.py wraps ShardGroup, a
 group of these, with ``ray.remote``) that stages its shard directory to its node's disk (shards/staging.py),
-opens it by itself (``index.search.open_shard``) and answers everything about its rows:
+opens it by itself (``index.shard.open_shard``) and answers everything about its rows
+(the calls of ``shards.calls.ShardCalls``):
 
 - ``search``: its shortlist (index scores, row ids, exact scores) and the shortlist's keys;
 - ``keys_of``, ``find_key``, ``tokens_of_key``, ``vectors_of_rows``: lookups in its own files
@@ -20,13 +21,19 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from index.search import open_shard
+from core.tokens import LocalTokens, TokenBatch
+from index.shard import open_shard
 from ingest.source_images import SourceImages, SourceImagesConfig, tar_urls_of_files, thumbnail_jpeg
+from shards.calls import ShardCalls, ShardKeys
 from shards.staging import StageConfig, stage_shard
+
+if TYPE_CHECKING:
+    from index.locals import LocalStore
+    from rerank.rerank import RerankConfig, Reranker
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +84,7 @@ def split_scored(scored: dict[str, Any], sizes: list[int]) -> list[dict[str, Any
     return out
 
 
-class ShardActor:
+class ShardActor(ShardCalls):
     """Shard ``name`` of the index at ``source``, staged to this node and memory-mapped."""
 
     def __init__(
@@ -117,8 +124,8 @@ class ShardActor:
 
     def search(
         self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[str | None]]]:
-        """(index scores, row ids, exact scores, keys) of this shard's shortlist (``Shard.search``)."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ShardKeys]:
+        """``ShardCalls.search``: candidates, then their exact scores and keys."""
         D, I = self.candidates(xq, kk, nprobe)
         return self.completed(xq, D, I, refine)
 
@@ -128,7 +135,7 @@ class ShardActor:
 
     def completed(
         self, xq: np.ndarray, D: np.ndarray, I: np.ndarray, refine: bool
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[str | None]]]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ShardKeys]:
         """Candidates ``(D, I)`` of this shard (-1 padding allowed) with their exact scores and keys."""
         return D, I, self.shard.exact_scores(writable(xq), D, I, refine), self.shard.keys_of(I)
 
@@ -142,7 +149,7 @@ class ShardActor:
         position = self.shard.position_of(key)
         if position < 0:
             return None
-        found = {"position": position, "vector": self.shard.vector_at(position)}
+        found: dict[str, Any] = {"position": position, "vector": self.shard.vector_at(position)}
         if with_tokens:
             found["tokens"] = self.store().tokens(position)
         return found
@@ -151,7 +158,7 @@ class ShardActor:
         """``find_key`` of each of ``keys`` (one call for a request's keys)."""
         return [self.find_key(key, with_tokens) for key in keys]
 
-    def tokens_of_key(self, key: str) -> Any:
+    def tokens_of_key(self, key: str) -> LocalTokens | None:
         """The stored LocalTokens of ``key`` (None where this shard does not hold it)."""
         position = self.shard.position_of(key)
         if position < 0:
@@ -182,7 +189,7 @@ class ShardActor:
         """Exact scores (nq, C) of (nq, d) queries with this shard's rows (nq, C), -inf for -1."""
         return self.shard.rescore(writable(xq), np.asarray(rows, np.int64))
 
-    def store(self) -> Any:
+    def store(self) -> LocalStore:
         from core.errors import NeedleInputError
 
         store = self.shard.local_store
@@ -194,7 +201,7 @@ class ShardActor:
         """The most tokens any of this shard's rows has."""
         return self.store().max_tokens
 
-    def reranker(self, conf: Any) -> Any:
+    def reranker(self, conf: RerankConfig) -> Reranker:
         from rerank.rerank import Reranker
 
         with self._lock:
@@ -202,23 +209,20 @@ class ShardActor:
                 self._rerankers[repr(conf)] = Reranker(conf)
             return self._rerankers[repr(conf)]
 
-    def candidate_tokens(self, conf: Any, rows: np.ndarray) -> Any:
+    def candidate_tokens(self, conf: RerankConfig, rows: np.ndarray) -> TokenBatch:
         """The stored tokens (a TokenBatch of ``conf.db_tokens`` each) of this shard's ``rows``."""
         return self.store().batch(self.shard.positions_of_rows(np.asarray(rows, np.int64)), conf.db_tokens)
 
     def score_shortlists(
         self,
-        conf: Any,
+        conf: RerankConfig,
         shortlists: list[np.ndarray],
         s_global: list[np.ndarray],
-        tokens: list[Any],
+        tokens: list[LocalTokens | None],
         k: int,
         evidence: bool = True,
     ) -> list[dict[str, Any] | None]:
-        """Per query, this shard's members of its shortlist (row ids, global scores) scored against
-        their stored tokens with the query's ``tokens`` and RerankConfig ``conf``: ``{"raw",
-        "has_locals", "inliers", "evidence": {member: evidence}}`` (``scored_shortlist``); None
-        where it has none."""
+        """``ShardCalls.score_shortlists``, each query's members scored by ``scored_shortlist``."""
         reranker = self.reranker(conf)
         out: list[dict[str, Any] | None] = []
         for rows, scores, query in zip(shortlists, s_global, tokens):
@@ -229,7 +233,7 @@ class ShardActor:
             out.append(scored_shortlist(reranker, query, np.asarray(rows, np.int64), scores, candidates, k, evidence))
         return out
 
-    def evidence_of(self, conf: Any, rows: np.ndarray, query: Any) -> list[dict[str, Any] | None]:
+    def evidence_of(self, conf: RerankConfig, rows: np.ndarray, query: LocalTokens) -> list[dict[str, Any] | None]:
         """The match evidence of each of ``rows`` (scored again, alone: a member the coordinator
         placed in the top k without its evidence)."""
         local = self.reranker(conf).local_scores(query, self.candidate_tokens(conf, rows))

@@ -16,7 +16,7 @@ them costs more than it saves (measured on the 2-core box: 3 members' searches 2
 another, 3.1 ms in 3 threads).
 
 Members' searches of one query batch run in two steps: every member's candidates by index score,
-then only the members of the batch's shortlist among them (index.search.trim_to_shortlist) are
+then only the members of the batch's shortlist among them (index.merge.trim_to_shortlist) are
 re-scored and given keys, and only they go back; the merge at the coordinator is unchanged and
 exact. A group of G shards thus re-scores kk rows per query, not G times kk. Arguments and
 answers travel pickled in one bytes object each way: Ray's own serialisation of
@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 
 from core.tokens import TokenBatch
-from index.search import trim_to_shortlist
+from index.merge import trim_to_shortlist
 from ingest.source_images import SourceImagesConfig
+from shards.calls import ShardCalls
 from shards.direct import DirectServer, Endpoint
 from shards.shard_actor import ShardActor, scored_shortlist, split_scored
 from shards.staging import StageConfig
@@ -126,9 +127,9 @@ class ShardGroup:
             return pickle.dumps(plain, protocol=5)
 
     def answer(self, method: str, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
-        if method == "search" and len(calls) > 1:
+        if method == ShardCalls.search.__name__ and len(calls) > 1:
             return self.searched(calls)
-        if method == "score_shortlists" and len(calls) > 1:
+        if method == ShardCalls.score_shortlists.__name__ and len(calls) > 1:
             return self.scored(calls)
         return self.each([(member, method, args) for member, args in calls])
 
@@ -149,7 +150,7 @@ class ShardGroup:
 
     def searched(self, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
         """Members' ``search`` answers, each batch of the same arguments trimmed to its shortlist
-        among the members before re-scoring and keys (``index.search.trim_to_shortlist``)."""
+        among the members before re-scoring and keys (``index.merge.trim_to_shortlist``)."""
         out: list[tuple[str, Any]] = [("error", RuntimeError("not answered"))] * len(calls)
         for slots in batches_of(calls, search_key):
             xq, kk, nprobe, refine = calls[slots[0]][1]
@@ -177,7 +178,8 @@ class ShardGroup:
             except Exception as exc:
                 names = [self.members[calls[slot][0]].name for slot in slots]
                 log.warning("shards %s: scoring together failed (%r): scoring member by member", names, exc)
-                answers = self.each([(calls[slot][0], "score_shortlists", calls[slot][1]) for slot in slots])
+                alone = ShardCalls.score_shortlists.__name__
+                answers = self.each([(calls[slot][0], alone, calls[slot][1]) for slot in slots])
             for slot, answer in zip(slots, answers):
                 out[slot] = answer
         return out

@@ -11,7 +11,7 @@ import pyarrow.ipc
 
 from index.build import INFOS_FILE, SHARD_INFOS_FILE
 from index.keys import write_key_files
-from index.search import read_ids
+from index.shard_files import read_ids
 from ingest.descriptors import descriptor_schema, fixed_size_list, make_row_id, write_parquet_atomic
 
 

@@ -186,7 +186,7 @@ def test_commands_default_to_the_configs_defaults():
     from rerank.ensemble import EnsembleConfig
     from rerank.matching import MatchConfig
     from rerank.rerank import RerankConfig
-    from service.webpage import PageConfig
+    from webapi.webpage import PageConfig
 
     assert _config(["ingest", "--shards", "x", "--out", "o"], IngestConfig) == IngestConfig()
     assert _config(["pack", "src", "--out", "o"], PackConfig) == PackConfig()

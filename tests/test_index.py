@@ -10,7 +10,10 @@ from helpers_index import clustered_unit_vectors, write_descriptor_file
 
 from core.errors import NeedleInputError
 from index.build import IDS_FILE, INFOS_FILE, IndexConfig, main
-from index.search import IndexFileError, UnknownKeyError, load_index, read_ids, search_params
+from index.errors import IndexFileError, UnknownKeyError
+from index.merge import search_params
+from index.search import load_index
+from index.shard_files import read_ids
 from ingest.descriptors import DescriptorFileError, make_row_id
 
 

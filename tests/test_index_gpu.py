@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 
-import index.search as search_module
+import index.shard as search_module
 from core.errors import NeedleInputError
-from index.build import IndexConfig, assigning_with, hnsw_quantizer, main, train
+from index.build import IndexConfig, main
+from index.build_train import assigning_with, hnsw_quantizer, train
 from index.factory import IndexPlan
 from index.gpu import (
     WORST,
@@ -399,7 +400,7 @@ def test_the_stand_in_for_an_hnsw_quantizer_assigns_exactly():
 def test_build_adds_through_the_stand_in_where_faiss_has_gpus(tmp_path, monkeypatch):
     """``main``'s parts add through ``add_quantizer``'s stand-in (here with its base on the CPU,
     as if FAISS had GPUs): the same index as the plain CPU build, with its own quantizer saved."""
-    import index.build as build_module
+    import index.build_train as build_module
 
     for s in range(2):
         write_descriptor_file(tmp_path / "desc", f"{s:06d}", s, clustered_unit_vectors(1500, 32, seed=s))
@@ -497,7 +498,7 @@ def test_gpu_kmeans_and_add_match_the_cpu(tmp_path, monkeypatch, factory):
     """A build with k-means and list assignment on the GPU finds the exact neighbours about as
     often as one on the CPU; from one trained index, (almost) every vector lands in the same
     list whether assigned on the GPU or by the CPU quantizer."""
-    import index.build as build_module
+    import index.build_train as build_module
 
     parts = [clustered_unit_vectors(5000, 32, seed=s) for s in range(2)]
     for s, xb in enumerate(parts):

@@ -14,15 +14,11 @@ import pytest
 from helpers_index import clustered_unit_vectors, to_old_layout
 
 from index.build import INFOS_FILE, SHARD_INFOS_FILE, IndexConfig, main
+from index.errors import IndexFileError, UnknownKeyError
 from index.locals import read_token_records
-from index.search import (
-    IndexFileError,
-    UnknownKeyError,
-    load_index,
-    open_shard,
-    shard_names,
-    verify_shard,
-)
+from index.search import load_index
+from index.shard import open_shard
+from index.shard_files import shard_names, verify_shard
 from ingest.descriptors import (
     descriptor_schema,
     fixed_size_list,
@@ -271,7 +267,7 @@ def test_trimmed_shortlists_merge_to_the_same_answer(seed):
     """Shards searched together re-score only their members of their joint shortlist: the merge
     of the trimmed parts, re-scored, equals the merge of every part re-scored in full (coarse
     scores: many ties; padding)."""
-    from index.search import merge_shortlists, trim_to_shortlist
+    from index.merge import merge_shortlists, trim_to_shortlist
 
     rng = np.random.default_rng(seed)
     nq, kk, k = 4, 12, 5
@@ -304,7 +300,7 @@ def test_trimmed_shortlists_merge_to_the_same_answer(seed):
 def test_a_rows_exact_score_does_not_depend_on_the_rows_beside_it(d):
     """Re-scoring: a row's float16 inner product is the same to the bit whichever rows share its
     block (how the index is sharded and served decides that), and equals a float64 reference."""
-    from index.search import float16_inner_products
+    from index.merge import float16_inner_products
 
     rng = np.random.default_rng(d)
     block = rng.normal(size=(600, d)).astype(np.float16)

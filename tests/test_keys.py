@@ -6,8 +6,9 @@ import pytest
 from helpers_index import clustered_unit_vectors, to_old_layout, write_descriptor_file
 
 from index.build import IndexConfig, main
+from index.errors import UnknownKeyError
 from index.keys import KEY_FILES, KEY_OFFSETS_FILE, KEYS_FILE, KeyFileError, KeyStore, write_key_files
-from index.search import UnknownKeyError, load_index
+from index.search import load_index
 
 
 def _random_keys(n: int, seed: int) -> list[str]:

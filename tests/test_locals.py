@@ -102,8 +102,8 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 
 @pytest.fixture(scope="session")
 def local_extractor():
+    from embed.local_presets import LITE0_ITQ, LocalConfig
     from embed.locals import LocalExtractor
-    from embed.registry import LITE0_ITQ, LocalConfig
 
     return LocalExtractor(LocalConfig(resolution=192, top_k=30, itq=LITE0_ITQ, keep_desc=True))
 
@@ -129,8 +129,8 @@ def test_cnn_tokens_follow_the_image_content(local_extractor, photos):
 
 
 def test_multi_scale_tokens_per_scale_and_codes(photos):
+    from embed.local_presets import LITE0_ITQ, LocalConfig
     from embed.locals import LocalExtractor
-    from embed.registry import LITE0_ITQ, LocalConfig
 
     ex = LocalExtractor(LocalConfig(resolution=128, scales=(0.75, 1.0, 1.5), per_scale=True, top_k=12, itq=LITE0_ITQ))
     assert ex.resolution == 192
@@ -148,8 +148,8 @@ def test_multi_scale_tokens_per_scale_and_codes(photos):
 
 def test_local_extractor_refuses_missing_or_mismatched_itq(tmp_path):
     from core.errors import NeedleInputError
+    from embed.local_presets import LocalConfig
     from embed.locals import LocalExtractor
-    from embed.registry import LocalConfig
 
     with pytest.raises(NeedleInputError, match="ITQ"):
         LocalExtractor(LocalConfig(resolution=64, itq=None))
@@ -204,8 +204,9 @@ def test_schema_v2_rows_carry_their_tokens(local_descriptors, local_extractor):
 def test_local_store_returns_each_rows_tokens_exactly(tmp_path, local_descriptors, shards):
     from index.build import IndexConfig
     from index.build import main as build
+    from index.errors import IndexFileError
     from index.locals import LocalStoreError, read_token_records
-    from index.search import IndexFileError, load_index
+    from index.search import load_index
 
     out = build(IndexConfig(kind="flat", shards=shards), local_descriptors, tmp_path / "idx")
     index = load_index(out)
@@ -402,7 +403,7 @@ def test_serve_reranks_key_and_image_queries_with_evidence(tmp_path, local_descr
     from index.build import main as build
     from index.search import load_index
     from rerank.rerank import RerankConfig
-    from service.query_service import QueryService
+    from webapi.query_service import QueryService
 
     index = load_index(build(IndexConfig(kind="flat"), local_descriptors, tmp_path / "idx"))
     service = QueryService(index, rerank=RerankConfig(method="sp", shortlist=5))
@@ -429,7 +430,7 @@ def test_serve_image_queries_go_through_the_adapter_and_rerank_per_request(tmp_p
     from index.build import main as build
     from index.search import load_index
     from rerank.rerank import RerankConfig
-    from service.query_service import QueryService
+    from webapi.query_service import QueryService
 
     adapter_path = save_adapter(LinearAdapter(1280, 64), tmp_path / "a.pt")
     index = load_index(build(IndexConfig(kind="flat", adapt=str(adapter_path)), local_descriptors, tmp_path / "idx"))

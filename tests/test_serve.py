@@ -45,7 +45,7 @@ def test_ray_sharded_service_equals_single_index(built, ray_local):
 
 @pytest.fixture(scope="module")
 def service(built):
-    from service.query_service import QueryService
+    from webapi.query_service import QueryService
 
     return QueryService(load_index(built / "single"))
 
@@ -54,7 +54,7 @@ def service(built):
 def client(service):
     from fastapi.testclient import TestClient
 
-    from service.webapp import create_app
+    from webapi.webapp import create_app
 
     with TestClient(create_app(service), raise_server_exceptions=False) as c:
         yield c
@@ -100,7 +100,7 @@ def test_http_bad_input_is_a_4xx_with_a_message(client, path, body, message):
 
 
 def test_http_unknown_endpoint_too_large_body_and_failure(client, service, monkeypatch):
-    import service.webapp
+    import webapi.webapp
 
     response = client.get("/nope")
     assert response.status_code == 404 and response.json() == {"error": "no such endpoint /nope"}
@@ -111,7 +111,7 @@ def test_http_unknown_endpoint_too_large_body_and_failure(client, service, monke
     monkeypatch.setattr(service, "search_json", boom)
     status, out = post(client, "/search", {"keys": ["000000/00001"]})
     assert status == 500 and out == {"error": "RuntimeError: disk on fire"}
-    monkeypatch.setattr(service.webapp, "MAX_BODY", 10)
+    monkeypatch.setattr(webapi.webapp, "MAX_BODY", 10)
     for path in ("/search/image?k=2", "/search"):
         status, out = post(client, path, b"x" * 11)
         assert status == 413 and "over 10" in out["error"]
@@ -178,7 +178,7 @@ def test_uvicorn_answers_concurrent_requests_like_sequential_ones(service, built
 
     import uvicorn
 
-    from service.webapp import create_app
+    from webapi.webapp import create_app
 
     server = uvicorn.Server(
         uvicorn.Config(create_app(service), host="127.0.0.1", port=free_port(), log_level="warning")
@@ -236,8 +236,8 @@ def test_ray_serve_deployment_in_front_of_shard_actors(built, ray_local, tmp_pat
     from ray import serve
 
     from cluster.serve import ShardServing, ray_app, serve_sharded
-    from service.query_service import QueryService
     from shards.staging import StageConfig
+    from webapi.query_service import QueryService
 
     serving = ShardServing(stage=StageConfig(str(tmp_path / "cache")), timeout=20.0)
     actors = serve_sharded(built / "sharded", serving).backend.actors
@@ -281,10 +281,10 @@ def test_ray_parallel_build_equals_sequential(built, ray_local, tmp_path):
 
 
 def test_create_app_with_the_web_page(service):
-    webpage = pytest.importorskip("service.webpage")
+    webpage = pytest.importorskip("webapi.webpage")
     from fastapi.testclient import TestClient
 
-    from service.webapp import create_app
+    from webapi.webapp import create_app
 
     with TestClient(create_app(service, webpage.PageConfig())) as c:
         assert c.get("/").status_code == 200

@@ -12,7 +12,9 @@ import pytest
 from helpers_index import write_descriptors_with_tokens, write_source_tars
 
 from index.build import SHARD_INFOS_FILE, IndexConfig, main
-from index.search import IndexFileError, UnknownKeyError, load_index, merge_shortlists
+from index.errors import IndexFileError, UnknownKeyError
+from index.merge import merge_shortlists
+from index.search import load_index
 from query.retrieve import QueryConfig, search, stored_tokens
 from rerank.rerank import RerankConfig
 from shards.coordinator import ShardedIndex, ShardsUnavailable
@@ -135,7 +137,7 @@ def test_thumbnails_are_made_by_the_shard_that_owns_the_key(built, sharded):
 
     from PIL import Image
 
-    from service.webpage import ImageSource
+    from index.images import ImageSource
 
     _, out, _ = built
     single = ImageSource(load_index(out))
@@ -250,7 +252,7 @@ def test_a_shard_group_scores_its_members_shortlists_together(built, tmp_path, m
 
 
 def test_query_service_answers_like_the_single_index(built, sharded):
-    from service.query_service import QueryService
+    from webapi.query_service import QueryService
 
     _, out, xb = built
     rerank = RerankConfig(method="sp", shortlist=40)
@@ -336,8 +338,8 @@ def test_a_hung_replica_is_hedged_on_another_and_then_avoided(built, tmp_path):
 def test_http_503_partial_and_health(built, tmp_path):
     from fastapi.testclient import TestClient
 
-    from service.query_service import QueryService
-    from service.webapp import check_shards, create_app
+    from webapi.query_service import QueryService
+    from webapi.webapp import check_shards, create_app
 
     _, out, xb = built
     index = coordinator(out, tmp_path / "cache", replicas=1, timeout=0.5)

@@ -1,4 +1,4 @@
-"""The web page (service/webpage.py, service/web/): its endpoints through TestClient, and the page
+"""The web page (webapi/webpage.py, webapi/web/): its endpoints through TestClient, and the page
 itself in Chromium (Playwright): upload, re-ranking evidence lines, error messages, a screenshot."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def web_index(tmp_path_factory, photos, extractor):
     """Two tars of three photos (the second mirrored), ingested with global and local features,
     a flat index with its local store, the ingestion's manifest naming the tars, a ground truth
     and an eval report, and a scaling plot."""
+    from embed.local_presets import LITE0_ITQ, LocalConfig
     from embed.locals import LocalExtractor
-    from embed.registry import LITE0_ITQ, LocalConfig
     from index.build import IndexConfig
     from index.build import main as build
     from ingest.pipeline import process_shard
@@ -79,19 +79,19 @@ def web_index(tmp_path_factory, photos, extractor):
 @pytest.fixture(scope="module")
 def app(web_index):
     from index.search import load_index
-    from service.query_service import QueryService
-    from service.webpage import PageConfig
+    from webapi.query_service import QueryService
+    from webapi.webpage import PageConfig
 
     service = QueryService(load_index(web_index["index"]))
     conf = PageConfig(
         report=str(web_index["report"]), scaling_plot=str(web_index["plot"]), max_upload_bytes=200_000, thumbnail_px=96
     )
     try:
-        from service.webapp import create_app
+        from webapi.webapp import create_app
     except ImportError:  # the JSON API not there: the page on a bare app
         from fastapi import FastAPI
 
-        from service.webpage import register_page
+        from webapi.webpage import register_page
 
         application = FastAPI()
         register_page(application, service, conf)
@@ -148,8 +148,8 @@ def test_thumb_is_a_jpeg_of_the_tar_member(client, web_index):
 
 def test_thumb_falls_back_to_shard_dirs(web_index):
     """Without ingestion records naming the tar, <shard>.tar in a configured directory."""
+    from index.images import ImageSource
     from index.search import load_index
-    from service.webpage import ImageSource
 
     index = load_index(web_index["index"])
     index.infos = dict(index.infos, descriptors=[])
@@ -212,8 +212,8 @@ def test_report_lists_ap_and_missed_positives(client):
 
 def test_report_missed_positives_from_recorded_rankings(tmp_path, web_index):
     from index.search import load_index
-    from service.query_service import QueryService
-    from service.webpage import PageConfig, PageSearch, page_report
+    from webapi.query_service import QueryService
+    from webapi.webpage import PageConfig, PageSearch, page_report
 
     path = tmp_path / "r.json"
     path.write_text(
@@ -237,8 +237,8 @@ def test_report_not_configured_is_404(web_index):
     from fastapi.testclient import TestClient
 
     from index.search import load_index
-    from service.query_service import QueryService
-    from service.webpage import register_page
+    from webapi.query_service import QueryService
+    from webapi.webpage import register_page
 
     app = FastAPI()
     register_page(app, QueryService(load_index(web_index["index"])), None)
@@ -347,7 +347,7 @@ def test_page_in_chromium(live_server, web_index, tmp_path):
 
 def test_serve_flags_make_the_page_config(tmp_path):
     from cli.main import _page_config, build_parser
-    from service.webpage import PageConfig
+    from webapi.webpage import PageConfig
 
     args = build_parser().parse_args(
         [

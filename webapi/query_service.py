@@ -1,6 +1,6 @@
-"""The QueryService behind the HTTP app (service.webapp): turns JSON bodies, images and text into
-searches of any index (one process's ``SearchIndex`` or a coordinator of shards,
-``shards.coordinator.ShardedIndex``).
+"""The QueryService behind the HTTP app (webapi.webapp): turns JSON bodies, images and text into
+searches of any ``query.index_protocol.Index`` (one process's ``SearchIndex`` or a coordinator of
+shards, ``shards.coordinator.ShardedIndex``).
 
 Bad input (non-image bytes, wrong vector dimension, k larger than the index, empty text, unknown key,
 malformed JSON) is a ``NeedleInputError``, answered 400 with ``{"error": message}`` by the app.
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from core.errors import NeedleInputError
-from index.search import SearchIndex
+from query.index_protocol import Index
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors
@@ -26,7 +26,7 @@ class QueryService:
     """Turns requests into searches; shared by the app's request threads (its lock guards only the
     lazy loading of the query models: searches run in parallel)."""
 
-    def __init__(self, index: SearchIndex, files: Any = None, rerank: Any = None):
+    def __init__(self, index: Index, files: Any = None, rerank: Any = None):
         from query.recorded import QueryFiles
         from query.retrieve import token_kind
         from rerank.rerank import Reranker
@@ -113,10 +113,7 @@ class QueryService:
         missing, each query's answer says so (``"partial": true``, ``"missing_shards"``)."""
         if not isinstance(partial, bool):
             raise NeedleInputError(f"'partial' must be true or false, got {partial!r}")
-        request = getattr(self.index, "request", None)
-        if request is None:  # one process: every shard is here
-            return call()
-        with request(partial) as state:
+        with self.index.request(partial) as state:  # in one process no shard is ever missing
             out = call()
         if state.missing:
             for query in out:
@@ -138,9 +135,7 @@ class QueryService:
             keys = body["keys"]
             if not isinstance(keys, list) or not keys or not all(isinstance(x, str) for x in keys):
                 raise NeedleInputError("'keys' must be a non-empty list of strings")
-            lookup = getattr(self.index, "find_keys", None)  # shards elsewhere: all keys in one call to each
-            if lookup is not None:
-                lookup(keys, with_tokens=self.rerank is not None)
+            self.index.prefetch_keys(keys, with_tokens=self.rerank is not None)  # shards elsewhere: one call to each
             tokens = None
             if self.rerank is not None:
                 from query.retrieve import stored_tokens

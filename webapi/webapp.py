@@ -7,7 +7,7 @@
   "vectors" | "text"}``
 - ``POST /search/image?k=10[&nprobe=N][&partial=1]`` raw image bytes (the request body, at most ``MAX_BODY``)
 - ``GET  /docs``                         the OpenAPI page
-- ``/`` and the web page's own routes when a ``PageConfig`` is given (service.webpage)
+- ``/`` and the web page's own routes when a ``PageConfig`` is given (webapi.webpage)
 
 Bad input is answered 400 with ``{"error": message}``, an unknown endpoint 404, a body over
 ``MAX_BODY`` 413, a failure 500 (logged with its traceback). Shards that did not answer within the
@@ -31,12 +31,13 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import ImageDecodeError, NeedleInputError
-from index.search import shard_names
-from service.query_service import MAX_BODY, QueryService
+from index.shard_files import shard_names
 from shards.coordinator import ShardsUnavailable
+from webapi.query_service import MAX_BODY, QueryService
 
 if TYPE_CHECKING:
-    from service.webpage import PageConfig
+    from query.index_protocol import Index
+    from webapi.webpage import PageConfig
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,20 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
         description="Instance-level image retrieval: search an index by stored key, vector, text or image.",
         version="0.1.0",
     )
+    add_error_handlers(app)
+    add_health(app, service)
+    add_search(app, service)
+    add_search_image(app, service)
+    if page is not None:
+        from webapi.webpage import register_page
+
+        register_page(app, service, page)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Errors FastAPI answers itself (a body too large, a bad query parameter, no such endpoint)
+    as ``{"error": message}``, like the endpoints' own."""
 
     @app.exception_handler(BodyTooLarge)
     def _too_large(request: Request, exc: BodyTooLarge) -> Response:
@@ -127,16 +142,24 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
         message = f"no such endpoint {request.url.path}" if exc.status_code == 404 else str(exc.detail)
         return json_response(exc.status_code, {"error": message})
 
+
+def health_answer(index: Index) -> tuple[int, dict[str, Any]]:
+    """(status, body) of /health: the index's size, dimension, shards and kind, and the replicas'
+    state where the shards are served elsewhere (503 when a shard has no live replica)."""
+    shards = len(shard_names(index.infos))
+    out: dict[str, Any] = {"ntotal": index.ntotal, "d": index.d, "shards": shards, "kind": index.infos.get("kind")}
+    replicas = index.health()  # {} in one process: every shard is here
+    out.update(replicas)
+    return (200 if replicas.get("ok", True) else 503), out
+
+
+def add_health(app: FastAPI, service: QueryService) -> None:
     @app.get("/health", summary="index size, dimension, shards and kind (and each shard replica's state)")
     def health() -> Response:
-        idx = service.index
-        out = {"ntotal": idx.ntotal, "d": idx.d, "shards": len(shard_names(idx.infos)), "kind": idx.infos.get("kind")}
-        shards = getattr(idx, "health", None)
-        if shards is None:  # one process: every shard is here
-            return json_response(200, out)
-        out.update(shards())
-        return json_response(200 if out["ok"] else 503, out)
+        return json_response(*health_answer(service.index))
 
+
+def add_search(app: FastAPI, service: QueryService) -> None:
     @app.post(
         "/search",
         summary="search by stored keys, vectors or text",
@@ -161,6 +184,8 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
 
         return answer(run)
 
+
+def add_search_image(app: FastAPI, service: QueryService) -> None:
     @app.post(
         "/search/image",
         summary="search by an image (the raw image bytes are the request body)",
@@ -187,18 +212,10 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
 
         return answer(run)
 
-    if page is not None:
-        from service.webpage import register_page
-
-        register_page(app, service, page)
-    return app
-
 
 def check_shards(service: QueryService) -> None:
     """ShardsUnavailable naming the shards without a live replica (shards in Ray actors); nothing
     for an index in this process."""
-    health = getattr(service.index, "health", None)
-    if health is not None:
-        state = health()
-        if not state["ok"]:
-            raise ShardsUnavailable(state["unavailable_shards"], "the health check")
+    state = service.index.health()  # {} in one process: every shard is here
+    if not state.get("ok", True):
+        raise ShardsUnavailable(state["unavailable_shards"], "the health check")

@@ -1,8 +1,8 @@
 """The browser page of ``needle serve``: query by image, text or key, see thumbnails and evidence.
 
-:func:`register_page` adds to the JSON API's FastAPI app (service/webapp.py):
+:func:`register_page` adds to the JSON API's FastAPI app (webapi/webapp.py):
 
-- ``GET  /``                      the page (service/web/index.html; app.js and style.css under ``/web/``)
+- ``GET  /``                      the page (webapi/web/index.html; app.js and style.css under ``/web/``)
 - ``GET  /page/info``             ``{"has_text", "has_locals", "ntotal", "d", "local_resolution", "rerank", ...}``
 - ``POST /page/search``           JSON ``{"k", "nprobe"?, "rerank"?, "shortlist"?, one of "key" | "text"}``
 - ``POST /page/search/image?k=&nprobe=&rerank=&shortlist=``  raw image bytes (at most ``max_upload_bytes``)
@@ -14,11 +14,12 @@ Unlike the JSON API, which re-ranks only when the service was started with ``--r
 switches re-ranking per request (``"rerank": true``), with the service's re-ranking settings (or
 the SP defaults) and the given shortlist, whenever the index carries local tokens.
 
-Thumbnails: a key is ``<shard name>/<__key__>``; its image is read again from the tar ingestion
-read it from (ingest/source_images.py: the URL the index recorded per Parquet file, else
-``<shard name>.tar`` in one of ``PageConfig.shard_dirs``). For an index served across nodes the
-shard actor that owns the key reads it and makes the thumbnail: only the JPEG reaches the page's
-process, which keeps nothing per tar. Nothing is written to disk.
+Thumbnails (``Index.thumbnail``): a key is ``<shard name>/<__key__>``; its image is read again
+from the tar ingestion read it from. In one process (index/images.py) that is the URL ingestion
+recorded beside the descriptors, else ``<shard name>.tar`` in one of ``PageConfig.shard_dirs``.
+For an index served across nodes the shard actor that owns the key reads it and makes the
+thumbnail: only the JPEG reaches the page's process, which keeps nothing per tar. Nothing is
+written to disk.
 """
 
 from __future__ import annotations
@@ -28,23 +29,19 @@ import io
 import json
 import logging
 import tarfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from fastapi import Request  # module level: the routes' annotations are resolved in this module's globals
 
 from core.errors import ImageDecodeError, NeedleInputError
-from ingest.source_images import (
-    SourceImages,
-    SourceImagesConfig,
-    recorded_tar_urls,
-    tar_urls_of_files,
-    thumbnail_jpeg,
-)
 from shards.coordinator import ShardsUnavailable
+
+if TYPE_CHECKING:
+    from query.index_protocol import Index
+    from webapi.query_service import QueryService
 
 log = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parent / "web"
@@ -66,54 +63,11 @@ def _error(status: int, message: str):
     return JSONResponse({"error": message}, status_code=status)
 
 
-# --- key -> thumbnail ------------------------------------------------------------------------------
-class ImageSource:
-    """Thumbnails of an index searched in this process: the key checked in the index, its image
-    read from its source tar (ingest.source_images), the tars' URLs from the index's shard infos
-    (``files[].tar``) and, for indexes built before those, from the descriptors' ingestion records.
-    An index whose shards live elsewhere (shards/coordinator.py) makes them on the shard that
-    owns the key instead (``index.thumbnail``)."""
-
-    def __init__(self, index: Any, shard_dirs: tuple[str, ...] = ()):
-        self.index = index
-        self.conf = SourceImagesConfig(tar_dirs=tuple(shard_dirs))
-        self._images: SourceImages | None = None
-        self._lock = threading.Lock()
-
-    def images(self) -> SourceImages:
-        with self._lock:
-            if self._images is None:
-                self._images = self._open()
-            return self._images
-
-    def _open(self) -> SourceImages:
-        layout = getattr(self.index, "layout", None)
-        urls = tar_urls_of_files([f for infos in getattr(layout, "infos", None) or [] for f in infos.get("files", [])])
-        endpoint = None
-        for source in self.index.infos.get("descriptors", []) or []:
-            directory = Path(source)
-            recorded, recorded_endpoint = recorded_tar_urls(directory.parent if directory.is_file() else directory)
-            for shard, url in recorded.items():
-                urls.setdefault(shard, url)
-            endpoint = endpoint or recorded_endpoint
-        return SourceImages(urls, self.conf, endpoint)
-
-    def image_bytes(self, key: str) -> bytes:
-        self.index.position_of(key)  # UnknownKeyError (a NeedleInputError) for keys not in the index
-        return self.images().image_bytes(key)
-
-    def thumbnail(self, key: str, px: int) -> bytes:
-        remote = getattr(self.index, "thumbnail", None)
-        if remote is not None:
-            return remote(key, px)
-        return thumbnail_jpeg(self.image_bytes(key), px)
-
-
 # --- searching with a per-request re-ranking switch -----------------------------------------------
 class PageSearch:
     """The page's searches: the service's index and extractors, re-ranked when asked."""
 
-    def __init__(self, service: Any):
+    def __init__(self, service: QueryService):
         self.service = service
         self.index = service.index
 
@@ -262,7 +216,7 @@ def _missed(positives: list[str], ranking: list[str | None], k: int) -> list[dic
     return [{"key": p, "rank": rank.get(p)} for p in positives if rank.get(p) is None or rank[p] > k]
 
 
-def _missed_by_search(index: Any, key: str, positives: list[str], k: int, depth: int) -> list[dict[str, Any]] | None:
+def _missed_by_search(index: Index, key: str, positives: list[str], k: int, depth: int) -> list[dict[str, Any]] | None:
     try:
         xq = index.vector_of(key)[None]
     except NeedleInputError:
@@ -273,29 +227,42 @@ def _missed_by_search(index: Any, key: str, positives: list[str], k: int, depth:
 
 
 # --- routes ---------------------------------------------------------------------------------------
-def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> None:
+def register_page(app: Any, service: QueryService, conf: PageConfig | None = None) -> None:
     """Add the page, its static files and its endpoints to the FastAPI ``app``."""
-    from fastapi.responses import FileResponse, JSONResponse, Response
     from fastapi.staticfiles import StaticFiles
-    from starlette.concurrency import run_in_threadpool
 
     conf = conf or PageConfig()
     search = PageSearch(service)
-    source = ImageSource(service.index, conf.shard_dirs)
-    report_cache: dict[str, Any] = {}
-
-    async def guarded(fn, *args):
-        try:
-            return JSONResponse(await run_in_threadpool(fn, *args))
-        except (NeedleInputError, ImageDecodeError) as exc:
-            return _error(400, str(exc))
-        except ShardsUnavailable as exc:  # shards served by Ray actors that did not answer in time
-            return _error(503, str(exc))
-        except Exception as exc:  # keep serving; the log has the traceback
-            log.exception("page request failed")
-            return _error(500, f"{type(exc).__name__}: {exc}")
-
     app.mount("/web", StaticFiles(directory=WEB_DIR), name="page-static")
+    add_page(app, search, conf)
+    add_page_search(app, search)
+    add_page_search_image(app, search, conf)
+    add_thumbnails(app, search.index, conf)
+    add_report(app, search, conf)
+
+
+async def guarded(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in the thread pool, as JSON; 400 for bad input, 503 for shards that did not
+    answer in time, 500 (logged) for anything else."""
+    from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
+
+    try:
+        return JSONResponse(await run_in_threadpool(fn, *args))
+    except (NeedleInputError, ImageDecodeError) as exc:
+        return _error(400, str(exc))
+    except ShardsUnavailable as exc:  # shards served by Ray actors that did not answer in time
+        return _error(503, str(exc))
+    except Exception as exc:  # keep serving; the log has the traceback
+        log.exception("page request failed")
+        return _error(500, f"{type(exc).__name__}: {exc}")
+
+
+def add_page(app: Any, search: PageSearch, conf: PageConfig) -> None:
+    """``GET /`` (the page) and ``GET /page/info`` (what the page offers for this index)."""
+    from fastapi.responses import FileResponse
+
+    service = search.service
 
     @app.get("/", include_in_schema=False)
     def page():
@@ -320,6 +287,10 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
             "scaling_plot": bool(conf.scaling_plot),
         }
 
+
+def add_page_search(app: Any, search: PageSearch) -> None:
+    """``POST /page/search``: a JSON body with one of ``key`` or ``text``."""
+
     @app.post("/page/search")
     async def page_search(request: Request):
         try:
@@ -335,6 +306,10 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
         if "key" in body:
             return await guarded(search.by_key, body["key"], k, nprobe, body.get("rerank"), body.get("shortlist"))
         return await guarded(search.by_text, body["text"], k, nprobe)
+
+
+def add_page_search_image(app: Any, search: PageSearch, conf: PageConfig) -> None:
+    """``POST /page/search/image``: the uploaded image bytes, at most ``conf.max_upload_bytes``."""
 
     @app.post("/page/search/image")
     async def page_search_image(
@@ -359,12 +334,17 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
             search.by_image, b"".join(chunks), k_, nprobe_, rerank.lower() in ("1", "true", "on", "yes"), shortlist_
         )
 
+
+def add_thumbnails(app: Any, index: Index, conf: PageConfig) -> None:
+    """``GET /thumb?key=K``: a JPEG of the key's image, made where the key's rows are (``Index.thumbnail``)."""
+    from fastapi.responses import Response
+
     @app.get("/thumb")
     def thumb(key: str = ""):
         if not key:
             return _error(400, "give ?key=")
         try:
-            jpeg = source.thumbnail(key, conf.thumbnail_px)
+            jpeg = index.thumbnail(key, conf.thumbnail_px, conf.shard_dirs)
         except NeedleInputError as exc:
             return _error(404, str(exc))
         except ShardsUnavailable as exc:
@@ -374,6 +354,13 @@ def register_page(app: Any, service: Any, conf: PageConfig | None = None) -> Non
         except Exception as exc:  # undecodable bytes, ShardReadError and the like
             return _error(404, f"the image of {key!r} cannot be read or decoded: {exc}")
         return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "max-age=3600"})
+
+
+def add_report(app: Any, search: PageSearch, conf: PageConfig) -> None:
+    """``GET /report`` (made once, then kept) and ``GET /report/scaling.png``."""
+    from fastapi.responses import FileResponse
+
+    report_cache: dict[str, Any] = {}
 
     @app.get("/report")
     def report():

@@ -1,0 +1,210 @@
+"""One shard of an index: a FAISS index file and the float16 vectors of its rows, searched in this
+process (index/search.py) or by a shard actor (shards/shard_actor.py), with the same code.
+
+``open_shard`` opens a shard by itself: a shard directory (nothing outside it is read), or one
+FAISS file of a directory built before shard directories and that directory's shared files.
+
+A flat (exact) shard is searched by its FAISS index on the CPU, unless a GPU backend is present
+(faiss-gpu, or torch with CUDA: index/gpu.py) and the search is large enough to pay for copying
+the vectors to the GPU: at least ``GPU_EXACT_MIN_QUERIES`` queries over at least
+``GPU_EXACT_MIN_VECTORS`` vectors. Then it scans its rows of the memory-mapped float16 vectors in
+chunks with ``index.gpu.exact_search`` (the ILIAS baseline). ``device`` ("auto" | "cpu" | "cuda")
+overrides the choice; "cuda" scans on the GPU at any size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from index.errors import IndexFileError
+from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available
+from index.locals import LocalStore, open_local_store
+from index.merge import (
+    inner_products_at,
+    offset_table,
+    positions_of_rows,
+    search_params,
+    sort_by_score,
+    tie_margin,
+)
+from index.shard_files import ShardFiles, open_shard_files, read_faiss, read_infos_and_vectors
+from ingest.descriptors import STATUS_OK
+
+# A flat shard scans on the GPU from this many vectors and queries on ("auto"). Below them the
+# CPU's FAISS scan is cheap (the auto plan is flat only below 100k vectors), and a batch of few
+# queries is bound on both sides by reading the vectors once (RAM for the CPU, the host-to-GPU
+# copy of the float16 vectors for the GPU), so the GPU's arithmetic does not pay for the copy.
+GPU_EXACT_MIN_VECTORS = 100_000
+GPU_EXACT_MIN_QUERIES = 64
+
+
+@dataclass
+class Shard:
+    """One FAISS index file and the float16 vectors of its rows: searched in this process or in a
+    Ray actor (cluster/serve.py), with the same code."""
+
+    index: Any  # FAISS index, ids = Parquet row ids
+    vectors: np.ndarray  # (N, d) float16 memory map of the directory's vectors (this shard reads its rows)
+    offsets: tuple[np.ndarray, np.ndarray]  # offset_table of the directory
+    exact: bool  # a flat index: its scores need no re-scoring
+    nprobe: int  # default lists visited
+    quantizer_ef: int | None  # HNSW coarse quantizer depth recorded by the build
+    device: str = "auto"  # flat shards on a GPU: large searches when one is present (auto), never (cpu), always (cuda)
+    files: ShardFiles | None = None  # a shard directory's own files (None: a shard of an old single directory)
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+    def positions_of_rows(self, I: np.ndarray) -> np.ndarray:
+        """Row ids of this shard -> its own positions (-1 stays -1)."""
+        return positions_of_rows(I, self.offsets)
+
+    def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
+        """Row ids (nq, k) of this shard -> keys from its own key files, None for the -1 padding."""
+        if self.files is None:
+            raise IndexFileError("a shard of an index built before shard directories has no key files of its own")
+        I = np.atleast_2d(I)
+        flat = self.files.keys.keys_at(self.positions_of_rows(I))
+        return [flat[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
+
+    def position_of(self, key: str) -> int:
+        """The shard-local position of ``key`` from this shard's own key files (O(log n)), or -1."""
+        if self.files is None:
+            raise IndexFileError("a shard of an index built before shard directories has no key files of its own")
+        return self.files.keys.position_of(key)
+
+    def vector_at(self, position: int) -> np.ndarray | None:
+        """The float32 vector at a shard-local position, or None where its row has no valid descriptor."""
+        if self.files is None:
+            raise IndexFileError("a shard of an index built before shard directories has no id table of its own")
+        vector = np.asarray(self.vectors[position], dtype=np.float32)
+        return vector if is_valid_descriptor(vector, self.files.ids["status"][position].as_py()) else None
+
+    @cached_property
+    def local_store(self) -> LocalStore | None:
+        """This shard directory's local tokens, by its own positions (None: built without them)."""
+        if self.files is None:
+            raise IndexFileError("a shard of an index built before shard directories has no local store of its own")
+        return open_local_store(self.files.directory, self.files.infos)
+
+    @cached_property
+    def gpu_present(self) -> bool:
+        return gpu_backend_available()
+
+    def scans_on_gpu(self, nq: int) -> bool:
+        """Whether a flat shard answers ``nq`` queries by scanning its vectors with
+        ``exact_search`` on a GPU instead of searching its FAISS index on the CPU."""
+        if not self.exact or self.device == "cpu":
+            return False
+        if self.device == "cuda":
+            return True
+        return nq >= GPU_EXACT_MIN_QUERIES and self.ntotal >= GPU_EXACT_MIN_VECTORS and self.gpu_present
+
+    @cached_property
+    def scan_layout(self) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in the vectors file, row ids) of this flat shard's vectors, ascending: the
+        rows its FAISS index holds (rows whose image failed or was rejected are not in it)."""
+        import faiss
+
+        index = faiss.downcast_index(self.index)
+        if not hasattr(index, "id_map"):
+            raise IndexFileError(f"a flat shard of {type(index).__name__} has no id map to scan its vectors by")
+        rows = faiss.vector_to_array(index.id_map).astype(np.int64)
+        positions = positions_of_rows(rows, self.offsets)
+        order = np.argsort(positions, kind="stable")
+        return positions[order], rows[order]
+
+    def scan(
+        self, xq: np.ndarray, kk: int, device: str = "cuda", backend: str | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Exact (D, I) of this flat shard from its float16 vectors with ``exact_search`` (on a
+        GPU by default, or NeedleInputError), ties to the lower row id."""
+        positions, rows = self.scan_layout
+        D, I = exact_search(xq, chunks_at(self.vectors, positions), kk, "ip", device, backend)
+        return D, np.where(I >= 0, rows[I.clip(0)], -1)
+
+    def candidates(self, xq: np.ndarray, kk: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """This shard's best ``kk`` candidates for (nq, d) float32 queries by index score:
+        ``(D_index, I)``, ties to the lower row id, -inf/-1 padding last."""
+        if self.scans_on_gpu(len(xq)):
+            return sort_by_score(*self.scan(xq, kk), kk)  # -inf for the -1 padding, as below
+        D, I = self.index.search(xq, min(kk + tie_margin(kk), max(1, self.ntotal)), params=self.params(nprobe))
+        return sort_by_score(D, I, kk)  # a cut that does not depend on FAISS's order among ties
+
+    def params(self, nprobe: int | None) -> Any | None:
+        """``search_params`` for ``nprobe`` (None: this shard's default), made once per value: a
+        query's search asks for them once per shard, and making them (SWIG objects) cost about half
+        as much as sorting its candidates (profiled). Read-only once made: request threads share them."""
+        nprobe = nprobe or self.nprobe
+        if nprobe not in self._params:
+            self._params[nprobe] = search_params(self.index, nprobe, self.quantizer_ef)
+        return self._params[nprobe]
+
+    @cached_property
+    def _params(self) -> dict[int, Any]:
+        return {}
+
+    @cached_property
+    def vector_rows(self) -> np.ndarray:
+        """The vectors as a plain ndarray over the same map: indexing an np.memmap makes a memmap
+        object per read (its bookkeeping was ~10 % of re-scoring a shard's 200 candidates)."""
+        return self.vectors.view(np.ndarray)
+
+    def exact_scores(self, xq: np.ndarray, D: np.ndarray, I: np.ndarray, refine: bool = True) -> np.ndarray:
+        """The exact scores of candidates ``I`` of this shard (-1 padding: -inf): inner products
+        with their float16 vectors for IVF-PQ with ``refine``, otherwise their index scores ``D``."""
+        return self.rescore(xq, I) if refine and not self.exact else D
+
+    def search(
+        self, xq: np.ndarray, kk: int, nprobe: int | None = None, refine: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This shard's shortlist for (nq, d) float32 queries: ``(D_index, I, D_exact)``, its best
+        ``kk`` candidates by index score (ties to the lower row id) with their exact scores."""
+        D, I = self.candidates(xq, kk, nprobe)
+        return D, I, self.exact_scores(xq, D, I, refine)
+
+    def rescore(self, xq: np.ndarray, I: np.ndarray) -> np.ndarray:
+        """Exact inner products of the candidates against their float16 vectors (-inf for -1)."""
+        return inner_products_at(self.vector_rows, positions_of_rows(I, self.offsets), xq)
+
+
+def is_valid_descriptor(vector: np.ndarray, status: str | None) -> bool:
+    """Whether a stored row's vector can be a query: its image was read (``status`` ok) and its
+    descriptor is finite and not all zeros."""
+    return status == STATUS_OK and bool(np.isfinite(vector).all()) and bool(vector.any())
+
+
+def make_shard(
+    index: Any, vectors: np.ndarray, infos: dict[str, Any], device: str = "auto", files: ShardFiles | None = None
+) -> Shard:
+    """A shard over ``vectors`` whose positions ``infos["shard_offsets"]`` gives (the old
+    directory's infos, or a shard directory's ``shard_infos.json``)."""
+    return Shard(
+        index,
+        vectors,
+        offset_table(infos),
+        infos.get("kind") == "flat",
+        int(infos.get("nprobe", 64)),
+        infos.get("quantizer_ef"),
+        device,
+        files,
+    )
+
+
+def open_shard(path: str | Path, name: str, device: str = "auto") -> Shard:
+    """One shard of an index, with its own memory maps (a Ray shard actor's view): the shard
+    directory ``path / name`` by itself (nothing outside it is read), or for an index built
+    before shard directories, its FAISS file ``name`` and the directory's shared files."""
+    path = Path(path)
+    device = check_device(device)
+    if (path / name).is_dir():
+        files = open_shard_files(path / name)
+        return make_shard(files.index, files.vectors, files.infos, device, files)
+    infos, vectors = read_infos_and_vectors(path)
+    return make_shard(read_faiss(path / name), vectors, infos, device)
