@@ -26,7 +26,7 @@ FLOORS = [
     "shards",
     "eval",
     "similarity",
-    "service",
+    "webapi",
     "cluster",
     "cli",
 ]
@@ -160,6 +160,7 @@ def test_cycle_finder_finds_a_cycle():
         "core.checkpoint",
         "core.tokens",
         "embed.registry",
+        "embed.local_presets",
         "embed.pca",
         "index.build",
         "eval.kmeans",
@@ -181,3 +182,56 @@ def test_light_modules_do_not_import_torch(module):
     assert result.returncode == 0, f"importing {module} imports torch" + (
         result.stderr[-2000:] if result.returncode != 1 else ""
     )
+
+
+def _ray_users() -> set[str]:
+    """The modules that import ray themselves (at the top or inside a function)."""
+    return {
+        name
+        for name, path in _modules().items()
+        if any(
+            isinstance(n, (ast.Import, ast.ImportFrom))
+            and any((getattr(n, "module", None) or a.name).split(".")[0] == "ray" for a in n.names)
+            for n in ast.walk(ast.parse(path.read_text()))
+        )
+    }
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for floor in FLOORS for p in (ROOT / floor).rglob("*.py")}
+
+
+def test_cluster_holds_the_ray_layer_and_nothing_else():
+    """Every module of cluster/ uses Ray, itself or through another cluster module: what runs
+    without Ray lives in the floors below (shards/, webapi/, ...)."""
+    graph, users = _graph(), _ray_users()
+    reach = set(users)
+    changed = True
+    while changed:
+        changed = False
+        for module, targets in graph.items():
+            if module.startswith("cluster.") and module not in reach and targets & reach:
+                reach.add(module)
+                changed = True
+    plain = sorted(m for m in graph if m.startswith("cluster.") and m != "cluster" and m not in reach)
+    assert not plain, f"cluster/ modules that do not use Ray (move them down a floor): {plain}"
+
+
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_product_file_or_function_too_long():
+    """One job per file: no product file over MAX_FILE_LINES lines, no function over
+    MAX_FUNCTION_LINES (a longer one holds several steps: name them)."""
+    long_files, long_functions = [], []
+    for name, path in sorted(_modules().items()):
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            long_files.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}.{node.name} (line {node.lineno}): {length} lines")
+    assert not long_files and not long_functions, "\n".join(long_files + long_functions)
