@@ -248,7 +248,7 @@ def test_readme_lists_every_preset_with_its_resolutions():
 
     from embed.registry import MODELS, get_model_config
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
     rows = {
         m.group(1): m.group(2, 3, 4, 5)
         for m in re.finditer(r"^\| `([^`]+)` \| (\w+) \| (\d+) \| (\d+) \| (\w+) \|", readme, re.M)
