@@ -175,8 +175,6 @@ def timed_queries(
 def timed_reranks(indexes: list, keys: list[str], k: int, nprobe: int) -> list[tuple[list[float], list]]:
     """Per index (times, [(D, I)]) of re-ranked key queries (spatial verification, shortlist 100),
     one at a time, the indexes taking turns, each query as one request of the service."""
-    from contextlib import nullcontext
-
     from query.retrieve import QueryConfig, search, stored_tokens
     from rerank.rerank import RerankConfig
 
@@ -185,9 +183,8 @@ def timed_reranks(indexes: list, keys: list[str], k: int, nprobe: int) -> list[t
     for key in keys:
         for index, (times, answers) in zip(indexes, runs):
             start = time.perf_counter()
-            with index.request() if hasattr(index, "request") else nullcontext():
-                if hasattr(index, "find_keys"):  # as the service does: the key and its tokens in one lookup
-                    index.find_keys([key], with_tokens=True)
+            with index.request():
+                index.prefetch_keys([key], with_tokens=True)  # as the service does: key and tokens in one lookup
                 D, I, _ = search(index, index.vector_of(key)[None], conf, stored_tokens(index, [key]))
             times.append(time.perf_counter() - start)
             answers.append((D, I))
