@@ -110,7 +110,8 @@ def _dashboard_answers(head: LocalRayHead) -> bool:
 
 
 def start_head(num_cpus: int | None = None, log_file: Path | None = None, timeout: float = 120.0) -> LocalRayHead:
-    """Start a Ray head on 127.0.0.1 with the dashboard (job submission) on a free port."""
+    """Start a Ray head on 127.0.0.1 with the dashboard (job submission) and the ports Ray would
+    otherwise fix on free ones."""
     port, dashboard_port = free_port(), free_port()
     env = client_env(secrets.token_hex(24))
     cmd = [
@@ -123,6 +124,10 @@ def start_head(num_cpus: int | None = None, log_file: Path | None = None, timeou
         "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard_port}",
+        # Ray's fixed defaults (agent 52365, client server 10001) clash with any other Ray on the
+        # machine (a test's ray.init, a user's cluster): its job agent then dies and no job can start.
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
         "--disable-usage-stats",
     ]
     if num_cpus is not None:
