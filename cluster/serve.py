@@ -12,9 +12,8 @@ on the shard that holds its tokens. A request the shards cannot answer in time i
 (``ShardsUnavailable``, HTTP 503), or answered from the shards that answered, marked
 ``"partial": true`` with ``"missing_shards"``, where the caller allows it.
 
-``needle serve --index DIR`` binds 127.0.0.1 by default; its endpoints are in webapi.webapp. Bad
-input (non-image bytes, wrong vector dimension, k larger than the index, empty text, unknown key,
-malformed JSON) is answered 400 with ``{"error": message}``.
+``needle serve --index DIR`` binds 127.0.0.1 by default; its endpoints and how they answer bad
+input are webapi.webapp's.
 """
 
 from __future__ import annotations
