@@ -184,6 +184,7 @@ def evaluate(
     conf: EvalConfig,
     ignore: Collection[str] = (),
     index: Index | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Search every query and compute AP@k per query, mAP@k x 100, recall@k, ILIAS's oracle and
     the attribute breakdowns.
@@ -191,7 +192,7 @@ def evaluate(
     ``queries``: a query list or a GroundTruth; queries with a "text" are text queries.
     ``ignore``: keys removed from every ranking (they count neither as hits nor as misses).
     ``index``: an already loaded index of ``index_dir`` (distractor-scaling runs reuse one).
-    """
+    ``device``: where the re-ranking runs (``--device``; rerank.device.resolve_device)."""
     truth = queries if isinstance(queries, GroundTruth) else GroundTruth(list(queries))
     ignore = set(ignore)
     index = index or load_index(index_dir)
@@ -201,10 +202,9 @@ def evaluate(
     image_queries = [q for q in usable if "text" not in q]
     text_queries = [q for q in usable if "text" in q]
     # +1: the query finds itself; ignored keys may take places in the shortlist too.
-    query_conf = QueryConfig(
-        k=min(index.ntotal, conf.k + 1 + len(ignore)), nprobe=conf.nprobe, rerank=conf.rerank, qe_top=conf.qe_top
-    )
-    reranker = Reranker(conf.rerank, token_kind(index)) if conf.rerank else None
+    depth = min(index.ntotal, conf.k + 1 + len(ignore))
+    query_conf = QueryConfig(k=depth, nprobe=conf.nprobe, rerank=conf.rerank, qe_top=conf.qe_top)
+    reranker = Reranker(conf.rerank, token_kind(index), device) if conf.rerank else None
     keys = [q["key"] for q in image_queries]
     external = read_query_vectors(conf.query_descriptors, keys) if conf.query_descriptors and keys else None
     query_tokens = read_query_tokens(conf.query_locals, keys) if conf.rerank and conf.query_locals and keys else None
@@ -326,9 +326,10 @@ def read_query_tokens(directory: str | Path, keys: list[str]) -> dict[str, Local
     return found
 
 
-def main(conf: EvalConfig, index_dir: Path, ground_truth: Path, output: Path) -> Path:
-    """Evaluate ``index_dir`` on ``ground_truth``; write the JSON report to ``output``."""
-    report = evaluate(index_dir, load_truth(ground_truth, conf.text_queries), conf)
+def main(conf: EvalConfig, index_dir: Path, ground_truth: Path, output: Path, device: str = "cpu") -> Path:
+    """Evaluate ``index_dir`` on ``ground_truth`` (re-ranking on ``device``); write the JSON report
+    to ``output``."""
+    report = evaluate(index_dir, load_truth(ground_truth, conf.text_queries), conf, device=device)
     write_json_atomic(report, Path(output))
     log.info("mAP@%d = %.2f over %d queries", conf.k, report[f"map_at_{conf.k}"], report["n_queries"])
     return Path(output)

@@ -203,9 +203,11 @@ def query(
     texts: Sequence[str] = (),
     vectors: np.ndarray | None = None,
     text_queries: Sequence[tuple[str, str]] = (),
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Search for every stored key, image file, text, (id, text) query (:func:`read_text_queries`)
-    and vector; one result dict per query, in input order (texts before text queries)."""
+    and vector; one result dict per query, in input order (texts before text queries). ``device``:
+    where this process re-ranks (``--device``; rerank.device.resolve_device)."""
     if not keys and not images and not texts and not text_queries and vectors is None:
         raise NeedleInputError("nothing to query: give --key, --image, --text, --text-file or --vectors")
     if conf.k > index.ntotal:
@@ -233,7 +235,8 @@ def query(
             + (query_tokens_of_images(index, list(images), conf.rerank, conf.files) if images else [])
             + [None] * (len(texts) + len(text_queries) + (0 if vectors is None else len(vectors)))
         )
-    D, I, details = search(index, np.concatenate(blocks), conf, tokens)
+    reranker = Reranker(conf.rerank, token_kind(index), device) if conf.rerank is not None else None
+    D, I, details = search(index, np.concatenate(blocks), conf, tokens, reranker)
     results = results_json(index, D, I)
     return [query_json(label, conf.k, res, detail) for label, res, detail in zip(labels, results, details)]
 

@@ -30,10 +30,10 @@ class QueryInputs:
     vectors: str | None = None  # .npy file of query vectors, (d,) or (n, d)
 
 
-def answer(conf: QueryConfig, index: Index | str | Path, inputs: QueryInputs) -> Any:
+def answer(conf: QueryConfig, index: Index | str | Path, inputs: QueryInputs, device: str = "cpu") -> Any:
     """The results of ``inputs`` on ``index`` (a directory, or an open index: a SearchIndex, or a
     coordinator of shards served elsewhere): one result dict per query, or that dict alone for a
-    single query."""
+    single query. ``device``: where this process re-ranks (``--device``)."""
     if isinstance(index, (str, Path)):
         index = load_index(index)
     vectors = load_vectors(Path(inputs.vectors), index.d) if inputs.vectors else None
@@ -45,6 +45,7 @@ def answer(conf: QueryConfig, index: Index | str | Path, inputs: QueryInputs) ->
         list(inputs.texts),
         vectors,
         list(inputs.text_queries),
+        device,
     )
     return results if len(results) > 1 else results[0]
 
@@ -54,19 +55,20 @@ def info_path(output: Path) -> Path:
     return output.with_name(f"{output.stem if output.suffix == '.json' else output.name}.info.json")
 
 
-def main(conf: QueryConfig, index: Index | str | Path, inputs: QueryInputs, output: Path) -> Path:
-    """Answer ``inputs`` on ``index``; write the answer to ``output`` and its info beside it; returns
-    ``output``."""
+def main(conf: QueryConfig, index: Index | str | Path, inputs: QueryInputs, output: Path, device: str = "cpu") -> Path:
+    """Answer ``inputs`` on ``index`` (re-ranking on ``device``); write the answer to ``output``
+    and its info beside it; returns ``output``."""
     start = time.perf_counter()
     output = Path(output)
     index_path = index if isinstance(index, (str, Path)) else index.path
-    result = answer(conf, index, inputs)
+    result = answer(conf, index, inputs, device)
     write_json_atomic(result, output)
     write_json_atomic(
         {
             "config": asdict(conf),
             "index": str(index_path),
             "inputs": asdict(inputs),
+            "device": device,
             "queries": len(result) if isinstance(result, list) else 1,
             "seconds": round(time.perf_counter() - start, 3),
         },

@@ -42,6 +42,9 @@ from core.tokens import CODE_BITS, CODE_BYTES, LocalTokens, TokenBatch, hamming
 # L2/L3 between the lookups and the reductions. Measured on a 2-core AVX2 EPYC, 300 query tokens x
 # 1000 candidates x 100 tokens (the whole re-ranking): 0.15M 131 ms, 0.3M 104, 0.6M 91, 1.5M 95.
 BLOCK_VALUES = 600_000
+# On a GPU the whole shortlist's keys at once (300 query x 1000 candidates x 100 tokens: 30M, 120 MB
+# of float32): one lookup and two reductions, no cache to stay in.
+DEVICE_BLOCK_VALUES = 64_000_000
 DEFAULT_MAX_DISTANCE = 32  # MatchConfig's Hamming threshold where neither it nor a token kind sets one
 _PAD_BYTE = 256  # row of the sign table that is all zeros: padded tokens
 _SIGN_ROWS = 257
@@ -179,7 +182,7 @@ class _KeyTable:
     row per token slot t, the offset ``2**bits * total`` plus the ties ``(T - 1 - t) + (Q - 1 - q)``,
     and one for padded slots, ``-2**bits``: 17 lookups per token."""
 
-    def __init__(self, q: torch.Tensor, T: int):
+    def __init__(self, q: torch.Tensor, T: int, device: torch.device | None = None):
         Q = len(q)
         ties = (T - 1) + (Q - 1)  # the largest sum of the two tie-breaks must fit below the product's bits
         self.dtype = torch.float32 if ties < 1 << _KEY_BITS[torch.float32] else torch.float64
@@ -191,7 +194,7 @@ class _KeyTable:
         slots[:T] = q[:, CODE_BITS].to(self.dtype) * unit + torch.arange(Q - 1, -1, -1, dtype=self.dtype)
         slots[:T] += torch.arange(T - 1, -1, -1, dtype=self.dtype)[:, None]
         slots[T] = -unit
-        self.table = torch.cat([table.reshape(-1, Q), slots]).contiguous()
+        self.table = torch.cat([table.reshape(-1, Q), slots]).contiguous().to(device or "cpu")
 
     def indices(self, candidates: TokenBatch) -> torch.Tensor:
         """(C * T, 17) int32 table rows of the candidates' tokens: each code byte's sign-table row
@@ -233,8 +236,9 @@ def nearest_tokens(
     *,
     within: int = 32,
     mutual: bool = True,
-    block_values: int = BLOCK_VALUES,
+    block_values: int | None = None,
     query_weights: np.ndarray | None = None,
+    device: torch.device | str | None = None,
 ) -> NearestTokens:
     """Hamming nearest neighbours of each query token in each candidate (all exact).
 
@@ -246,6 +250,11 @@ def nearest_tokens(
     distances in bits, ``128 * (weight of the disagreeing bits) / ASYMMETRIC_TOTAL`` (quarter bits),
     rounded up to whole bits where reported; nearest means the smallest exact weighted distance
     (lowest index among equals), and a pair is within ``within`` bits when its exact distance is.
+
+    ``device`` (default the CPU): where the key table and its lookups and reductions run. Every key
+    is an exact integer in float32/float64 (module docstring), so a GPU finds exactly the CPU's
+    neighbours, whatever order it sums in. ``block_values`` (default ``BLOCK_VALUES`` on a CPU,
+    ``DEVICE_BLOCK_VALUES`` elsewhere): keys per chunk of candidates.
     """
     _check_inputs(query_codes, candidates)
     if query_weights is not None and query_weights.shape != (len(query_codes), CODE_BITS):
@@ -263,36 +272,50 @@ def nearest_tokens(
     if C == 0 or T == 0 or Q == 0:
         return NearestTokens(distance, has_tokens, empty, empty, empty, np.zeros(0, bool) if mutual else None, within)
 
-    table = _KeyTable(_query_matrix(query_codes, query_weights), T)
-    indices = table.indices(candidates)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    if block_values is None:
+        block_values = BLOCK_VALUES if dev.type == "cpu" else DEVICE_BLOCK_VALUES
+    table = _KeyTable(_query_matrix(query_codes, query_weights), T, dev)
     by_query = within >= 0 and mutual  # the tokens' nearest query tokens are needed
-    best = torch.empty((C, Q), dtype=table.dtype)  # largest key over each candidate's tokens
-    nearest_query = torch.empty((C, T) if by_query else (0, 0), dtype=table.dtype)  # over the query tokens
-    chunk = max(1, block_values // max(1, T * Q))
     with torch.inference_mode():
-        for c0 in range(0, C, chunk):
-            c1 = min(C, c0 + chunk)
-            block = table.keys(indices[c0 * T : c1 * T]).view(c1 - c0, T, Q)
-            torch.amax(block, dim=1, out=best[c0:c1])
-            if by_query:
-                torch.amax(block, dim=2, out=nearest_query[c0:c1])
-    query_tie = torch.arange(Q - 1, -1, -1, dtype=torch.int64)[None, :]
-    product, token_tie = table.split(best, query_tie)  # (C, Q): -1 for candidates without tokens
-    # distance = (2 * total - product) * 128 / (2 * total), rounded up; exact integers for plain codes
-    distance = -((product - 2 * total) * CODE_BITS // (2 * total))
-    distance = np.where(has_tokens[:, None], distance.numpy(), CODE_BITS).astype(np.int16)
-    if within < 0:
-        return NearestTokens(distance, has_tokens, empty, empty, empty, None, within)
-    # within ``within`` bits: product >= 2 * total * (1 - within / 128), an integer (total: 128 or 512)
-    keep = product >= 2 * total * (CODE_BITS - within) // CODE_BITS
-    keep &= torch.from_numpy(has_tokens)[:, None]
-    cand, query = keep.nonzero(as_tuple=True)
-    token = (T - 1) - token_tie[cand, query]
-    mut = None
-    if by_query:
-        _, query_tie_of_token = table.split(nearest_query[cand, token], (T - 1) - token)
-        mut = ((Q - 1) - query_tie_of_token == query).numpy()
-    return NearestTokens(distance, has_tokens, cand.numpy(), query.numpy(), token.numpy(), mut, within)
+        best, nearest_query = _reduce_keys(table, table.indices(candidates).to(dev), C, T, Q, by_query, block_values)
+        query_tie = torch.arange(Q - 1, -1, -1, dtype=torch.int64, device=dev)[None, :]
+        product, token_tie = table.split(best, query_tie)  # (C, Q): -1 for candidates without tokens
+        # distance = (2 * total - product) * 128 / (2 * total), rounded up; exact integers for plain codes
+        distance_t = -((product - 2 * total) * CODE_BITS // (2 * total))
+        distance = np.where(has_tokens[:, None], distance_t.cpu().numpy(), CODE_BITS).astype(np.int16)
+        if within < 0:
+            return NearestTokens(distance, has_tokens, empty, empty, empty, None, within)
+        # within ``within`` bits: product >= 2 * total * (1 - within / 128), an integer (total: 128 or 512)
+        keep = product >= 2 * total * (CODE_BITS - within) // CODE_BITS
+        keep &= torch.from_numpy(has_tokens).to(dev)[:, None]
+        cand, query = keep.nonzero(as_tuple=True)
+        token = (T - 1) - token_tie[cand, query]
+        mut = None
+        if by_query:
+            _, query_tie_of_token = table.split(nearest_query[cand, token], (T - 1) - token)
+            mut = ((Q - 1) - query_tie_of_token == query).cpu().numpy()
+        return NearestTokens(
+            distance, has_tokens, cand.cpu().numpy(), query.cpu().numpy(), token.cpu().numpy(), mut, within
+        )
+
+
+def _reduce_keys(
+    table: _KeyTable, indices: torch.Tensor, C: int, T: int, Q: int, by_query: bool, block_values: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, Q) the largest key over each candidate's tokens, and (C, T) over the query tokens (empty
+    unless ``by_query``), chunk by chunk of candidates (``block_values`` keys at a time)."""
+    dev = indices.device
+    best = torch.empty((C, Q), dtype=table.dtype, device=dev)
+    nearest_query = torch.empty((C, T) if by_query else (0, 0), dtype=table.dtype, device=dev)
+    chunk = max(1, block_values // max(1, T * Q))
+    for c0 in range(0, C, chunk):
+        c1 = min(C, c0 + chunk)
+        block = table.keys(indices[c0 * T : c1 * T]).view(c1 - c0, T, Q)
+        torch.amax(block, dim=1, out=best[c0:c1])
+        if by_query:
+            torch.amax(block, dim=2, out=nearest_query[c0:c1])
+    return best, nearest_query
 
 
 def query_weights_of(query: LocalTokens, config: MatchConfig) -> np.ndarray | None:

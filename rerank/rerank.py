@@ -15,9 +15,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from core.errors import NeedleInputError
 from core.tokens import LocalTokens, TokenBatch
+from rerank.device import resolve_device
 from rerank.ensemble import METHODS, EnsembleConfig, combine, rerank_order
 from rerank.expand import ExpansionConfig
 from rerank.matching import MatchConfig, matches_from_nearest, nearest_tokens, query_weights_of
@@ -102,16 +104,21 @@ def candidate_width(conf: RerankConfig, longest: Callable[[], int]) -> int | Non
 
 class Reranker:
     """Scores shortlists with one method; holds the AMES model when that is the method. ``kind``:
-    the index's local-token kind, whose settings fill what ``conf`` leaves open."""
+    the index's local-token kind, whose settings fill what ``conf`` leaves open. ``device``: where
+    this process scores ("cpu", "cuda", "auto": rerank.device.resolve_device; "cuda" without a GPU
+    is an error, never a silent CPU): the AMES model lives there, and Hamming matching and spatial
+    verification's tables run there. It is the process's, not the request's: ``conf`` (what a
+    coordinator sends its shards) does not hold it."""
 
-    def __init__(self, conf: RerankConfig, kind: str | None = None):
+    def __init__(self, conf: RerankConfig, kind: str | None = None, device: str | torch.device = "cpu"):
         conf = with_kind_defaults(conf, kind)
         self.conf = conf
+        self.device = resolve_device(device)
         self.ames = None
         if conf.method == "ames":
             from rerank.ames import load_ames
 
-            self.ames = load_ames(conf.ames)
+            self.ames = load_ames(conf.ames, map_location=self.device)
 
     def local_scores(self, query: LocalTokens, candidates: TokenBatch) -> LocalScores:
         has_locals = candidates.mask.any(1)
@@ -125,7 +132,9 @@ class Reranker:
         if self.conf.method == "chamfer":
             from rerank.chamfer import chamfer_from_nearest
 
-            nearest = nearest_tokens(query.codes, candidates, within=-1, mutual=False, query_weights=weights)
+            nearest = nearest_tokens(
+                query.codes, candidates, within=-1, mutual=False, query_weights=weights, device=self.device
+            )
             return LocalScores(chamfer_from_nearest(nearest), has_locals)
         nearest = nearest_tokens(
             query.codes,
@@ -133,9 +142,10 @@ class Reranker:
             within=self.conf.match.threshold,
             mutual=self.conf.match.mutual,
             query_weights=weights,
+            device=self.device,
         )
         matches = matches_from_nearest(nearest, self.conf.match)
-        result = verify(query, candidates, matches, self.conf.spatial)
+        result = verify(query, candidates, matches, self.conf.spatial, self.device)
         inliers = np.where(result.verified, result.inliers, 0)
         # Evidence is drawn for the few results shown, not for the whole shortlist.
         return LocalScores(

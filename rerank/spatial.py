@@ -25,10 +25,13 @@ import torch
 
 from core.tokens import LocalTokens, TokenBatch
 from rerank.matching import Matches, RerankInputError
+from rerank.spatial_tables import hypothesis_inliers, pair_table, rows_of
 
 # (matches x matches) hypothesis-table entries per group of candidates: two float64 arrays of this
 # size are live at once, 8 MB at 500k; 250k..1M measured the same (bench/rerank_speed.py --duplicates).
 GROUP_VALUES = 500_000
+# On a GPU (``verify(..., device=)``) the tables of a whole shortlist at once: fewer, larger kernels.
+DEVICE_GROUP_VALUES = 64_000_000
 _FAR = 1e150  # where padded matches' database points are put: squared distances ~1e300, finite, never inliers
 # A fit is degenerate (its inliers' query points are collinear, or nearly) when the scatter's
 # eigenvalues satisfy l1 * l2 <= RANK_TOL * (l1 + l2)^2, i.e. l2 / l1 <= ~1e-9.
@@ -123,10 +126,20 @@ def normalized_inliers(inliers: np.ndarray | int, cap: int = 50, min_inliers: in
 
 
 def verify(
-    query: LocalTokens, candidates: TokenBatch, matches: Matches, config: SpatialConfig = SpatialConfig()
+    query: LocalTokens,
+    candidates: TokenBatch,
+    matches: Matches,
+    config: SpatialConfig = SpatialConfig(),
+    device: torch.device | str | None = None,
 ) -> Verification:
-    """Spatially verify every candidate's matches (see the module docstring)."""
+    """Spatially verify every candidate's matches (see the module docstring).
+
+    ``device`` (default the CPU): where the (matches x matches) hypothesis tables, single-match and
+    pair, are built and counted (torch float64: the same IEEE operations in the same order on any
+    device, so a GPU gives identical inlier counts). Choosing hypotheses, LO's affine fits and the
+    rest stay numpy on the CPU: only each table's counts and chosen rows come back."""
     _check_matches(query, candidates, matches)
+    dev = torch.device("cpu") if device is None else torch.device(device)
     C, M = matches.mask.shape
     inliers = np.zeros(C, np.int64)
     affine = np.zeros((C, 2, 3))
@@ -135,9 +148,9 @@ def verify(
     # a candidate's matches span its first ``extent`` slots (``match_tokens`` packs them to the left)
     # (no match slots at all, M = 0: every candidate has none; argmax of an empty row would fail)
     extent = np.where(matches.mask.any(1), M - matches.mask[:, ::-1].argmax(1), 0) if M else np.zeros(C, np.int64)
-    for group in _groups(extent, GROUP_VALUES):
+    for group in _groups(extent, GROUP_VALUES if dev.type == "cpu" else DEVICE_GROUP_VALUES):
         m = int(extent[group].max())
-        g = _verify_group(query, candidates, matches, group, m, config)
+        g = _verify_group(query, candidates, matches, group, m, config, dev)
         inliers[group], affine[group], inlier_mask[group, :m], refined[group] = g
     return Verification(inliers, affine, inlier_mask, refined, inliers >= config.min_inliers)
 
@@ -173,7 +186,13 @@ def _groups(counts: np.ndarray, budget: int) -> list[np.ndarray]:
 
 
 def _verify_group(
-    query: LocalTokens, candidates: TokenBatch, matches: Matches, group: np.ndarray, m: int, config: SpatialConfig
+    query: LocalTokens,
+    candidates: TokenBatch,
+    matches: Matches,
+    group: np.ndarray,
+    m: int,
+    config: SpatialConfig,
+    device: torch.device,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     valid = matches.mask[group, :m]
     qi, ti = matches.query[group, :m], matches.token[group, :m]
@@ -183,14 +202,14 @@ def _verify_group(
     thr2 = float(config.inlier_threshold) ** 2
     tx = xd[..., 0] - s * xq[..., 0]
     ty = xd[..., 1] - s * xq[..., 1]
-    counts, table = _hypothesis_inliers(
-        np.where(valid[..., None], xq, 0.0), np.where(valid[..., None], xd, _FAR), s, tx, ty, thr2
+    counts, table = hypothesis_inliers(
+        np.where(valid[..., None], xq, 0.0), np.where(valid[..., None], xd, _FAR), s, tx, ty, thr2, device
     )
     counts[~(valid & (s >= config.min_scale) & (s <= config.max_scale))] = -1
     best = counts.argmax(1)  # the first maximum: the lowest match index
     rows = np.arange(len(group))
     count = np.maximum(counts[rows, best], 0)
-    mask = table[rows, best] & (count > 0)[:, None]
+    mask = rows_of(table, best) & (count > 0)[:, None]
     model = np.zeros((len(group), 2, 3))
     model[:, 0, 0] = model[:, 1, 1] = s[rows, best]
     model[:, 0, 2], model[:, 1, 2] = tx[rows, best], ty[rows, best]
@@ -203,7 +222,7 @@ def _verify_group(
         if tried.any():
             t = np.flatnonzero(tried)
             p_count, p_mask, p_model = _pair_hypotheses(
-                xq[t], xd[t], s[t], valid[t], matches.distance[group[t], :m], config
+                xq[t], xd[t], s[t], valid[t], matches.distance[group[t], :m], config, device
             )
             better = p_count > count[t]
             b = t[better]
@@ -225,28 +244,14 @@ def _verify_group(
     return count, model, mask, refined
 
 
-def _hypothesis_inliers(
-    xq: np.ndarray, xd: np.ndarray, s: np.ndarray, tx: np.ndarray, ty: np.ndarray, thr2: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """For every hypothesis h (the similarity s_h, t_h of match h) and match j of each candidate:
-    is ``s_h xq_j + t_h`` within the threshold of ``xd_j``? Returns counts (G, m) int64 and the
-    table (G, m, m) bool. torch, in place: this (G, m, m) float64 work dominates SP, and torch
-    spreads it over the threads (2x numpy here). Padded matches sit at ``_FAR`` and never count.
-    The operations and their order are ``verify_pair``'s, so the roundings are identical."""
-    xq_t, xd_t, s_t = torch.from_numpy(xq), torch.from_numpy(xd), torch.from_numpy(s)[:, :, None]
-    total = None
-    for axis, t in ((0, tx), (1, ty)):
-        r = s_t * xq_t[:, None, :, axis]  # (G, h, j)
-        r += torch.from_numpy(t)[:, :, None]
-        r -= xd_t[:, None, :, axis]
-        r *= r
-        total = r if total is None else total.add_(r)
-    table = total <= thr2
-    return table.sum(2).numpy(), table.numpy()
-
-
 def _pair_hypotheses(
-    xq: np.ndarray, xd: np.ndarray, s: np.ndarray, valid: np.ndarray, distance: np.ndarray, config: SpatialConfig
+    xq: np.ndarray,
+    xd: np.ndarray,
+    s: np.ndarray,
+    valid: np.ndarray,
+    distance: np.ndarray,
+    config: SpatialConfig,
+    device: torch.device | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The best two-match similarity hypothesis of each candidate (G of them, m match slots): its
     inlier count (-1 where no pair qualifies), inlier mask (G, m) and model (G, 2, 3).
@@ -268,7 +273,8 @@ def _pair_hypotheses(
     thr2 = float(config.inlier_threshold) ** 2
     tol = float(config.pair_scale_tolerance)
     cos_max = math.cos(math.radians(config.max_rotation))
-    chunk = max(1, GROUP_VALUES // (len(ia) * m))
+    dev = device or torch.device("cpu")
+    chunk = max(1, (GROUP_VALUES if dev.type == "cpu" else DEVICE_GROUP_VALUES) // (len(ia) * m))
     for g0 in range(0, G, chunk):
         sl = slice(g0, min(G, g0 + chunk))
         r = np.arange(sl.stop - sl.start)[:, None]
@@ -290,28 +296,12 @@ def _pair_hypotheses(
         ok &= (scale * tol >= sa) & (scale <= sa * tol) & (scale * tol >= sb) & (scale <= sb * tol)
         if config.max_rotation < 180.0:
             ok &= c >= scale * cos_max
-        # (g, P, m) residuals in torch, in place (spread over the threads), the reference's operations
-        qt, dt = torch.from_numpy(q), torch.from_numpy(d_)
-        x, y = qt[:, None, :, 0], qt[:, None, :, 1]  # (g, 1, m)
-        ct, st = torch.from_numpy(c)[..., None], torch.from_numpy(d)[..., None]
-        rx = ct * x
-        rx -= st * y
-        rx += torch.from_numpy(tx)[..., None]
-        rx -= dt[:, None, :, 0]
-        ry = st * x
-        ry += ct * y
-        ry += torch.from_numpy(ty)[..., None]
-        ry -= dt[:, None, :, 1]
-        rx *= rx
-        ry *= ry
-        rx += ry
-        table_t = (rx <= thr2) & torch.from_numpy(valid[sl])[:, None, :]  # (g, P, m)
-        counts, table = table_t.sum(2).numpy(), table_t.numpy()
+        counts, table_t = pair_table(q, d_, c, d, tx, ty, valid[sl], thr2, dev)
         counts[~ok] = -1
         best = counts.argmax(1)
         rows = np.arange(len(best))
         count[sl] = counts[rows, best]
-        mask[sl] = table[rows, best] & (count[sl] >= 0)[:, None]
+        mask[sl] = rows_of(table_t, best) & (count[sl] >= 0)[:, None]
         cb, db_, tb, ub = c[rows, best], d[rows, best], tx[rows, best], ty[rows, best]
         model[sl] = np.stack([np.stack([cb, -db_, tb], 1), np.stack([db_, cb, ub], 1)], 1)
         model[sl][count[sl] < 0] = 0.0

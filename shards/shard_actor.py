@@ -96,8 +96,10 @@ class ShardActor(ShardCalls):
         entry: dict[str, Any] | None = None,
         images: SourceImagesConfig | None = None,
         node: str | None = None,  # the node this runs on (a Ray node id; None: the host name)
+        device: str = "cpu",  # where this process re-ranks (rerank.device): the process's, never a request's
     ):
         self.name = name
+        self.device = device
         self.images_conf = images or SourceImagesConfig(endpoint_url=stage.endpoint_url)
         self.replica = replica
         self.node = node or socket.gethostname()
@@ -206,7 +208,7 @@ class ShardActor(ShardCalls):
 
         with self._lock:
             if repr(conf) not in self._rerankers:
-                self._rerankers[repr(conf)] = Reranker(conf)
+                self._rerankers[repr(conf)] = Reranker(conf, device=self.device)
             return self._rerankers[repr(conf)]
 
     def candidate_tokens(self, conf: RerankConfig, rows: np.ndarray) -> TokenBatch:

@@ -85,8 +85,9 @@ class ShardGroup:
         threads: int = 1,
         node: str | None = None,  # the node this runs on (a Ray node id; None: the host name)
         address: str = "127.0.0.1",  # the address other nodes reach this process at (its direct channel)
+        device: str = "cpu",  # where the members re-rank (rerank.device): this process's
     ):
-        self.members = [ShardActor(source, e["name"], stage, replica, e, images, node) for e in entries]
+        self.members = [ShardActor(source, e["name"], stage, replica, e, images, node, device) for e in entries]
         self.address = address
         self.threads = max(1, min(threads, len(self.members)))  # members answering at once
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard") if self.threads > 1 else None
