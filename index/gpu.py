@@ -7,9 +7,12 @@ of the float16 vectors).
 - ``faiss-gpu``: ``faiss.knn_gpu`` (faiss-gpu, the ``gpu`` extra). It takes the chunk as it is
   (float16 or float32 numpy, copied to the GPU by FAISS); its queries are cast to the chunk's
   dtype (knn_gpu wants both alike), so float16 chunks score float16-rounded queries (~1e-4 off).
-- ``torch``: a matmul and ``topk`` on a torch device (CUDA, or the CPU in tests and benchmarks);
-  the chunk is copied as stored (float16 halves the copy) and converted to float32 on the device,
-  scores are float32.
+- ``torch``: a matmul and ``topk`` on a torch device (CUDA, or the CPU in tests and benchmarks),
+  ``index.gpu_stream.search_streamed``: the chunk is copied as stored (float16 halves the copy)
+  through pinned buffers on a copy stream while the chunk before is scored, the top k's are merged
+  on the device. Scores are float32, to about float32's rounding (float16 chunks on CUDA: each
+  query split in two float16 parts, two tensor-core products). A database kept on the GPU between
+  searches: ``index.gpu_resident.ResidentDatabase``.
 - ``faiss-cpu``: ``faiss.knn`` per chunk (converted to float32 in memory).
 
 ``device="auto"`` takes the first available of these; results are the same up to float rounding:
@@ -25,7 +28,6 @@ import logging
 import mmap
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from functools import cache
 from typing import Any
@@ -33,17 +35,21 @@ from typing import Any
 import numpy as np
 
 from core.errors import NeedleInputError
+from index.gpu_stream import search_streamed  # the torch backend
+from index.gpu_topk import (  # the engine; its checks and constants are this module's too
+    METRICS,  # noqa: F401 (index.gpu.METRICS, as before)
+    TIE_MARGIN,
+    WORST,
+    check_chunk,
+    check_queries,
+)
 
 log = logging.getLogger(__name__)
 
-METRICS = ("ip", "l2")  # inner product (larger is better) | squared L2 distance (smaller is better)
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("faiss-gpu", "torch", "faiss-cpu")
 CHUNK_BYTES = 256 << 20  # default chunk of chunks_of: ~256 MB of stored vectors (167k rows of 768-d float16)
-SCORE_BLOCK_ELEMENTS = 1 << 26  # torch backend: queries per matmul so that a block's scores stay <= 256 MB float32
 FAISS_GPU_MAX_K = 2048  # the largest k faiss-gpu's k-selection supports
-TIE_MARGIN = 16  # extra candidates asked of each chunk, so that ties at the k-th score rarely need a second search
-WORST = {"ip": -np.finfo(np.float32).max, "l2": np.finfo(np.float32).max}  # FAISS's padding scores
 
 
 def faiss_gpus() -> int:
@@ -176,6 +182,7 @@ def assignment_quantizer(quantizer: Any, gpu: bool = True) -> Any:
 
 
 # --- backends: prepare(chunk) once per chunk, then search(xq, prepared, kk) -> (D, I) local ids --
+# (faiss ones; the torch backend runs index.gpu_stream.search_streamed)
 
 
 class FaissCpu:
@@ -217,6 +224,10 @@ class FaissGpu:
 
 
 class TorchBackend:
+    """A matmul and ``topk`` on a torch device (CUDA, or the CPU): ``exact_search`` runs it as
+    ``index.gpu_stream.search_streamed`` (chunks copied as stored, the copy overlapped with the
+    compute on CUDA, the top k merged on the device)."""
+
     name = "torch"
 
     def __init__(self, metric: str, device: Any):
@@ -224,32 +235,6 @@ class TorchBackend:
 
         self.metric = metric
         self.device = torch.device(device)
-
-    def prepare(self, chunk: np.ndarray) -> tuple[Any, Any]:
-        """The chunk as float32 on the device (copied as stored, converted there), and for L2 its
-        squared norms."""
-        import torch
-
-        with warnings.catch_warnings():  # read-only memory maps: torch only reads them
-            warnings.simplefilter("ignore", UserWarning)
-            xb = torch.from_numpy(np.ascontiguousarray(chunk)).to(self.device).float()
-        return xb, (xb * xb).sum(1) if self.metric == "l2" else None
-
-    def search(self, xq: np.ndarray, prepared: tuple[Any, Any], kk: int) -> tuple[np.ndarray, np.ndarray]:
-        import torch
-
-        xb, norms = prepared
-        block = max(1, SCORE_BLOCK_ELEMENTS // max(1, len(xb)))
-        D, I = [], []
-        for start in range(0, len(xq), block):
-            q = torch.from_numpy(np.ascontiguousarray(xq[start : start + block])).to(self.device)
-            scores = q @ xb.T
-            if self.metric == "l2":  # |q|^2 + |x|^2 - 2 q.x, clamped at 0 as FAISS does
-                scores = ((q * q).sum(1, keepdim=True) + norms - 2 * scores).clamp_min_(0)
-            values, ids = torch.topk(scores, kk, dim=1, largest=self.metric == "ip", sorted=True)
-            D.append(values.cpu().numpy())
-            I.append(ids.cpu().numpy())
-        return np.concatenate(D).astype(np.float32), np.concatenate(I).astype(np.int64)
 
 
 def check_device(device: str) -> str:
@@ -363,35 +348,6 @@ def chunk_topk(
     return D_out, I_out
 
 
-def check_queries(xq: np.ndarray, k: int, metric: str) -> np.ndarray:
-    xq = np.asarray(xq)
-    if xq.ndim != 2 or xq.dtype.kind not in "fiu":
-        raise NeedleInputError(f"queries must be a 2-D (nq, d) float array, got shape {xq.shape} dtype {xq.dtype}")
-    xq = np.ascontiguousarray(xq, dtype=np.float32)
-    if not np.isfinite(xq).all():
-        raise NeedleInputError("queries contain NaN or inf")
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
-        raise NeedleInputError(f"k must be an integer >= 1, got {k!r}")
-    if metric not in METRICS:
-        raise NeedleInputError(f"unknown metric {metric!r}; choose from {', '.join(METRICS)}")
-    return xq
-
-
-def check_chunk(chunk: Any, i: int, d: int) -> np.ndarray:
-    if (
-        not isinstance(chunk, np.ndarray)
-        or chunk.ndim != 2
-        or chunk.shape[1] != d
-        or chunk.dtype not in (np.float16, np.float32)
-    ):
-        raise NeedleInputError(
-            f"database chunk {i} has shape {getattr(chunk, 'shape', None)} "
-            f"and dtype {getattr(chunk, 'dtype', type(chunk).__name__)}; "
-            f"expected an (n, {d}) float16 or float32 numpy array"
-        )
-    return chunk
-
-
 def exact_search(
     xq: np.ndarray,
     xb_chunks: Iterable[np.ndarray] | np.ndarray,
@@ -412,6 +368,12 @@ def exact_search(
     chosen = choose_backend(device, k, backend, metric)
     if isinstance(xb_chunks, np.ndarray):
         xb_chunks = chunks_of(xb_chunks)
+    if isinstance(chosen, TorchBackend):
+        start = time.perf_counter()
+        D, I = search_streamed(xq, xb_chunks, k, metric, chosen.device)
+        log.debug("exact search on torch (%s): %d queries, k=%d: %.3f s", chosen.device, len(xq), k,
+                  time.perf_counter() - start)  # fmt: skip
+        return D, I
     nq, d = xq.shape
     D = np.full((nq, k), WORST[metric], dtype=np.float32)
     I = np.full((nq, k), -1, dtype=np.int64)

@@ -10,11 +10,18 @@ the vectors to the GPU: at least ``GPU_EXACT_MIN_QUERIES`` queries over at least
 ``GPU_EXACT_MIN_VECTORS`` vectors. Then it scans its rows of the memory-mapped float16 vectors in
 chunks with ``index.gpu.exact_search`` (the ILIAS baseline). ``device`` ("auto" | "cpu" | "cuda")
 overrides the choice; "cuda" scans on the GPU at any size.
+
+With ``device="cuda"`` (and torch seeing CUDA) a flat shard keeps its vectors on the GPU from its
+first scan on (``index.gpu_resident.keep_resident``: float16, where they fit beside 10 % of the
+GPU's memory left free), and scans them there; where they do not fit it says so in a warning and
+each scan streams them with the copy overlapped (the torch backend). "auto" streams: it takes no
+GPU memory for good without being asked.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -22,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from index.errors import IndexFileError
-from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available
+from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
+from index.gpu_resident import ResidentDatabase, keep_resident
 from index.locals import LocalStore, open_local_store
 from index.merge import (
     inner_products_at,
@@ -41,6 +49,7 @@ from ingest.descriptors import STATUS_OK
 # copy of the float16 vectors for the GPU), so the GPU's arithmetic does not pay for the copy.
 GPU_EXACT_MIN_VECTORS = 100_000
 GPU_EXACT_MIN_QUERIES = 64
+RESIDENT_LOCK = threading.Lock()  # one shard at a time decides and copies (the fit rule reads the free memory)
 
 
 @dataclass
@@ -56,6 +65,8 @@ class Shard:
     quantizer_ef: int | None  # HNSW coarse quantizer depth recorded by the build
     device: str = "auto"  # flat shards on a GPU: large searches when one is present (auto), never (cpu), always (cuda)
     files: ShardFiles | None = None  # a shard directory's own files (None: a shard of an old single directory)
+    resident: ResidentDatabase | bool | None = field(default=None, init=False, repr=False, compare=False)
+    # its vectors on the GPU (device "cuda"): None until its first scan there, False where they do not fit
 
     @property
     def ntotal(self) -> int:
@@ -123,11 +134,35 @@ class Shard:
     def scan(
         self, xq: np.ndarray, kk: int, device: str = "cuda", backend: str | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Exact (D, I) of this flat shard from its float16 vectors with ``exact_search`` (on a
-        GPU by default, or NeedleInputError), ties to the lower row id."""
+        """Exact (D, I) of this flat shard from its float16 vectors, ties to the lower row id: from
+        its vectors kept on the GPU (``resident_vectors``), else with ``exact_search`` (on a GPU by
+        default, or NeedleInputError; the torch backend's overlapped stream where torch has CUDA)."""
         positions, rows = self.scan_layout
-        D, I = exact_search(xq, chunks_at(self.vectors, positions), kk, "ip", device, backend)
+        resident = self.resident_vectors(device, backend)
+        if resident is not None:
+            D, I = resident.search(xq, kk)
+        else:
+            if backend is None and device != "cpu" and self.device == "cuda" and torch_cuda_available():
+                backend = "torch"
+            D, I = exact_search(xq, chunks_at(self.vectors, positions), kk, "ip", device, backend)
         return D, np.where(I >= 0, rows[I.clip(0)], -1)
+
+    def resident_vectors(self, device: str = "cuda", backend: str | None = None) -> ResidentDatabase | None:
+        """This flat shard's scan vectors kept on the GPU, copied at its first scan there, or None:
+        the shard's device is not "cuda", the scan's is "cpu", another backend than torch is asked
+        for, torch sees no CUDA, or they do not fit (``keep_resident`` warns, once)."""
+        if self.device != "cuda" or device == "cpu" or backend not in (None, "torch") or not torch_cuda_available():
+            return None
+        with RESIDENT_LOCK:
+            if self.resident is None:
+                positions, _ = self.scan_layout
+                where = f" {self.files.directory}" if self.files is not None else ""
+                kept = keep_resident(
+                    lambda: chunks_at(self.vectors, positions), len(positions), self.vectors.shape[1],
+                    label=f"flat shard{where} ({self.ntotal} vectors)",
+                )  # fmt: skip
+                self.resident = False if kept is None else kept
+        return self.resident if isinstance(self.resident, ResidentDatabase) else None
 
     def candidates(self, xq: np.ndarray, kk: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """This shard's best ``kk`` candidates for (nq, d) float32 queries by index score:
