@@ -17,6 +17,8 @@ and of the extractor's rescaling to base pixels; kornia puts pixel centres at in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from torch import nn
@@ -72,3 +74,9 @@ class SiftTokens(nn.Module):
         # so that the ITQ input and dot products see exact unit vectors.
         desc = torch.nn.functional.normalize(descs[0][filled].float(), dim=1)
         return xy.cpu().numpy(), weight.cpu().numpy(), desc.cpu().numpy()
+
+    def batch(self, images: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Each image's tokens, in input order: one at a time (the scale space is per image and
+        runs on CPU at the sizes tokens are taken from); the keypoint models' one interface
+        (embed.locals.KeypointModel) with ALIKED's batched GPU path."""
+        return [self(image) for image in images]

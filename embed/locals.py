@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,6 +52,17 @@ from ingest.images import RESAMPLE, resized_size
 log = logging.getLogger(__name__)
 
 LOCAL_COLUMNS = ("local_codes", "local_x", "local_y", "local_scale", "local_weight")
+
+
+class KeypointModel(Protocol):
+    """A keypoint detector and descriptor (ALIKED, SIFT): images in, each image's tokens out."""
+
+    dim: int  # descriptor dimension
+
+    def batch(self, images: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """uint8 images -> per image (xy (n, 2) pixels, pixel (i, j) covering [j, j + 1) x [i, i + 1);
+        weight (n,); desc (n, d) unit), in input order."""
+        ...
 
 
 class DenseLocalModel(Protocol):
@@ -150,12 +162,10 @@ class LocalExtractor:
         factor = self.conf.scales[scale_index]
         longer = max(1, round(self.conf.resolution * factor))
         scaled = [_resize(image, longer) for image in images]
+        if self.conf.kind in KEYPOINT_KINDS:
+            return self._keypoint_tokens(scaled, images, scale_index)
         out: list[_ScaleTokens | None] = [None] * len(images)
         for idx in batches_by_shape(scaled, self.batch_size):
-            if self.conf.kind in KEYPOINT_KINDS:
-                for i in idx:
-                    out[i] = self._keypoint_tokens(scaled[i], images[i], scale_index)
-                continue
             desc, weight = self._dense(np.stack([scaled[i] for i in idx]))
             for j, i in enumerate(idx):
                 out[i] = _grid_tokens(
@@ -163,10 +173,16 @@ class LocalExtractor:
                 )
         return out  # type: ignore[return-value]
 
-    def _keypoint_tokens(self, scaled: np.ndarray, original: np.ndarray, scale_index: int) -> _ScaleTokens:
-        xy, weight, desc = self.net(scaled)
-        to_base = original.shape[1] / scaled.shape[1] / (self.resolution / self.conf.resolution)
-        return _ScaleTokens(desc, xy * to_base, weight, np.full(len(xy), scale_index, np.uint8))
+    def _keypoint_tokens(
+        self, scaled: list[np.ndarray], originals: list[np.ndarray], scale_index: int
+    ) -> list[_ScaleTokens]:
+        """All images at once: the model batches them as it can (ALIKED by padded shape on a GPU)."""
+        model: KeypointModel = self.net  # type: ignore[assignment]  # build_local_model's, for a keypoint kind
+        out = []
+        for (xy, weight, desc), image, original in zip(model.batch(scaled), scaled, originals, strict=True):
+            to_base = original.shape[1] / image.shape[1] / (self.resolution / self.conf.resolution)
+            out.append(_ScaleTokens(desc, xy * to_base, weight, np.full(len(xy), scale_index, np.uint8)))
+        return out
 
     def _select(self, per_scale: list[_ScaleTokens]) -> _ScaleTokens:
         if self.conf.per_scale:

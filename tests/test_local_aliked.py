@@ -150,6 +150,88 @@ def test_bad_images_are_refused():
         AlikedTokens(num_features=10)(np.zeros((32, 32), np.uint8))
 
 
+@pytest.fixture(scope="module")
+def aliked() -> AlikedTokens:
+    return AlikedTokens(num_features=200)
+
+
+def _mixed_shapes() -> list[np.ndarray]:
+    """Crops whose padded shapes (sides up to multiples of 32) are shared by some and not others,
+    interleaved so that batching by padded shape reorders them: 200x150, 190x150 and 200x150 pad
+    to 224x160; 160x224, 96x96 pad to themselves; 20x24 pads to 32x32 and has fewer local maxima
+    than the 200 keypoints asked for (filled up with zero scores, in row-major order)."""
+    photo, coffee = _photo(size=320), _photo("coffee", 320)
+    return [
+        photo[:200, :150],
+        coffee[:160, :224],
+        photo[40:230, 100:250],
+        coffee[100:196, 200:296],
+        photo[100:300, 150:300],
+        coffee[60:80, 60:84],
+    ]
+
+
+def _assert_same_tokens(expected, got) -> None:
+    """Same count and, token for token (matched by position: near-equal weights may swap ranks
+    under float rounding), xy within 1e-3 px, weights within 1e-4, descriptors cosine > 0.9999."""
+    (xy, weight, desc), (xy2, weight2, desc2) = expected, got
+    assert xy2.shape == xy.shape and weight2.shape == weight.shape and desc2.shape == desc.shape
+    assert xy2.dtype == weight2.dtype == desc2.dtype == np.float32
+    assert np.all(np.diff(weight2) <= 0)  # best first
+    match = np.linalg.norm(xy[:, None] - xy2[None], axis=2).argmin(1)
+    assert len(set(match.tolist())) == len(xy)  # one to one
+    np.testing.assert_allclose(xy2[match], xy, atol=1e-3)
+    np.testing.assert_allclose(weight2[match], weight, atol=1e-4)
+    assert (desc2[match] * desc).sum(1).min() > 0.9999
+
+
+def test_batched_tokens_equal_the_one_at_a_time_tokens(aliked):
+    images = _mixed_shapes()
+    one_at_a_time = [aliked(image) for image in images]
+    # batch_size=2: the three 224x160 crops run as a batch of two and one of one
+    batched = aliked.batch(images, batch_size=2)
+    assert len(batched) == len(images)
+    for image, expected, got in zip(images, one_at_a_time, batched, strict=True):
+        assert len(got[0]) == min(200, image.shape[0] * image.shape[1])
+        _assert_same_tokens(expected, got)
+        assert (got[0] >= 0).all() and (got[0] <= [image.shape[1], image.shape[0]]).all()
+
+
+def test_batch_of_nothing_and_bad_images(aliked):
+    assert aliked.batch([]) == []
+    good = np.zeros((40, 40, 3), np.uint8)
+    with pytest.raises(NeedleInputError, match=r"image 2 of the batch is \(32, 32\) uint8"):
+        aliked.batch([good, good, np.zeros((32, 32), np.uint8)])
+    with pytest.raises(NeedleInputError, match=r"image 1 of the batch is \(40, 40, 3\) float32"):
+        aliked.batch([good, good.astype(np.float32)])
+    with pytest.raises(NeedleInputError, match=r"image 0 of the batch is \(0, 40, 3\)"):
+        aliked.batch([good[:0]])
+    with pytest.raises(NeedleInputError, match="batch_size"):
+        aliked.batch([good], batch_size=0)
+
+
+def test_extractor_columns_equal_those_of_one_image_at_a_time(monkeypatch):
+    """LocalExtractor hands ALIKED all images at once; the columns are those of a loop of
+    ``forward`` through the same conversion to base pixels."""
+    extractor = build_local_extractor("aliked-n16", resolution=160, top_k=50)
+    photo, coffee = _photo(size=160), _photo("coffee", 160)
+    images = [photo, coffee, np.ascontiguousarray(photo[:, :120]), np.ascontiguousarray(coffee[::-1])]
+    got = extractor(images)
+    net = extractor.net
+    monkeypatch.setattr(net, "batch", lambda scaled: [net(image) for image in scaled])
+    expected = extractor(images)
+    assert got.keys() == expected.keys() and "local_codes" in got
+    for name in got:
+        for a, b in zip(expected[name], got[name], strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+    for i in range(len(images)):
+        assert np.abs(got["local_x"][i].astype(int) - expected["local_x"][i]).max() <= 1
+        assert np.abs(got["local_y"][i].astype(int) - expected["local_y"][i]).max() <= 1
+        same_codes = (got["local_codes"][i] == expected["local_codes"][i]).all(1).mean()
+        assert same_codes >= 0.99, (i, same_codes)
+        np.testing.assert_allclose(got["local_weight"][i], expected["local_weight"][i], atol=1e-3)
+
+
 def test_every_kind_has_its_re_ranking_defaults():
     from rerank.expand import ExpansionConfig
     from rerank.matching import MatchConfig
