@@ -55,11 +55,7 @@ class IngestWorker:
         self.decode_threads = conf.decode_threads or max(1, torch_threads)
         self.overlap = gpu
         self.chunk_size = conf.chunk_size or (GPU_CHUNK_SIZE if gpu else CHUNK_SIZE)
-        self.batch_decoder = None
-        if conf.decoder == "nvjpeg" and gpu:
-            from ingest.gpu_decode import GpuJpegDecoder
-
-            self.batch_decoder = GpuJpegDecoder(device)
+        self.batch_decoder = make_batch_decoder(conf.decoder, gpu, device, self.decode_threads)
         self.extractors = [
             GlobalExtractor(
                 conf.model,
@@ -70,8 +66,12 @@ class IngestWorker:
                 conf.resolution,
                 scales=conf.query_scales or (1.0,),
                 rotations=conf.query_rotations,
+                shape_grid=conf.shape_grid,
             )
         ]
+        # Every input shape of the grid at every fixed batch size, before the first shard: web
+        # photos would otherwise bring new kernel set-ups for hours (embed/shape_plan.py).
+        self.warmed = self.extractors[0].warm() if gpu else None
         if conf.locals:
             self.extractors.append(make_local_extractor(conf, device))
         self.extractors_info = [e.info() for e in self.extractors]  # hashes the weights once
@@ -92,6 +92,19 @@ class IngestWorker:
             overlap=self.overlap,
         )
         return {**result.to_dict(), "extractors": self.extractors_info}
+
+
+def make_batch_decoder(decoder: str, gpu: bool, device: str, processes: int) -> Any:
+    """The batched decoder ``decoder`` means on this worker, or None for PIL on threads."""
+    if decoder in ("auto", "nvjpeg") and gpu:
+        from ingest.gpu_decode import GpuJpegDecoder
+
+        return GpuJpegDecoder(device)
+    if decoder == "pil-processes":
+        from ingest.process_decode import ProcessDecoder
+
+        return ProcessDecoder(processes)
+    return None
 
 
 def make_local_extractor(conf: IngestConfig, device: str = "cpu"):
@@ -162,18 +175,34 @@ _DESCRIPTOR_SETTINGS = (
     "keep_local_desc",
     "query_scales",
     "query_rotations",
+    "shape_grid",
 )
 
 
-def _comparable(key: str, value: Any) -> Any:
+def _comparable(key: str, value: Any, model: str) -> Any:
     # JSON turns the config's scales tuple into a list: compare them as tuples of floats.
-    return tuple(float(v) for v in value) if key == "query_scales" and value is not None else value
+    if key == "query_scales" and value is not None:
+        return tuple(float(v) for v in value)
+    if key == "shape_grid":  # None: the model's default, compared as the grid it means
+        from embed.shape_plan import model_shape_grid
+
+        return model_shape_grid(model, value)
+    return value
+
+
+# Settings added later, as older jobs made their descriptors (else: IngestConfig's default).
+_BEFORE_THE_SETTING = {"shape_grid": 0}
 
 
 def _check_same_settings(previous: dict[str, Any], conf: IngestConfig, where: str) -> None:
-    defaults = IngestConfig()  # settings added later are recorded by older jobs as their defaults
-    before = {k: _comparable(k, previous.get("config", {}).get(k, getattr(defaults, k))) for k in _DESCRIPTOR_SETTINGS}
-    now = {k: _comparable(k, getattr(conf, k)) for k in _DESCRIPTOR_SETTINGS}
+    defaults = IngestConfig()
+    recorded = previous.get("config", {})
+    model = recorded.get("model", defaults.model)
+    before = {
+        k: _comparable(k, recorded.get(k, _BEFORE_THE_SETTING.get(k, getattr(defaults, k))), model)
+        for k in _DESCRIPTOR_SETTINGS
+    }
+    now = {k: _comparable(k, getattr(conf, k), conf.model) for k in _DESCRIPTOR_SETTINGS}
     if previous and before != now and not conf.overwrite:
         raise NeedleInputError(
             f"{where} holds descriptors made with {before}, this job asks for {now}: "

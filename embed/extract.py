@@ -8,8 +8,8 @@ share one decode pass.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from core.hashing import file_sha256
 from core.multiscale import check_scales_rotations
 from embed.models import build_global_model
 from embed.registry import DEFAULT_MODEL, PRETRAINED, RANDOM, describe, get_model_config
+from embed.shape_plan import fixed_batch_sizes, model_shape_grid, plan_batches, snap, warm_shapes
 
 log = logging.getLogger(__name__)
 
@@ -40,29 +41,6 @@ def batches_by_shape(images: list[np.ndarray], batch_size: int) -> list[list[int
     for i, image in enumerate(images):
         groups[image.shape].append(i)
     return [idx[s : s + batch_size] for idx in groups.values() for s in range(0, len(idx), batch_size)]
-
-
-def plan_batches(
-    shapes: list[tuple[int, int]], batch_size: int, input_shape: Callable[[int, int], tuple[int, int]]
-) -> list[tuple[list[int], tuple[int, int]]]:
-    """Batches of image indices, with the (H, W) each batch is built at, from the images' (h, w).
-
-    Images share a batch only when their model input shape (``input_shape``: a ViT's padding to a
-    multiple of its patch, a square tower's padding to a square) is equal: zero-padding each to it
-    is what the model does to each alone, so batching never changes a descriptor. Padding CNN
-    inputs across sizes was measured and rejected: zeros beyond an image's border reach its cells
-    through the receptive field (EfficientNet-Lite0 on realbench: cosine to the per-image
-    descriptor 0.93 at worst, even with sides bucketed to 8 pixels).
-    """
-    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for i, (h, w) in enumerate(shapes):
-        groups[input_shape(h, w)].append(i)
-    plan = []
-    for idx in groups.values():
-        for s in range(0, len(idx), batch_size):
-            part = idx[s : s + batch_size]
-            plan.append((part, (max(shapes[i][0] for i in part), max(shapes[i][1] for i in part))))
-    return plan
 
 
 def parse_scales(text: str) -> tuple[float, ...]:
@@ -125,7 +103,13 @@ class GlobalExtractor:
         resolution: int | None = None,
         scales: tuple[float, ...] = (1.0,),
         rotations: int = 1,
+        shape_grid: int | None = None,
+        fixed_batches: bool | None = None,
     ):
+        """``shape_grid``: snap each input side to a multiple of this many pixels (embed/shape_plan.py);
+        0: exact shapes (what indexes made before the grid existed record); None: the model's default,
+        DEFAULT_GRID unless its input is padded to a square anyway. ``fixed_batches``: cut batches
+        into fixed sizes only, padding the last (None: on a GPU, where each new size costs set-up)."""
         if precision not in PRECISIONS:
             raise NeedleInputError(f"unknown precision {precision!r}; choose from {PRECISIONS}")
         if batch_size < 1:
@@ -136,6 +120,7 @@ class GlobalExtractor:
         self.batch_size = batch_size
         self.resolution = resolution or self.config.resolution
         self.scales, self.rotations = check_scales_rotations(scales, rotations)
+        self.shape_grid = model_shape_grid(model, shape_grid)
         # The plain path stays exactly the pre-existing one (speed and bytes) unless asked otherwise.
         self.multi_variant = self.scales != (1.0,) or self.rotations != 1
         self.net, self.weights_path = build_global_model(model, weights)
@@ -147,6 +132,8 @@ class GlobalExtractor:
         if self.channels_last:
             self.net.to(memory_format=torch.channels_last)
         self.precision = self._choose_precision(precision)
+        on_gpu = self.device.type == "cuda"
+        self.batch_sizes = fixed_batch_sizes(batch_size) if (on_gpu if fixed_batches is None else fixed_batches) else ()
         self._mean = torch.tensor(self.config.mean, device=self.device).view(1, 3, 1, 1)
         self._std = torch.tensor(self.config.std, device=self.device).view(1, 3, 1, 1)
         self.dim = self._probe_dim()
@@ -176,35 +163,85 @@ class GlobalExtractor:
         return int(self.forward_uint8(np.stack([probe])).shape[1])
 
     def forward_uint8(self, batch: np.ndarray) -> np.ndarray:
-        """(B, H, W, 3) uint8 -> (B, D) float32 L2-normalised descriptors."""
-        return self._forward_batch(list(batch), batch.shape[1:3]).cpu().numpy()
+        """(B, H, W, 3) uint8 -> (B, D) float32 L2-normalised descriptors (at the snapped size
+        under a shape grid, as in a batch)."""
+        shape = snap(*batch.shape[1:3], self.shape_grid)
+        return self._forward_batch(list(batch), shape).cpu().numpy()
 
     @torch.inference_mode()
-    def _forward_batch(self, images: list[np.ndarray], shape: tuple[int, int]) -> torch.Tensor:
-        """Descriptors (B, D) float32, left on the device, of ``images`` zero-padded (in normalised
-        space, as the model pads) to ``shape``. Returning before the copy back lets the next batch
-        be assembled on the host while the device computes."""
+    def _forward_batch(
+        self, images: list[np.ndarray], shape: tuple[int, int], padded: int | None = None
+    ) -> torch.Tensor:
+        """Descriptors (rows, D) float32, left on the device, of ``images`` brought to ``shape``:
+        resized to it under a shape grid, else zero-padded to it (in normalised space, as the model
+        pads). ``padded``: rows of the batch (blank images after ``images``, whose rows the caller
+        drops), one of the fixed sizes a GPU has warmed. Returning before the copy back lets the next
+        batch be assembled on the host while the device computes."""
         height, width = shape
+        rows = max(len(images), padded or 0)
         sizes = [im.shape[:2] for im in images]
-        if all(size == (height, width) for size in sizes):
+        canvas = (max([height] + [h for h, _ in sizes]), max([width] + [w for _, w in sizes]))
+        if rows == len(images) and all(size == canvas for size in sizes):
             batch = np.stack(images)
         else:
-            batch = np.zeros((len(images), height, width, 3), dtype=np.uint8)
+            batch = np.zeros((rows, *canvas, 3), dtype=np.uint8)
             for j, im in enumerate(images):
                 batch[j, : im.shape[0], : im.shape[1]] = im
+                if self.shape_grid:  # the resize reads past the last row and column: their copies
+                    batch[j, : im.shape[0], im.shape[1] :] = im[:, -1:]
+                    batch[j, im.shape[0] :] = batch[j, im.shape[0] - 1]
         x = torch.from_numpy(batch)
         if self.device.type == "cuda":
             x = x.pin_memory().to(self.device, non_blocking=True)
         x = x.permute(0, 3, 1, 2).float().div_(255.0)
+        if self.shape_grid and any(size != shape for size in sizes):
+            x = self._resample(x, sizes, shape)
         x = (x - self._mean) / self._std
-        if any(size != (height, width) for size in sizes):
-            x = x * self._valid_mask(sizes, height, width)  # padding is zero after normalisation, as the model pads
+        if not self.shape_grid and any(size != shape for size in sizes):
+            # Padding is zero after normalisation, as the model pads (blank rows: anything).
+            x = x * self._valid_mask(sizes + [shape] * (rows - len(images)), height, width)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         with self._autocast():
             out = self.net(x)
         # Re-normalise in float32: autocast may leave the norm slightly off 1.
         return torch.nn.functional.normalize(out.float(), dim=-1)
+
+    def _resample(self, x: torch.Tensor, sizes: list[tuple[int, int]], shape: tuple[int, int]) -> torch.Tensor:
+        """Each image of ``x`` (rows, 3, canvas) in its top-left (h, w) resized to ``shape``, all in
+        one bilinear ``grid_sample`` (pixel centres map to pixel centres; a snap moves a side by at
+        most half a grid step, so no antialiasing is needed). Blank rows stay blank."""
+        rows, canvas_h, canvas_w = x.shape[0], x.shape[2], x.shape[3]
+        scale = torch.ones(rows, 2, dtype=x.dtype)
+        for j, (h, w) in enumerate(sizes):
+            scale[j, 0], scale[j, 1] = w / canvas_w, h / canvas_h
+        theta = torch.zeros(rows, 2, 3, dtype=x.dtype)
+        theta[:, 0, 0], theta[:, 1, 1] = scale[:, 0], scale[:, 1]
+        theta[:, :, 2] = scale - 1  # the image's region starts at the canvas' top-left corner
+        grid = torch.nn.functional.affine_grid(theta.to(x.device), [rows, 3, *shape], align_corners=False)
+        return torch.nn.functional.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+    @torch.inference_mode()
+    def warm(self) -> dict[str, Any]:
+        """Run each input shape of the shape grid at each fixed batch size once, so that a GPU worker
+        pays every kernel set-up at start, not in its first hours of web photos. Returns what it
+        ran and how long it took (logged); with exact shapes (grid 0) there is no bounded set and
+        nothing is warmed."""
+        if not self.shape_grid:
+            log.info("no shape grid (exact shapes): nothing to warm")
+            return {"shapes": 0, "batches": 0, "seconds": 0.0}
+        start = time.perf_counter()
+        shapes = warm_shapes(self.resolution, self.shape_grid, self.net.input_shape)
+        sizes = self.batch_sizes or (self.batch_size,)
+        for shape in shapes:
+            blank = np.zeros((*shape, 3), dtype=np.uint8)
+            for size in sizes:
+                self._forward_batch([blank], shape, size)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        log.info("warmed %d shapes x batch sizes %s in %.1f s", len(shapes), sizes, seconds)
+        return {"shapes": len(shapes), "batches": len(shapes) * len(sizes), "seconds": round(seconds, 3)}
 
     def _valid_mask(self, sizes: list[tuple[int, int]], height: int, width: int) -> torch.Tensor:
         rows = torch.tensor([s[0] for s in sizes], device=self.device)
@@ -223,9 +260,12 @@ class GlobalExtractor:
         out = np.zeros((len(images), self.dim), dtype=np.float16)
         if not images:
             return {self.column: out}
-        plan = plan_batches([im.shape[:2] for im in images], self.batch_size, self.net.input_shape)
-        results = [self._forward_batch([images[i] for i in idx], shape) for idx, shape in plan]
-        order = np.concatenate([idx for idx, _ in plan])
+        shapes = [im.shape[:2] for im in images]
+        plan = plan_batches(shapes, self.batch_size, self.net.input_shape, self.shape_grid, self.batch_sizes)
+        results = [
+            self._forward_batch([images[i] for i in idx], shape, padded)[: len(idx)] for idx, shape, padded in plan
+        ]
+        order = np.concatenate([idx for idx, _, _ in plan])
         out[order] = torch.cat(results).cpu().numpy().astype(np.float16)  # one copy back per call
         return {self.column: out}
 
@@ -255,6 +295,7 @@ class GlobalExtractor:
             "precision": self.precision,
             "dim": self.dim,
             "dtype": "float16",
+            "shape_grid": self.shape_grid,
             # Only when not the default, so that single-scale infos stay byte-identical to before.
             **({"scales": list(self.scales), "rotations": self.rotations} if self.multi_variant else {}),
         }

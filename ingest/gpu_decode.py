@@ -35,6 +35,9 @@ class GpuJpegDecoder:
     width, height) or raises nothing: an undecodable item comes back as its ImageDecodeError.
     """
 
+    batch = 64  # samples per call: nvjpeg's batched decode
+    concurrency = 1  # one call at a time: the decodes share the GPU and its stream
+
     def __init__(self, device: str = "cuda", decode_jpeg: Any = None):
         """``decode_jpeg``: torchvision's by default; another function of the same signature
         (``(tensors, mode=, device=)``) only to test this class without a GPU."""

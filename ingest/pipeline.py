@@ -45,7 +45,6 @@ CHUNK_SIZE = 64
 # On GPU: only equal input shapes share a batch, and real photos come in hundreds of shapes, so a
 # larger window keeps batches full (realbench at 384 px: 248 shapes among 1,650 photos).
 GPU_CHUNK_SIZE = 512
-DECODE_BATCH = 64  # samples per call of a batched (GPU) decoder
 
 
 @dataclass(frozen=True)
@@ -84,6 +83,15 @@ class Extractor(Protocol):
     def info(self) -> dict[str, Any]: ...  # how the columns were made, for the JSON beside the output
 
 
+class BatchDecoder(Protocol):
+    """Decodes batches of samples elsewhere than on the decode threads (the GPU, processes)."""
+
+    batch: int  # samples per call
+    concurrency: int  # calls the pipeline may have in flight at once
+
+    def __call__(self, items: list[tuple[str, bytes]], longer_sides: tuple[int, ...]) -> list[Any]: ...
+
+
 def _decode_sample(sample: dict[str, Any], longer_sides: tuple[int, ...]) -> _Decoded:
     key = sample["__key__"]
     data = image_bytes(sample)
@@ -110,8 +118,10 @@ def _decoded_stream(
         yield pending.popleft().result()
 
 
-def _decode_batch(samples: list[dict[str, Any]], longer_sides: tuple[int, ...], decoder: Any) -> list[_Decoded]:
-    """A batch of samples through a batched decoder (:class:`ingest.gpu_decode.GpuJpegDecoder`)."""
+def _decode_batch(
+    samples: list[dict[str, Any]], longer_sides: tuple[int, ...], decoder: BatchDecoder
+) -> list[_Decoded]:
+    """A batch of samples through a batched decoder (GpuJpegDecoder, ProcessDecoder)."""
     out: list[_Decoded | None] = [None] * len(samples)
     items = []
     for i, sample in enumerate(samples):
@@ -133,7 +143,7 @@ def _decode_batch(samples: list[dict[str, Any]], longer_sides: tuple[int, ...], 
 def _batch_decoded_stream(
     samples: Iterator[dict[str, Any]],
     longer_sides: tuple[int, ...],
-    decoder: Any,
+    decoder: BatchDecoder,
     pool: ThreadPoolExecutor,
     batch: int,
     ahead: int,
@@ -188,7 +198,7 @@ def process_shard(
     s3_endpoint_url: str | None = None,
     read_retries: int = 3,
     backoff_s: float = 1.0,
-    batch_decoder: Any = None,
+    batch_decoder: BatchDecoder | None = None,
     overlap: bool = True,
 ) -> ShardResult:
     """Read shard ``url`` (local or ``s3://``), describe every image, commit ``<shard>.parquet``
@@ -198,8 +208,8 @@ def process_shard(
     that cannot be read to the end (missing, truncated) is returned as failed and writes nothing.
     A transient read failure (an S3 stream cut mid-way) reads the shard again, up to
     ``read_retries`` times with exponential backoff from ``backoff_s``.
-    ``batch_decoder``: decode JPEGs in batches with it (e.g. a GpuJpegDecoder) in one background
-    thread instead of with PIL on ``decode_threads`` threads. ``overlap``: decode the next chunk
+    ``batch_decoder``: decode in batches with it (a GpuJpegDecoder, a ProcessDecoder), up to its
+    ``concurrency`` calls at once, instead of with PIL on ``decode_threads`` threads. ``overlap``: decode the next chunk
     while the extractors work on this one (a GPU model); False: decode each chunk on all the
     threads, then run the extractors (a CPU model on the same cores: taking turns is faster).
     """
@@ -240,7 +250,7 @@ def _describe(
     extractors: Sequence[Extractor],
     decode_threads: int,
     chunk_size: int,
-    batch_decoder: Any = None,
+    batch_decoder: BatchDecoder | None = None,
     overlap: bool = True,
 ) -> tuple:
     """Every sample of the shard through decoding and the extractors, in archive order."""
@@ -252,14 +262,15 @@ def _describe(
     seen: set[str] = set()
     # One decode per image, resized to every extractor's resolution (globals and locals differ).
     longer_sides = tuple(sorted({e.resolution for e in extractors}))
-    threads = 1 if batch_decoder is not None else decode_threads
+    threads = batch_decoder.concurrency if batch_decoder is not None else decode_threads
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"decode-{name}") as pool:
         # Enough decodes in flight to fill the next chunk while the extractors work on this one.
         ahead = chunk_size + 4 * decode_threads
         samples = iter_samples(url, opener)
         if batch_decoder is not None:
             chunks = _chunks(
-                _batch_decoded_stream(samples, longer_sides, batch_decoder, pool, DECODE_BATCH, ahead), chunk_size
+                _batch_decoded_stream(samples, longer_sides, batch_decoder, pool, batch_decoder.batch, ahead),
+                chunk_size,
             )
         elif overlap:
             chunks = _chunks(_decoded_stream(samples, longer_sides, pool, ahead), chunk_size)

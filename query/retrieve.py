@@ -84,6 +84,8 @@ def query_extractor(
         weights,
         resolution=info["resolution"],
         precision=info.get("precision", "auto"),
+        # The grid the database's inputs were snapped to; an index made before the grid: exact shapes.
+        shape_grid=info.get("shape_grid", 0),
         scales=scales,
         rotations=rotations,
     )

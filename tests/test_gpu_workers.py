@@ -9,8 +9,9 @@ import pytest
 
 from cluster.ingest_job import _worker_layout, cpus_per_gpu
 from core.errors import ImageDecodeError, NeedleInputError
-from embed.extract import GlobalExtractor, plan_batches
+from embed.extract import GlobalExtractor
 from embed.registry import RANDOM
+from embed.shape_plan import plan_batches
 from ingest.config import IngestConfig
 from ingest.images import decode_resized_many
 from ingest.pipeline import process_shard
@@ -42,25 +43,14 @@ def _mixed_images(rng: np.random.Generator, longer: int = 96, n: int = 12) -> li
 # -- batching ------------------------------------------------------------------------------------
 
 
-def test_plan_batches_groups_by_input_shape_and_caps_size():
-    shapes = [(10, 20), (12, 20), (10, 20), (16, 16), (10, 20), (10, 20)]
-    identity = lambda h, w: (h, w)  # noqa: E731  (a CNN: only equal shapes share a batch)
-    plan = plan_batches(shapes, 2, identity)
-    assert sorted(i for idx, _ in plan for i in idx) == list(range(6))
-    for idx, shape in plan:
-        assert len(idx) <= 2 and {shapes[i] for i in idx} == {shape}
-    padded16 = lambda h, w: (-(-h // 16) * 16, -(-w // 16) * 16)  # noqa: E731  (a ViT with 16-pixel patches)
-    plan = plan_batches(shapes, 8, padded16)
-    assert [sorted(idx) for idx, _ in plan] == [[0, 1, 2, 4, 5], [3]]
-    assert plan[0][1] == (12, 20)  # built at the members' largest sides; the model pads the rest
-
-
 def test_vit_batches_of_mixed_shapes_equal_per_image_descriptors():
     """Images of different sizes padding to one patch grid share a batch: same descriptors as alone."""
     import torch
 
     torch.manual_seed(0)
-    extractor = GlobalExtractor("timm:vit_small_patch16_224@cls", RANDOM, resolution=96, batch_size=8, precision="fp32")
+    extractor = GlobalExtractor(
+        "timm:vit_small_patch16_224@cls", RANDOM, resolution=96, batch_size=8, precision="fp32", shape_grid=0
+    )
     images = _mixed_images(np.random.default_rng(0))
     plan = plan_batches([im.shape[:2] for im in images], 8, extractor.net.input_shape)
     assert len(plan) < len({im.shape for im in images})  # the point: fewer, fuller batches
@@ -70,10 +60,11 @@ def test_vit_batches_of_mixed_shapes_equal_per_image_descriptors():
     assert np.abs(batched - alone.astype(np.float16).astype(np.float32)).max() <= 1e-4
 
 
-def test_cnn_batches_only_equal_shapes(extractor):
+def test_cnn_batches_only_equal_shapes():
+    extractor = GlobalExtractor(resolution=160, batch_size=8, shape_grid=0)  # exact shapes
     images = _mixed_images(np.random.default_rng(1))
     plan = plan_batches([im.shape[:2] for im in images], 8, extractor.net.input_shape)
-    assert all(len({images[i].shape for i in idx}) == 1 for idx, _ in plan)
+    assert all(len({images[i].shape for i in idx}) == 1 for idx, _, _ in plan)
     batched = extractor(images)["global"].astype(np.float32)
     alone = np.stack([extractor.forward_uint8(im[None])[0] for im in images])
     np.testing.assert_allclose(batched, alone, atol=2e-3)
