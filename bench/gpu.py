@@ -154,10 +154,12 @@ def stage_shape_plan(run: Run) -> None:
 def ingest_worker(run: Run, model: str, decoder: str, locals_preset: str | None = None) -> Any:
     from cluster.ingest_job import IngestWorker
     from embed.registry import RANDOM
+    from embed.shape_plan import DEFAULT_GRID
     from ingest.config import IngestConfig
 
     weights = None if model == LITE0 else RANDOM
-    extra = {} if run.device == "cuda" else {"cpus_per_worker": run.cpus}
+    # The dry run exercises a GPU worker's shape plan (a CPU worker's default is exact shapes).
+    extra = {} if run.device == "cuda" else {"cpus_per_worker": run.cpus, "shape_grid": DEFAULT_GRID}
     conf = IngestConfig(model=model, weights=weights, decoder=decoder, locals=locals_preset, **extra)
     return IngestWorker(conf, run.device, run.cpus)
 

@@ -41,7 +41,7 @@ def realbench_files(root: Path, limit: int | None) -> tuple[list[Path], list[str
 
 
 def map_at_1k(x: np.ndarray, groups: list[str]) -> tuple[float, int]:
-    """ILIAS mAP@1k (x100) of every grouped row with a positive against all other rows."""
+    """ILIAS mAP@1k (x 100) of every grouped row with a positive against all other rows."""
     from eval.metrics import map_at_k
 
     members = defaultdict(list)
@@ -52,7 +52,7 @@ def map_at_1k(x: np.ndarray, groups: list[str]) -> tuple[float, int]:
     scores = x[queries] @ x.T
     scores[np.arange(len(queries)), queries] = -np.inf  # a query is not in its own database
     positives = [set(members[groups[q]]) - {q} for q in queries]
-    return 100 * map_at_k(scores, positives, 1000), len(queries)
+    return map_at_k(scores, positives, 1000), len(queries)  # already x 100
 
 
 def main() -> None:

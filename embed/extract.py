@@ -107,8 +107,8 @@ class GlobalExtractor:
         fixed_batches: bool | None = None,
     ):
         """``shape_grid``: snap each input side to a multiple of this many pixels (embed/shape_plan.py);
-        0: exact shapes (what indexes made before the grid existed record); None: the model's default,
-        DEFAULT_GRID unless its input is padded to a square anyway. ``fixed_batches``: cut batches
+        0: exact shapes (what indexes made before the grid existed record); None: the model's default
+        on ``device`` (``model_shape_grid``: a grid for CNNs on a GPU, else exact). ``fixed_batches``: cut batches
         into fixed sizes only, padding the last (None: on a GPU, where each new size costs set-up)."""
         if precision not in PRECISIONS:
             raise NeedleInputError(f"unknown precision {precision!r}; choose from {PRECISIONS}")
@@ -120,7 +120,7 @@ class GlobalExtractor:
         self.batch_size = batch_size
         self.resolution = resolution or self.config.resolution
         self.scales, self.rotations = check_scales_rotations(scales, rotations)
-        self.shape_grid = model_shape_grid(model, shape_grid)
+        self.shape_grid = model_shape_grid(model, shape_grid, torch.device(device).type)
         # The plain path stays exactly the pre-existing one (speed and bytes) unless asked otherwise.
         self.multi_variant = self.scales != (1.0,) or self.rotations != 1
         self.net, self.weights_path = build_global_model(model, weights)
@@ -223,15 +223,15 @@ class GlobalExtractor:
 
     @torch.inference_mode()
     def warm(self) -> dict[str, Any]:
-        """Run each input shape of the shape grid at each fixed batch size once, so that a GPU worker
-        pays every kernel set-up at start, not in its first hours of web photos. Returns what it
-        ran and how long it took (logged); with exact shapes (grid 0) there is no bounded set and
-        nothing is warmed."""
-        if not self.shape_grid:
-            log.info("no shape grid (exact shapes): nothing to warm")
-            return {"shapes": 0, "batches": 0, "seconds": 0.0}
+        """Run each input shape the plan can build at each fixed batch size once, so that a GPU
+        worker pays every kernel set-up at start, not in its first hours of web photos: the grid's
+        shapes, or a ViT's patch multiples. Returns what it ran and how long it took (logged); a
+        CNN's exact shapes are not a bounded set, and nothing is warmed."""
         start = time.perf_counter()
         shapes = warm_shapes(self.resolution, self.shape_grid, self.net.input_shape)
+        if shapes is None:
+            log.info("exact shapes of a CNN (shape grid 0): no bounded set of shapes to warm")
+            return {"shapes": 0, "batches": 0, "seconds": 0.0}
         sizes = self.batch_sizes or (self.batch_size,)
         for shape in shapes:
             blank = np.zeros((*shape, 3), dtype=np.uint8)

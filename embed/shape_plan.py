@@ -35,14 +35,17 @@ def check_grid(grid: int) -> int:
     return grid
 
 
-def model_shape_grid(model: str, grid: int | None) -> int:
-    """The grid a registry ``model`` uses: ``grid`` when given, else DEFAULT_GRID, or 0 for a
-    fixed-size tower padded to a square anyway (one input shape already)."""
+def model_shape_grid(model: str, grid: int | None, device: str = "cpu") -> int:
+    """The grid a registry ``model`` uses on ``device`` ("cpu"/"cuda"): ``grid`` when given; else
+    DEFAULT_GRID for a CNN on a GPU, whose exact shapes are unbounded (one per shorter side), and 0
+    (exact) otherwise: on a CPU there is no per-shape set-up to bound, a ViT's inputs are padded to
+    a multiple of its patch (at most 2R/patch shapes, each exact), and a fixed-size tower padded to
+    a square has one shape already."""
     from embed.registry import get_model_config
 
     if grid is not None:
         return check_grid(grid)
-    return 0 if get_model_config(model).square_input else DEFAULT_GRID
+    return DEFAULT_GRID if device == "cuda" and get_model_config(model).pooling == "gem" else 0
 
 
 def snap(height: int, width: int, grid: int) -> tuple[int, int]:
@@ -127,17 +130,16 @@ def _free(n: int, batch_size: int) -> list[tuple[int, int]]:
 
 
 def warm_shapes(
-    resolution: int, grid: int, input_shape: Callable[[int, int], tuple[int, int]]
-) -> list[tuple[int, int]]:
+    resolution: int, grid: int, input_shape: Callable[[int, int], tuple[int, int]], limit: int = 128
+) -> list[tuple[int, int]] | None:
     """Every input shape an image resized to longer side ``resolution`` can have under ``grid``
-    (both orientations), each once, in the order the extractor builds them: what a worker warms.
-    ``grid`` 0 has no bounded set: a NeedleInputError."""
-    if grid == 0:
-        raise NeedleInputError("exact shapes (shape grid 0) have no bounded set of shapes to warm")
-    longer = snap(resolution, resolution, grid)[0]
+    (both orientations), each once, as the (H, W) the extractor builds a batch at: what a worker
+    warms. None when there are more than ``limit`` (a CNN's exact shapes: one per shorter side)."""
     seen: dict[tuple[int, int], tuple[int, int]] = {}
-    for short in range(grid, longer + 1, grid):
-        for h, w in ((longer, short), (short, longer)):
+    for short in range(1, resolution + 1):
+        for h, w in ((resolution, short), (short, resolution)):
             snapped = snap(h, w, grid)
-            seen.setdefault(input_shape(*snapped), snapped)
+            seen.setdefault(input_shape(*snapped), snapped if grid else input_shape(*snapped))
+            if len(seen) > limit:
+                return None
     return list(seen.values())

@@ -85,13 +85,24 @@ def test_bad_grids_are_refused_naming_the_value():
         model_shape_grid("tf_efficientnet_lite0.gem", -4)
     with pytest.raises(NeedleInputError, match="shape_grid"):
         IngestConfig(shape_grid=-1)
-    with pytest.raises(NeedleInputError, match="bounded"):
-        warm_shapes(384, 0, identity)
+
+
+def test_bounded_shapes_to_warm():
+    assert warm_shapes(384, 0, identity) is None  # a CNN's exact shapes: one per shorter side
+
+    def padded16(h: int, w: int) -> tuple[int, int]:  # a ViT with 16-pixel patches
+        return -(-h // 16) * 16, -(-w // 16) * 16
+
+    vit = warm_shapes(512, 0, padded16)
+    assert vit is not None and len(vit) == 63 and all(h % 16 == 0 and w % 16 == 0 for h, w in vit)
 
 
 def test_model_default_grid():
-    assert model_shape_grid("tf_efficientnet_lite0.gem", None) == DEFAULT_GRID
-    assert model_shape_grid("tf_efficientnet_lite0.gem", 0) == 0
+    # The grid bounds a CNN's shapes on a GPU; a CPU has no set-up to bound and stays exact.
+    assert model_shape_grid("tf_efficientnet_lite0.gem", None, "cuda") == DEFAULT_GRID
+    assert model_shape_grid("tf_efficientnet_lite0.gem", None, "cpu") == 0
+    assert model_shape_grid("siglip_B16_384.head", None, "cuda") == 0  # patch multiples: bounded, exact
+    assert model_shape_grid("tf_efficientnet_lite0.gem", 0, "cuda") == 0
 
 
 def _photos_of_many_shapes(seed: int) -> list[np.ndarray]:
@@ -138,8 +149,8 @@ def test_warm_runs_every_shape_at_every_fixed_size():
     )
     warmed = extractor.warm()
     assert warmed["shapes"] == 3 and warmed["batches"] == 6  # 64x32, 32x64, 64x64 at batch 4 and 1
-    exact = GlobalExtractor("timm:resnet18", RANDOM, resolution=64, precision="fp32", shape_grid=0)
-    assert exact.warm()["batches"] == 0
+    exact = GlobalExtractor("timm:resnet18", RANDOM, resolution=160, precision="fp32", shape_grid=0)
+    assert exact.warm()["batches"] == 0  # 319 exact shapes: not a bounded set, nothing warmed
 
 
 def test_the_query_side_uses_the_grid_the_index_recorded(snapped):
