@@ -1,7 +1,7 @@
 """``needle demo``: the whole pipeline on the built-in demo collection, on a local Ray head.
 
 1. build the demo tars from scikit-image photos (ingest.demo_data)
-2. start a local Ray head on 127.0.0.1 (or use the running cluster at ``--address``)
+2. start a local Ray head on 127.0.0.1 only, every port free (or use the running cluster at ``--address``)
 3. submit ``needle ingest --shards ... --out ...`` as a Ray job (cluster.local_ray.submit_job)
    (globals and the default local tokens, ``--locals aliked-n16``: embed.local_presets.DEFAULT_LOCALS)
 4. stop the head it started; build the index and its local store; evaluate mAP@1k global-only and
@@ -66,7 +66,7 @@ def main(conf: DemoRunConfig, workdir: Path) -> Path:
     else:
         head = start_head(conf.num_cpus, log_file=workdir / "ray_head.log")
         try:
-            outcome = submit_job(head.dashboard_url, entrypoint, head.env, head_log=workdir / "ray_head.log")
+            outcome = submit_job(head.dashboard_url, entrypoint, head.env, head_log=workdir / "ray_head.log", head=head)
         finally:
             head.stop()
     if not outcome.ok:

@@ -4,6 +4,19 @@ Never ``ray stop``: it kills every Ray process on the machine, including other u
 The head runs ``ray start --head --block`` in its own process group, so stopping that group stops
 exactly the processes this head started. Token authentication stays on: a fresh token is made for
 the head and passed to every client through the environment (``RAY_AUTH_MODE=token``).
+
+Loopback only. Asked for node IP 127.0.0.1, Ray 2.60 puts the machine's external address in its
+place (``ray._private.services.resolve_ip_for_localhost``) and its processes then listen there, or
+on every interface, unless multi-node clusters are off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``:
+``ray_constants.ENABLE_RAY_CLUSTER``): then the node IP stays 127.0.0.1 and every Ray process of
+the instance binds it (checked by tests/test_local_ray.py, listing the sockets each listens on).
+``LOOPBACK_ENV`` carries that to ``ray start`` and its processes; ``local_ray_on_loopback`` to a
+``ray.init`` of a new local instance in this process (cluster.ingest_job.connect_ray).
+
+Ports. Every port of the head is chosen free (``HEAD_PORT_FLAGS``, and the two metrics ports Ray
+takes only from the environment), since Ray's fixed defaults clash with any other Ray on the
+machine (a test's ``ray.init``, a user's cluster): the job agent then dies and no job starts. A
+start that still fails names the ports another process holds (``port_clashes``).
 """
 
 from __future__ import annotations
@@ -36,10 +49,94 @@ class RayHeadError(RuntimeError):
     """The local Ray head did not come up."""
 
 
+# Ray's switch off for multi-node clusters: node IP 127.0.0.1 stays 127.0.0.1 (see above).
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# The ports `ray start --head` takes as flags (Ray 2.60, `ray start --help`); worker ports apart.
+HEAD_PORT_FLAGS = (
+    "--port",
+    "--dashboard-port",
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--metrics-export-port",
+    "--runtime-env-agent-port",
+    "--ray-client-server-port",
+    "--node-manager-port",
+    "--object-manager-port",
+)
+# Ports Ray reads from the environment only (fixed 44217 and 44227 otherwise).
+HEAD_PORT_ENV = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on 127.0.0.1 now (all held until all are chosen)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+def local_ray_on_loopback() -> None:
+    """Make a Ray instance this process starts (``ray.init(address="local")``) keep node IP
+    127.0.0.1: Ray's switch in the environment (for the processes it starts) and in
+    ``ray_constants``, which Ray reads once at its import, maybe before this."""
+    os.environ.update(LOOPBACK_ENV)
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def port_clashes(ports: Mapping[str, int], head_session: int | None = None) -> list[str]:
+    """``"<name> <port>: held by pid N (its name)"`` for each of ``ports`` (name -> port) a process
+    listens on that is not one of the head's (session ``head_session``, the ``ray start``
+    process's pid; None: any process)."""
+    import ray  # noqa: F401  (puts Ray's own psutil on the path)
+
+    # isort: split
+    import psutil
+
+    wanted = {port: name for name, port in ports.items()}
+    found: dict[int, str] = {}
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status != psutil.CONN_LISTEN or conn.laddr.port not in wanted or conn.laddr.port in found:
+            continue
+        if conn.pid is not None and head_session is not None and _session(conn.pid) == head_session:
+            continue
+        found[conn.laddr.port] = f"{wanted[conn.laddr.port]} {conn.laddr.port}: held by {_process(conn.pid)}"
+    return [found[port] for port in sorted(found)]
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone, or not ours to ask
+        return None
+
+
+def _process(pid: int | None) -> str:
+    if pid is None:
+        return "another user's process"
+    import psutil
+
+    try:
+        return f"pid {pid} ({psutil.Process(pid).name()})"
+    except psutil.Error:
+        return f"pid {pid}"
+
+
+def clash_note(head: LocalRayHead) -> str:
+    """What ``port_clashes`` finds for ``head``'s ports, as a sentence for an error ('' if none)."""
+    try:
+        clashes = port_clashes(head.ports, head.process.pid)
+    except Exception as exc:  # the note must not hide the error it explains
+        return f" (its ports could not be checked: {exc})"
+    return f"; port clash: {'; '.join(clashes)}" if clashes else ""
 
 
 def bin_dir() -> Path:
@@ -53,6 +150,7 @@ class LocalRayHead:
     gcs_address: str  # for ray.init(address=...)
     dashboard_url: str  # for job submission (submit_job)
     env: dict[str, str] = field(repr=False)  # environment every client of this head must use
+    ports: dict[str, int] = field(default_factory=dict)  # what it was asked to listen on: flag or variable -> port
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process.poll() is not None:
@@ -86,7 +184,7 @@ def client_env(token: str, extra: dict[str, str] | None = None) -> dict[str, str
     env.update(
         RAY_AUTH_MODE="token",
         RAY_AUTH_TOKEN=token,
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        **LOOPBACK_ENV,
         HF_HUB_OFFLINE="1",
         # Nothing runs on a demo head when it stops: skip the 30 s drain of `ray start --block`.
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
@@ -110,24 +208,22 @@ def _dashboard_answers(head: LocalRayHead) -> bool:
 
 
 def start_head(num_cpus: int | None = None, log_file: Path | None = None, timeout: float = 120.0) -> LocalRayHead:
-    """Start a Ray head on 127.0.0.1 with the dashboard (job submission) and the ports Ray would
-    otherwise fix on free ones."""
-    port, dashboard_port = free_port(), free_port()
-    env = client_env(secrets.token_hex(24))
+    """Start a Ray head on 127.0.0.1 only, with the dashboard (job submission), every port free
+    (RayHeadError naming the ports another process holds where it does not come up)."""
+    ports = dict(zip((*HEAD_PORT_FLAGS, *HEAD_PORT_ENV), free_ports(len(HEAD_PORT_FLAGS) + len(HEAD_PORT_ENV))))
+    env = client_env(secrets.token_hex(24), {name: str(ports[name]) for name in HEAD_PORT_ENV})
     cmd = [
         str(bin_dir() / "ray"),
         "start",
         "--head",
         "--block",
         "--node-ip-address=127.0.0.1",
-        f"--port={port}",
         "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard_port}",
-        # Ray's fixed defaults (agent 52365, client server 10001) clash with any other Ray on the
-        # machine (a test's ray.init, a user's cluster): its job agent then dies and no job can start.
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--ray-client-server-port={free_port()}",
+        *(f"{flag}={ports[flag]}" for flag in HEAD_PORT_FLAGS),
+        # workers: ports the system picks, never a range another Ray on the machine uses too
+        "--min-worker-port=0",
+        "--max-worker-port=0",
         "--disable-usage-stats",
     ]
     if num_cpus is not None:
@@ -135,17 +231,20 @@ def start_head(num_cpus: int | None = None, log_file: Path | None = None, timeou
     # the child keeps its own descriptor of the log: ours is closed once it has started
     with open(log_file, "ab") if log_file else contextlib.nullcontext(subprocess.DEVNULL) as out:
         process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    head = LocalRayHead(process, f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", env)
+    head = LocalRayHead(
+        process, f"127.0.0.1:{ports['--port']}", f"http://127.0.0.1:{ports['--dashboard-port']}", env, ports
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RayHeadError(f"ray start exited with code {process.returncode} (log: {log_file})")
+            raise RayHeadError(f"ray start exited with code {process.returncode} (log: {log_file}){clash_note(head)}")
         if _dashboard_answers(head):
             log.info("local Ray head up (pid %d), dashboard %s", process.pid, head.dashboard_url)
             return head
         time.sleep(1.0)
+    note = clash_note(head)
     head.stop()
-    raise RayHeadError(f"the Ray dashboard did not answer within {timeout:.0f}s (log: {log_file})")
+    raise RayHeadError(f"the Ray dashboard did not answer within {timeout:.0f}s (log: {log_file}){note}")
 
 
 # What the dashboard answers while the head node's job agent has not registered yet (Ray waits 10 s
@@ -201,17 +300,19 @@ def submit_job(
     *,
     ready_timeout: float = 180.0,
     head_log: str | Path | None = None,
+    head: LocalRayHead | None = None,
 ) -> JobOutcome:
     """Submit an entrypoint as a job to the cluster at ``dashboard_url``, write its logs to stdout
     as they come, and return how it ended.
 
     The submission is retried while the head answers that its job agent is not up yet, for at most
-    ``ready_timeout`` seconds (RayHeadError naming ``head_log`` after that). ``env``: the client
-    environment whose token authenticates (a head started here: ``head.env``); default: ours.
+    ``ready_timeout`` seconds (RayHeadError naming ``head_log`` after that, and the ports of
+    ``head``, a head started here, that another process holds). ``env``: the client environment
+    whose token authenticates (a head started here: ``head.env``); default: ours.
     """
     client = job_client(dashboard_url, env)
     submission_id = f"needle-{secrets.token_hex(8)}"
-    submit_when_agent_ready(client, entrypoint, submission_id, ready_timeout, head_log)
+    submit_when_agent_ready(client, entrypoint, submission_id, ready_timeout, head_log, head=head)
     follow_logs(client, submission_id)
     outcome = wait_for_job(client, submission_id)
     log.info("job %s: %s %s", submission_id, outcome.status, outcome.message)
@@ -225,6 +326,7 @@ def submit_when_agent_ready(
     ready_timeout: float,
     head_log: str | Path | None = None,
     retry_s: float = 2.0,
+    head: LocalRayHead | None = None,
 ) -> None:
     """Submit ``entrypoint`` under ``submission_id``, again while the job agent is starting."""
     # Quoted: the job server runs the entrypoint through a shell, which must not re-split or expand it.
@@ -238,6 +340,7 @@ def submit_when_agent_ready(
             raise RayHeadError(
                 f"the Ray head at {address} had no job agent ready after {ready_timeout:.0f}s "
                 f"({where}the agent's own log: dashboard_agent.log in the Ray session's logs directory)"
+                f"{clash_note(head) if head is not None else ''}"
             )
         log.info("the Ray head's job agent is not up yet; submitting again in %.0fs", retry_s)
         time.sleep(retry_s)

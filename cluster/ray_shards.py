@@ -6,10 +6,10 @@ shards (shards/shard_group.py; one shard per actor by default) with
 infos (their files: what it maps), ``max_concurrency`` concurrent calls each, and
 ``max_restarts=-1``: a dead actor is restarted, wherever Ray places it, and stages its shards again
 (from its node's cache where it has one). The backend sends the calls a request makes to the
-shards of one actor as one call: a message on the actor's direct channel (shards/direct.py; its
-endpoint and key asked of the actor through Ray), or a Ray call where the actor has no channel
-(not yet, ``--shard-transport ray``, or after its channel failed: the call then goes again
-through Ray, to the same actor).
+shards of one actor as one call, a typed message (shards/wire.py: no pickle): on the actor's
+direct channel (shards/direct.py; its endpoint and key asked of the actor through Ray), or as a
+Ray call where the actor has no channel (not yet, ``--shard-transport ray``, or after its channel
+failed: the call then goes again through Ray, to the same actor).
 Calls are reads, so they may be retried: with one replica a Ray call waits for the restart
 (``max_task_retries=-1``, bounded by the coordinator's timeout); with several, a call to a dead
 replica fails at once (``max_task_retries=0``) and goes to the next replica.
@@ -18,7 +18,6 @@ replica fails at once (``max_task_retries=0``) and goes to the next replica.
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 import time
 from dataclasses import dataclass
@@ -28,8 +27,10 @@ from ingest.source_images import SourceImagesConfig
 from shards.calls import ReplicaFailed
 from shards.coordinator import ShardsUnavailable
 from shards.direct import ChannelError, DirectCall, DirectChannel, readable
+from shards.messages import answer_request, pack_request, unpack_answers
 from shards.shard_group import ShardGroup
 from shards.staging import StageConfig
+from shards.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,9 @@ class GroupBatch:
                 return
             try:
                 timeout = None if deadline is None else deadline - time.monotonic()
-                self.answers = pickle.loads(self.direct.receive(timeout))
+                self.answers = unpack_answers(self.direct.receive(timeout))
                 self.direct = None
-            except ChannelError as exc:
+            except (ChannelError, WireError) as exc:  # a reply that is not one: the channel is not trusted again
                 self.shards.channel_failed(self.group, self.replica, self.direct.channel, exc)
                 self.through_ray()
 
@@ -130,7 +131,7 @@ class GroupBatch:
         self.resend_if_abandoned()
         if self.answers is None:
             try:
-                self.answers = pickle.loads(ray.get(self.ref))
+                self.answers = unpack_answers(ray.get(self.ref))
             except (RayActorError, ActorDiedError, ActorUnavailableError) as exc:
                 raise ReplicaFailed(str(exc).splitlines()[0]) from exc
         return self.answers
@@ -149,8 +150,8 @@ class GroupCall:
 
 class RayShards:
     """A ShardBackend over ShardGroup actors ``[group][replica]`` (shards/shard_group.py): the
-    calls submitted to one actor before a wait go as one call (arguments and answers pickled in
-    one bytes object each way), over the actor's direct channel where ``direct`` (each actor's
+    calls submitted to one actor before a wait go as one call (arguments and answers in one typed
+    message each way, shards/wire.py: no pickle), over the actor's direct channel where ``direct`` (each actor's
     endpoint asked of it through Ray once, and again after the channel failed) and as a Ray call
     where there is no channel (yet)."""
 
@@ -248,7 +249,7 @@ class RayShards:
             self._unsent = []
             self.calls += len(batches)
             for (group, replica, method), calls in batches.items():
-                packed = pickle.dumps((method, [(c.member, args) for c, args in calls]), protocol=5)
+                packed = pack_request(method, [(c.member, args) for c, args in calls])
                 batch = GroupBatch(self, group, replica, packed)
                 for slot, (call, _) in enumerate(calls):
                     call.batch, call.slot = batch, slot
@@ -333,10 +334,16 @@ def node_address() -> str:
 
 class RayShardGroup(ShardGroup):
     """A ShardGroup in a Ray actor: its members know their Ray node, its direct channel listens on
-    the node's address."""
+    the node's address, and its calls (over the channel or through Ray) come and go as typed
+    messages (shards/wire.py): a call of the ``ShardCalls`` allow-list with arguments its
+    signature takes, or nothing is called."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, node=current_node(), address=node_address(), **kwargs)
+
+    def run(self, packed: bytes | memoryview) -> bytes:
+        """The answers to the request ``packed`` (``shards.wire.pack_request``), packed."""
+        return answer_request(self.answer, packed, len(self.members))
 
 
 def start_shard_actors(

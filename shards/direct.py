@@ -1,21 +1,30 @@
 """A direct TCP channel between a coordinator and its shard actors, beside Ray's.
 
 Why: a Ray actor call costs a fixed ~1.5-1.8 ms round trip on the 2-core box (a fan-out to 3
-actors doing nothing; a length-prefixed message over a kept-open TCP connection to the same
-actors: 0.13 ms). A sharded search is one fan-out, so that fixed cost is most of what separates
-it from the single index (``bench/sharded_serving.py``). Ray still places, starts, restarts and
-health-checks the actors, and still carries any call the channel cannot (cluster/ray_shards.py).
+actors doing nothing; a message over a kept-open TCP connection to the same actors: 0.13 ms). A
+sharded search is one fan-out, so that fixed cost is most of what separates it from the single
+index (``bench/sharded_serving.py``). Ray still places, starts, restarts and health-checks the
+actors, and still carries any call the channel cannot (cluster/ray_shards.py).
 
-Protocol: each message is an 8-byte big-endian length and that many bytes; a connection carries
-one call at a time (request, then reply), so replies need no ids and a connection whose reply
-never came is closed, never reused. The server is a thread per connection calling ``handler``.
+Protocol: each message is one typed message of shards/wire.py (its 16-byte prefix announces its
+size, checked before anything more is read or allocated; no pickle); a connection carries one
+call at a time (request, then reply), so replies need no ids and a connection whose reply never
+came is closed, never reused.
 
-Security: the server binds its node's address (the coordinator may be on another node, as Ray's
-own worker ports are reached), and a connection is served only after both ends prove they hold
-the server's 32-byte random key (HMAC-SHA256 challenge each way, as ``multiprocessing``'s
-authkey). The key is handed out only through a Ray call to the actor (``ShardGroup.endpoint``),
-so reaching the channel needs what reaching the actor through Ray needs. ``--shard-transport
-ray`` turns the channel off.
+Security:
+- Authentication before anything grows: one thread accepts and runs every handshake at once
+  (non-blocking, selectors), at most ``max_pending`` of them, each closed after ``handshake_s``
+  seconds. Only a connection whose client proved it holds the server's 32-byte random key (HMAC-
+  SHA256 challenge each way, as ``multiprocessing``'s authkey) gets a thread, at most
+  ``max_connections`` of them; past either cap a connection is closed at once. The key is handed
+  out only through a Ray call to the actor (``ShardGroup.endpoint``), so reaching the channel needs
+  what reaching the actor through Ray needs.
+- TLS where Ray's is on (``RAY_USE_TLS``), with Ray's own files (shards/tls.py); without them the
+  channel refuses to run (``TlsSetupError``), never plaintext, and a client whose TLS setting
+  differs from the server's is refused.
+- The server binds its node's address (the coordinator may be on another node, as Ray's own worker
+  ports are reached): on a local Ray started by needle that is 127.0.0.1 (cluster/local_ray.py).
+``--shard-transport ray`` turns the channel off.
 """
 
 from __future__ import annotations
@@ -25,22 +34,31 @@ import hashlib
 import hmac
 import logging
 import secrets
+import selectors
 import socket
-import struct
+import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_readable
+from typing import Any
+
+import numpy as np
+
+from shards.tls import TlsSetupError, this_process_tls
+from shards.wire import PREFIX, WireError, frame_sizes
 
 log = logging.getLogger(__name__)
 
-HEADER = struct.Struct("!Q")  # a message's length
 KEY_BYTES = 32
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # an HMAC-SHA256 digest
-MAX_MESSAGE = 1 << 34  # 16 GiB: larger lengths are a corrupt stream, not a message
 HANDSHAKE_S = 5.0  # seconds either end waits for the other's handshake
 CONNECT_S = 1.0  # seconds a connection may take to open (a lost node must not hold every request)
+MAX_CONNECTIONS = 128  # authenticated connections served at once (a thread each)
+MAX_PENDING = 64  # connections in their handshake at once (no thread, no buffer beyond 64 bytes)
+REFUSALS_LOG_S = 5.0  # refused connections are logged at most this often (a flood must not flood the log)
 
 
 class ChannelError(ConnectionError):
@@ -48,52 +66,63 @@ class ChannelError(ConnectionError):
     its handshake. The call can go through Ray instead."""
 
 
+class MessageRefused(ChannelError):
+    """A message whose prefix is not a needle message's or announces more than shards/wire.py
+    allows: a corrupt stream or a peer that is not a needle channel."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
-    """Where a shard actor's channel listens and the key it asks for."""
+    """Where a shard actor's channel listens, the key it asks for, and whether it runs TLS."""
 
     host: str
     port: int
     key: bytes = field(repr=False)  # the shared secret (never logged)
+    tls: bool = False
 
 
-def send_message(sock: socket.socket, payload: bytes) -> None:
-    """``payload`` with its length, in one write (two small writes would meet Nagle's delay)."""
-    sock.sendall(HEADER.pack(len(payload)) + payload)
+# --- messages ------------------------------------------------------------------------------------
+def send_message(sock: socket.socket, message: bytes) -> None:
+    """One message (shards/wire.py: it carries its own sizes), in one write (two small writes
+    would meet Nagle's delay)."""
+    sock.sendall(message)
 
 
-def receive_exact(sock: socket.socket, size: int) -> bytearray:
-    buffer = bytearray(size)
-    view, got = memoryview(buffer), 0
+def receive_into(sock: socket.socket, view: memoryview) -> None:
+    got, size = 0, len(view)
     while got < size:
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ChannelError(f"connection closed after {got} of {size} bytes")
         got += n
+
+
+def receive_exact(sock: socket.socket, size: int) -> bytearray:
+    buffer = bytearray(size)
+    receive_into(sock, memoryview(buffer))
     return buffer
 
 
-def receive_message(sock: socket.socket) -> bytearray:
-    (size,) = HEADER.unpack(receive_exact(sock, HEADER.size))
-    if size > MAX_MESSAGE:
-        raise ChannelError(f"message of {size} bytes announced: not a needle channel")
-    return receive_exact(sock, size)
+def receive_message(sock: socket.socket) -> memoryview:
+    """One whole message; ChannelError where its prefix is not a needle message's or announces
+    more than shards/wire.py allows (checked before the rest is read). The buffer is only touched
+    as bytes arrive (an announced size alone commits no memory)."""
+    prefix = receive_exact(sock, PREFIX.size)
+    try:
+        header, body = frame_sizes(prefix)
+    except WireError as exc:
+        raise MessageRefused(f"refused a message: {exc}") from exc
+    view = np.empty(PREFIX.size + header + body, np.uint8).data
+    view[: PREFIX.size] = prefix
+    receive_into(sock, view[PREFIX.size :])
+    return view
 
 
+# --- the handshake -------------------------------------------------------------------------------
 def proof(key: bytes, role: bytes, nonce: bytes) -> bytes:
     """What ``role`` sends to show it holds ``key``; the role keeps one side's proof from being
     replayed as the other's."""
     return hmac.new(key, role + nonce, hashlib.sha256).digest()
-
-
-def accept_handshake(sock: socket.socket, key: bytes) -> None:
-    """Server side: challenge the client, check its proof, answer its challenge."""
-    challenge = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(challenge)
-    answer = receive_exact(sock, PROOF_BYTES + NONCE_BYTES)
-    if not hmac.compare_digest(bytes(answer[:PROOF_BYTES]), proof(key, b"client", challenge)):
-        raise ChannelError("client failed the handshake (wrong key)")
-    sock.sendall(proof(key, b"server", bytes(answer[PROOF_BYTES:])))
 
 
 def open_handshake(sock: socket.socket, key: bytes) -> None:
@@ -105,35 +134,191 @@ def open_handshake(sock: socket.socket, key: bytes) -> None:
         raise ChannelError("server failed the handshake (wrong key)")
 
 
-def no_delay(sock: socket.socket) -> socket.socket:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+class Handshake:
+    """Server side of one connection's handshake, non-blocking: TLS (where on), the challenge out,
+    the client's proof and challenge in (64 bytes, nothing more read), the server's proof out."""
+
+    def __init__(self, sock: socket.socket, peer: tuple, key: bytes, deadline: float):
+        self.sock, self.peer, self.key, self.deadline = sock, peer, key, deadline
+        self.tls = sock if isinstance(sock, ssl.SSLSocket) else None  # its TLS handshake still to do
+        self.challenge = secrets.token_bytes(NONCE_BYTES)
+        self.outgoing = bytearray(self.challenge)
+        self.incoming = bytearray()
+        self.proved = False
+        self.events = 0  # what the selector watches it for (0: not registered)
+
+    def step(self) -> int:
+        """As far as the socket allows: 0 once done, else the selector events to wait for;
+        ChannelError or OSError where the client failed."""
+        try:
+            if self.tls is not None:
+                self.tls.do_handshake()
+                self.tls = None
+            self.flush()
+            if not self.proved:
+                while len(self.incoming) < PROOF_BYTES + NONCE_BYTES:
+                    chunk = self.sock.recv(PROOF_BYTES + NONCE_BYTES - len(self.incoming))
+                    if not chunk:
+                        raise ChannelError("closed during the handshake")
+                    self.incoming += chunk
+                answer, theirs = bytes(self.incoming[:PROOF_BYTES]), bytes(self.incoming[PROOF_BYTES:])
+                if not hmac.compare_digest(answer, proof(self.key, b"client", self.challenge)):
+                    raise ChannelError("client failed the handshake (wrong key)")
+                self.outgoing += proof(self.key, b"server", theirs)
+                self.proved = True
+                self.flush()
+            return 0
+        except ssl.SSLWantWriteError:
+            return selectors.EVENT_WRITE
+        except ssl.SSLWantReadError:
+            return selectors.EVENT_READ
+        except BlockingIOError:
+            return selectors.EVENT_WRITE if self.outgoing else selectors.EVENT_READ
+
+    def flush(self) -> None:
+        while self.outgoing:
+            sent = self.sock.send(self.outgoing)
+            del self.outgoing[:sent]
 
 
+# --- the server ----------------------------------------------------------------------------------
 class DirectServer:
-    """Answers ``handler(request bytes) -> reply bytes`` on connections that pass the handshake,
-    a thread per connection, listening on ``host`` (an ephemeral port) until ``close``."""
+    """Answers ``handler(request message) -> reply message`` on connections that pass the
+    handshake, a thread per such connection, listening on ``host`` (an ephemeral port) until
+    ``close``; TLS where Ray's is on (TlsSetupError where it cannot be)."""
 
-    def __init__(self, handler: Callable[[bytes], bytes], host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        handler: Callable[[memoryview], bytes],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        max_pending: int = MAX_PENDING,
+        handshake_s: float = HANDSHAKE_S,
+    ):
         self.handler = handler
+        self.tls = this_process_tls(server=True)
+        self.max_connections, self.max_pending, self.handshake_s = max_connections, max_pending, handshake_s
         self.listener = socket.create_server((host, port))
-        self.endpoint = Endpoint(host, self.listener.getsockname()[1], secrets.token_bytes(KEY_BYTES))
+        self.listener.setblocking(False)
+        key = secrets.token_bytes(KEY_BYTES)
+        self.endpoint = Endpoint(host, self.listener.getsockname()[1], key, tls=self.tls is not None)
         self.closed = threading.Event()
         self._open: set[socket.socket] = set()  # connections being served (closed with the server)
         self._lock = threading.Lock()
+        self.refused = 0  # connections closed unserved (failed handshakes, caps)
+        self._refusals_logged = -REFUSALS_LOG_S
+        self._selector = selectors.DefaultSelector()  # registered here: a close right away finds it so
+        self._selector.register(self.listener, selectors.EVENT_READ)
         threading.Thread(target=self.accept_forever, name="direct-accept", daemon=True).start()
 
     def accept_forever(self) -> None:
-        while not self.closed.is_set():
+        """Accept connections and run their handshakes, all on this one thread."""
+        selector = self._selector
+        pending: dict[socket.socket, Handshake] = {}
+        try:
+            while not self.closed.is_set():
+                now = time.monotonic()
+                wait = min((h.deadline for h in pending.values()), default=now + 0.5) - now
+                for key, _ in selector.select(min(max(wait, 0.0), 0.5)):
+                    if key.fileobj is self.listener:
+                        if not self.admit(selector, pending):
+                            return
+                    else:
+                        self.advance(selector, pending, key.data)
+                now = time.monotonic()
+                for late in [h for h in pending.values() if h.deadline <= now]:
+                    self.drop(selector, pending, late, f"no handshake within {self.handshake_s:g} s")
+        finally:
+            for handshake in pending.values():
+                handshake.sock.close()
+            selector.close()
+
+    def admit(self, selector: selectors.BaseSelector, pending: dict[socket.socket, Handshake]) -> bool:
+        """Accept what is waiting; each starts its handshake, or is closed at once past a cap.
+        False once the listener is closed."""
+        while True:
             try:
                 sock, peer = self.listener.accept()
+            except BlockingIOError:
+                return True
             except OSError:  # closed
-                return
-            threading.Thread(target=self.serve, args=(no_delay(sock), peer), name="direct-conn", daemon=True).start()
+                return False
+            if len(pending) >= self.max_pending:
+                self.refuse(sock, peer, f"{len(pending)} handshakes under way (the cap)")
+                continue
+            if self.serving() >= self.max_connections:
+                self.refuse(sock, peer, f"{self.max_connections} connections open (the cap)")
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small messages: no Nagle delay
+            if self.tls is not None:
+                try:
+                    sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except (OSError, ValueError) as exc:
+                    self.refuse(sock, peer, f"TLS: {exc}")
+                    continue
+            handshake = Handshake(sock, peer, self.endpoint.key, time.monotonic() + self.handshake_s)
+            pending[sock] = handshake
+            self.advance(selector, pending, handshake)
+
+    def advance(
+        self, selector: selectors.BaseSelector, pending: dict[socket.socket, Handshake], handshake: Handshake
+    ) -> None:
+        try:
+            events = handshake.step()
+        except (ChannelError, OSError) as exc:  # ssl.SSLError is an OSError
+            self.drop(selector, pending, handshake, str(exc) or type(exc).__name__)
+            return
+        if not events:  # authenticated: a thread of its own from now on
+            if handshake.events:
+                selector.unregister(handshake.sock)
+            del pending[handshake.sock]
+            self.start_serving(handshake.sock, handshake.peer)
+        elif not handshake.events:
+            selector.register(handshake.sock, events, handshake)
+        elif events != handshake.events:
+            selector.modify(handshake.sock, events, handshake)
+        handshake.events = events
+
+    def drop(
+        self,
+        selector: selectors.BaseSelector,
+        pending: dict[socket.socket, Handshake],
+        handshake: Handshake,
+        why: str,
+    ) -> None:
+        if handshake.events:
+            selector.unregister(handshake.sock)
+        del pending[handshake.sock]
+        self.refuse(handshake.sock, handshake.peer, why)
+
+    def refuse(self, sock: socket.socket, peer: tuple, why: str) -> None:
+        self.refused += 1
+        sock.close()
+        now = time.monotonic()
+        if now - self._refusals_logged >= REFUSALS_LOG_S:
+            self._refusals_logged = now
+            where = f"{self.endpoint.host}:{self.endpoint.port}"
+            log.warning("direct channel %s: refused %s: %s (%d refused so far)", where, peer, why, self.refused)
+
+    def serving(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def start_serving(self, sock: socket.socket, peer: tuple) -> None:
+        with self._lock:
+            full = len(self._open) >= self.max_connections
+            if not full:
+                self._open.add(sock)
+        if full:
+            self.refuse(sock, peer, f"{self.max_connections} connections open (the cap)")
+            return
+        sock.setblocking(True)
+        threading.Thread(target=self.serve, args=(sock, peer), name="direct-conn", daemon=True).start()
 
     def serve(self, sock: socket.socket, peer: tuple) -> None:
-        with self._lock:
-            self._open.add(sock)
         try:
             self.answer(sock, peer)
         finally:
@@ -142,17 +327,13 @@ class DirectServer:
             sock.close()
 
     def answer(self, sock: socket.socket, peer: tuple) -> None:
-        """Requests on ``sock`` answered one after another until it closes."""
-        try:
-            sock.settimeout(HANDSHAKE_S)
-            accept_handshake(sock, self.endpoint.key)
-            sock.settimeout(None)
-        except (ChannelError, OSError) as exc:
-            log.warning("direct channel: refused %s: %s", peer, exc)
-            return
+        """Requests on an authenticated ``sock`` answered one after another until it closes."""
         while not self.closed.is_set():
             try:
                 request = receive_message(sock)
+            except MessageRefused as exc:
+                log.warning("direct channel: %s from %s; closing the connection", exc, peer)
+                return
             except (ChannelError, OSError):  # the client closed it (or abandoned a call)
                 return
             try:
@@ -168,7 +349,7 @@ class DirectServer:
     def close(self) -> None:
         """Stop listening and close every connection (their clients see the channel fail)."""
         self.closed.set()
-        with contextlib.suppress(OSError):  # wakes the thread blocked in accept (close alone leaves it listening)
+        with contextlib.suppress(OSError):  # wakes the accepting thread (close alone leaves it listening)
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         with self._lock:
@@ -178,6 +359,7 @@ class DirectServer:
                 sock.shutdown(socket.SHUT_RDWR)
 
 
+# --- the client ----------------------------------------------------------------------------------
 class DirectCall:
     """One call in flight on its own connection; ``receive`` reads the reply once."""
 
@@ -192,7 +374,7 @@ class DirectCall:
         """Give up on the reply: the connection is closed, never reused."""
         self.sock.close()
 
-    def receive(self, timeout: float | None) -> bytearray:
+    def receive(self, timeout: float | None) -> memoryview:
         """The reply, within ``timeout`` seconds (None: no limit); ChannelError (and the connection
         closed) when it does not come whole. The connection goes back to its channel for the next
         call."""
@@ -209,22 +391,33 @@ class DirectCall:
 
 class DirectChannel:
     """Connections to one endpoint, opened as calls need them (one call per connection at a
-    time) and kept open for the next."""
+    time) and kept open for the next; TLS where this process's Ray runs it (TlsSetupError where
+    the endpoint's setting differs: never plaintext beside a TLS cluster)."""
 
     def __init__(self, endpoint: Endpoint, connect_timeout: float = CONNECT_S):
         self.endpoint = endpoint
         self.connect_timeout = connect_timeout
+        self.tls = this_process_tls(server=False)
+        if endpoint.tls != (self.tls is not None):
+            mine, theirs = ("on" if self.tls else "off"), ("on" if endpoint.tls else "off")
+            raise TlsSetupError(
+                f"{endpoint.host}:{endpoint.port}: the shard's channel has TLS {theirs}, this process's Ray TLS "
+                f"(RAY_USE_TLS) is {mine}: refused"
+            )
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
 
     def connect(self) -> socket.socket:
         where = (self.endpoint.host, self.endpoint.port)
         try:
-            sock = no_delay(socket.create_connection(where, timeout=self.connect_timeout))
+            sock = socket.create_connection(where, timeout=self.connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
             raise ChannelError(f"cannot connect to {where[0]}:{where[1]}: {exc}") from exc
         try:
             sock.settimeout(HANDSHAKE_S)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock)
             open_handshake(sock, self.endpoint.key)
             sock.settimeout(None)
         except (OSError, ChannelError) as exc:
@@ -232,14 +425,14 @@ class DirectChannel:
             raise ChannelError(f"{where[0]}:{where[1]}: handshake failed: {exc}") from exc
         return sock
 
-    def send(self, payload: bytes) -> DirectCall:
-        """``payload`` sent on an idle connection (or a new one): the call to receive from."""
+    def send(self, message: bytes) -> DirectCall:
+        """``message`` sent on an idle connection (or a new one): the call to receive from."""
         with self._lock:
             sock = self._idle.pop() if self._idle else None
         if sock is None:
             sock = self.connect()
         try:
-            send_message(sock, payload)
+            send_message(sock, message)
         except OSError as exc:
             sock.close()
             raise ChannelError(f"{self.endpoint.host}:{self.endpoint.port}: send failed: {exc}") from exc
@@ -258,10 +451,14 @@ class DirectChannel:
 
 def readable(calls: list[DirectCall], timeout: float) -> list[DirectCall]:
     """Those of ``calls`` whose reply has begun to arrive (or whose connection closed), waiting up
-    to ``timeout`` seconds for the first (poll: no limit on descriptor numbers)."""
+    to ``timeout`` seconds for the first (poll: no limit on descriptor numbers). TLS may hold
+    decrypted bytes the descriptor no longer shows: those calls are readable at once."""
     if not calls:
         return []
-    by_socket = {call.sock: call for call in calls}
+    buffered = [c for c in calls if isinstance(c.sock, ssl.SSLSocket) and c.sock.fileno() >= 0 and c.sock.pending()]
+    if buffered:
+        return buffered
+    by_socket: dict[Any, DirectCall] = {call.sock: call for call in calls}
     try:
         return [by_socket[sock] for sock in wait_readable(list(by_socket), max(timeout, 0.0))]
     except (OSError, ValueError):  # one was closed meanwhile (by another thread's failed receive)

@@ -19,15 +19,15 @@ Members' searches of one query batch run in two steps: every member's candidates
 then only the members of the batch's shortlist among them (index.merge.trim_to_shortlist) are
 re-scored and given keys, and only they go back; the merge at the coordinator is unchanged and
 exact. A group of G shards thus re-scores kk rows per query, not G times kk. Arguments and
-answers travel pickled in one bytes object each way: Ray's own serialisation of
-several small numpy arrays and lists per call costs more than the pickling (measured with
-bench/sharded_serving.py's fan-out; the answers are a few KB).
+answers travel as one typed message each way (shards/wire.py, shards/messages.py: no pickle, a
+call of the ``ShardCalls`` allow-list only): Ray's own serialisation of several small numpy
+arrays and lists per call costs more (measured with bench/sharded_serving.py's fan-out; the
+answers are a few KB).
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +40,7 @@ from index.merge import trim_to_shortlist
 from ingest.source_images import SourceImagesConfig
 from shards.calls import ShardCalls
 from shards.direct import DirectServer, Endpoint
+from shards.messages import answer_request
 from shards.shard_actor import ShardActor, scored_shortlist, split_scored
 from shards.staging import StageConfig
 
@@ -67,7 +68,7 @@ def search_key(args: tuple) -> tuple:
 
 def rerank_key(args: tuple) -> int:
     """Re-ranking calls of one request: the coordinator sends every shard the same conf object
-    (one pickle: one object again here)."""
+    (one message: one object again here, shards/wire.py)."""
     return id(args[0])
 
 
@@ -115,17 +116,12 @@ class ShardGroup:
         """This process's memory (all members)."""
         return self.members[0].memory()
 
-    def run(self, packed: bytes) -> bytes:
-        """``packed``: pickled ``(method, [(member, args), ...])``; returns the pickled list of
-        ``("ok", value)`` or ``("error", exception)``, in order: each member's
-        ``method(*args)``."""
-        method, calls = pickle.loads(packed)
-        answers = self.answer(method, calls)
-        try:
-            return pickle.dumps(answers, protocol=5)
-        except Exception:  # an error that does not pickle goes back as its message
-            plain = [a if a[0] == "ok" else ("error", RuntimeError(repr(a[1]))) for a in answers]
-            return pickle.dumps(plain, protocol=5)
+    def run(self, packed: bytes | memoryview) -> bytes:
+        """``packed``: a request (``shards.messages.pack_request``: a call of the allow-list and
+        ``[(member, args), ...]``); returns the message of ``("ok", value)`` or ``("error",
+        exception)``, in order: each member's ``method(*args)``. A request that is not one is
+        refused (WireError) before anything is called."""
+        return answer_request(self.answer, packed, len(self.members))
 
     def answer(self, method: str, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
         if method == ShardCalls.search.__name__ and len(calls) > 1:

@@ -1,6 +1,8 @@
 """Job submission through Ray's JobSubmissionClient against a stand-in Ray dashboard on 127.0.0.1:
 it waits, bounded, for a head whose job agent is still starting, sends the head's token, and
-reports how the job ended."""
+reports how the job ended. A local Ray started by needle (the demo's head, connect_ray's instance)
+listens on loopback only, the head's ports are free ones beside another Ray, and a port another
+process holds is named."""
 
 from __future__ import annotations
 
@@ -120,3 +122,205 @@ def test_no_job_server_is_an_error_naming_the_address():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(JobSubmitError, match=url):
         job_client(url, {})
+
+
+# --- loopback only, every port free, a clash named -----------------------------------------------
+def non_loopback_listeners(pids: list[int]) -> tuple[list[str], list[int]]:
+    """(the sockets of ``pids`` listening beyond loopback, as "pid name ip:port"; every port they
+    listen on)."""
+    import ipaddress
+
+    import ray  # noqa: F401  (Ray's own psutil)
+
+    # isort: split
+    import psutil
+
+    beyond, ports = [], []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            listening = [c for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:  # gone meanwhile
+            continue
+        for conn in listening:
+            ip = ipaddress.ip_address(conn.laddr.ip)
+            ip = ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
+            ports.append(conn.laddr.port)
+            if not ip.is_loopback:
+                beyond.append(f"{pid} {process.name()} {conn.laddr.ip}:{conn.laddr.port}")
+    return beyond, ports
+
+
+def head_pids(head) -> list[int]:
+    """The processes of a head started by start_head: its session."""
+    import os
+
+    import ray  # noqa: F401
+
+    # isort: split
+    import psutil
+
+    pids = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == head.process.pid:
+                pids.append(process.pid)
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_port_another_process_holds_is_named():
+    import os
+    import socket
+
+    from cluster.local_ray import port_clashes
+
+    held = socket.create_server(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    with held:
+        found = port_clashes({"--dashboard-agent-listen-port": port, "--port": free_port_now()})
+        assert found == [f"--dashboard-agent-listen-port {port}: held by pid {os.getpid()} ({psutil_name()})"]
+        assert port_clashes({"--port": port}, head_session=os.getsid(os.getpid())) == []  # the head's own
+
+
+def free_port_now() -> int:
+    from cluster.local_ray import free_port
+
+    return free_port()
+
+
+def psutil_name() -> str:
+    import os
+
+    import ray  # noqa: F401
+
+    # isort: split
+    import psutil
+
+    return psutil.Process(os.getpid()).name()
+
+
+def test_no_job_agent_and_a_held_port_says_which(dashboard):
+    """A head whose job agent never came, one of its ports held by another process: the error
+    names the port, its flag and who holds it."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from cluster.local_ray import LocalRayHead
+
+    _Dashboard.refusals, _Dashboard.reply_500 = -1, "No available agent to submit job, please try again later."
+    held = socket.create_server(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    head = LocalRayHead(other, "127.0.0.1:1", dashboard, {}, {"--dashboard-agent-listen-port": port})
+    try:
+        with (
+            held,
+            pytest.raises(
+                RayHeadError, match=rf"port clash: --dashboard-agent-listen-port {port}: held by pid {os.getpid()}"
+            ),
+        ):
+            submit_when_agent_ready(job_client(dashboard, {}), ["echo"], "needle-z", 1, retry_s=0.2, head=head)
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.ray
+def test_the_demo_head_beside_another_ray_listens_on_loopback_and_runs_a_job(ray_local, tmp_path):
+    """`make demo` beside another Ray instance (this session's ray.init): the head's ports are all
+    free ones (none of Ray's defaults), every process of it listens on 127.0.0.1 only, and a job
+    that uses Ray runs."""
+    import sys
+
+    from cluster.local_ray import HEAD_PORT_FLAGS, start_head
+
+    head = start_head(num_cpus=1, log_file=tmp_path / "ray_head.log")
+    try:
+        assert set(head.ports) >= set(HEAD_PORT_FLAGS) and not {6379, 8265, 10001, 52365, 44217, 44227} & set(
+            head.ports.values()
+        )
+        code = "import ray; ray.init(); print('needle-job', ray.get(ray.remote(lambda: 41).remote()) + 1)"
+        outcome = submit_job(head.dashboard_url, [sys.executable, "-c", code], head.env, head=head)
+        assert outcome.ok, outcome
+        beyond, ports = non_loopback_listeners(head_pids(head))
+        assert not beyond, f"the demo head listens beyond loopback: {beyond}"
+        assert head.ports["--port"] in ports and head.ports["--dashboard-port"] in ports
+    finally:
+        head.stop()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_held_head_port_fails_the_start_naming_it(tmp_path, monkeypatch):
+    import socket
+
+    import cluster.local_ray as local_ray
+
+    held = socket.create_server(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    chosen = local_ray.free_ports
+
+    def with_gcs_port_held(count: int) -> list[int]:
+        return [port, *chosen(count)[1:]]  # --port: the first
+
+    monkeypatch.setattr(local_ray, "free_ports", with_gcs_port_held)
+    with held, pytest.raises(RayHeadError, match=rf"port clash: --port {port}: held by pid"):
+        local_ray.start_head(num_cpus=1, log_file=tmp_path / "ray_head.log")
+
+
+CONNECT_AND_LIST = """
+import json, os, sys
+import ray  # before connect_ray: Ray has read its settings already
+from cluster.ingest_job import connect_ray
+sys.path.insert(0, {tests!r})
+from test_local_ray import non_loopback_listeners
+
+connect_ray(None)
+
+@ray.remote
+class Channel:
+    def open(self):
+        from cluster.ray_shards import node_address
+        from shards.direct import DirectServer
+        self.server = DirectServer(lambda message: bytes(message), node_address())
+        return self.server.endpoint.host, self.server.endpoint.port
+
+channel = Channel.remote()
+host, port = ray.get(channel.open.remote())
+import psutil
+me = psutil.Process()
+beyond, ports = non_loopback_listeners([me.pid] + [p.pid for p in me.children(recursive=True)])
+print(json.dumps({{"node_ip": ray.util.get_node_ip_address(), "channel": [host, port], "beyond": beyond,
+                  "ports": ports}}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_local_ray_started_by_needle_listens_on_loopback_only(tmp_path):
+    """connect_ray's local instance (`needle serve --ray-shards`, ingest and index jobs without a
+    cluster): Ray alone would take the machine's external address; every process of it, a shard
+    channel included, listens on loopback only."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = str(root)
+    script = CONNECT_AND_LIST.format(tests=str(root / "tests"))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["node_ip"] == "127.0.0.1" and found["channel"][0] == "127.0.0.1"
+    assert found["channel"][1] in found["ports"]
+    assert not found["beyond"], f"listening beyond loopback: {found['beyond']}"

@@ -161,13 +161,20 @@ def test_thumbnails_are_made_by_the_shard_that_owns_the_key(built, sharded):
         replicas.down.clear()
 
 
+def run_typed(group, method: str, calls: list) -> list:
+    """``group``'s answers to ``calls``, packed and unpacked as a Ray shard group's travel (over
+    its channel or through Ray: cluster.ray_shards.RayShardGroup.run)."""
+    from shards.messages import answer_request, pack_request, unpack_answers
+
+    return unpack_answers(answer_request(group.answer, pack_request(method, calls), len(group.members)))
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path, threads):
     """--shards-per-actor: one call carries several members' calls (even one member twice: two
     requests batched together, one of them twice the same); each answer equals the member's own,
-    an error stays its own."""
-    import pickle
-
+    an error stays its own. The calls and answers travel as the shard actors' do: typed messages
+    (shards/wire.py)."""
     from shards.shard_group import ShardGroup
 
     _, out, xb = built
@@ -177,7 +184,7 @@ def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path, thread
     xq = queries(xb)[:2]
     same = (xq, 30, None, True)
     calls = [(0, same), (2, same), (0, (xq[:1], 5, 2, True)), (0, same)]
-    answers = pickle.loads(group.run(pickle.dumps(("search", calls))))
+    answers = run_typed(group, "search", calls)
     assert all(status == "ok" for status, _ in answers)
     own = [group.members[member].search(*args) for member, args in calls]
     # the two members' searches of one batch come back trimmed to their joint shortlist: same merge
@@ -200,9 +207,7 @@ def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path, thread
     owned = next(
         f"{s:06d}/{n - 1:05d}" for s, n in SIZES.items() if group.members[1].shard.position_of(f"{s:06d}/00000") >= 0
     )
-    (status, error), (ok, found) = pickle.loads(
-        group.run(pickle.dumps(("thumbnail", [(1, (owned, 8)), (1, ("000000/99999", 8))])))
-    )
+    (status, error), (ok, found) = run_typed(group, "thumbnail", [(1, (owned, 8)), (1, ("000000/99999", 8))])
     assert status == "error" and isinstance(error, FileNotFoundError) and (ok, found) == ("ok", None)
     assert [i["shard"] for i in group.info()] == [e["name"] for e in entries]
 
@@ -210,9 +215,10 @@ def test_a_shard_group_answers_its_members_calls_at_once(built, tmp_path, thread
 @pytest.mark.parametrize("method", ["sp", "chamfer", "ames"])
 def test_a_shard_group_scores_its_members_shortlists_together(built, tmp_path, method, ames_checkpoint, caplog):
     """One gathering and one scoring per query for a group's members: each member's scores equal
-    its own to the bit; evidence comes for the group's best members and equals the member's own."""
+    its own to the bit; evidence comes for the group's best members and equals the member's own
+    (calls and answers as typed messages, shards/wire.py: the conf and each query's tokens arrive
+    as one object for every member, as the group's batching needs)."""
     import dataclasses
-    import pickle
 
     from rerank.rerank import candidate_width
     from shards.shard_group import ShardGroup
@@ -232,7 +238,7 @@ def test_a_shard_group_scores_its_members_shortlists_together(built, tmp_path, m
         (m, (conf, [I[q][own[q]] for q in range(len(keys))], [D[q][own[q]] for q in range(len(keys))], tokens, 5))
         for m, own in enumerate(owned)
     ]
-    answers = pickle.loads(group.run(pickle.dumps(("score_shortlists", calls))))
+    answers = run_typed(group, "score_shortlists", calls)
     assert "member by member" not in caplog.text  # scored together, not after a failure
     sent = 0
     for (member, args), (status, parts) in zip(calls, answers):
@@ -345,7 +351,9 @@ def test_http_503_partial_and_health(built, tmp_path):
     index = coordinator(out, tmp_path / "cache", replicas=1, timeout=0.5)
     single = QueryService(load_index(out))
     body = {"vectors": xb[:2].tolist(), "k": 5}
-    with TestClient(create_app(QueryService(index)), raise_server_exceptions=False) as client:
+    with TestClient(
+        create_app(QueryService(index)), base_url="http://localhost", raise_server_exceptions=False
+    ) as client:
         health = client.get("/health")
         assert health.status_code == 200 and health.json()["ok"] is True
         assert {r["status"] for r in health.json()["replicas"]} == {"ready"} and len(health.json()["replicas"]) == 4
