@@ -19,7 +19,7 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,17 +124,28 @@ def make_local_extractor(conf: IngestConfig, device: str = "cpu"):
 
 
 def connect_ray(address: str | None) -> None:
-    """Join ``address`` or $RAY_ADDRESS; otherwise start a local instance bound to 127.0.0.1.
+    """Join ``address`` or $RAY_ADDRESS; otherwise start a local instance listening on 127.0.0.1
+    only (Ray alone would put the machine's external address in its place: see
+    cluster.local_ray; checked here, a RuntimeError where it did not hold).
 
     Never Ray's implicit auto-detection: a stale record of a dead cluster would make it hang.
     """
     import ray
 
+    from cluster.local_ray import local_ray_on_loopback
+
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-    else:
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
+        return
+    local_ray_on_loopback()
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != "127.0.0.1":
+        ray.shutdown()
+        raise RuntimeError(
+            f"the local Ray instance took node IP {node_ip}, not 127.0.0.1: it would listen beyond loopback"
+        )
 
 
 def cpus_per_gpu(nodes: list[dict[str, Any]]) -> int:
@@ -179,15 +190,9 @@ _DESCRIPTOR_SETTINGS = (
 )
 
 
-def _comparable(key: str, value: Any, model: str) -> Any:
+def _comparable(key: str, value: Any) -> Any:
     # JSON turns the config's scales tuple into a list: compare them as tuples of floats.
-    if key == "query_scales" and value is not None:
-        return tuple(float(v) for v in value)
-    if key == "shape_grid":  # None: the model's default, compared as the grid it means
-        from embed.shape_plan import model_shape_grid
-
-        return model_shape_grid(model, value)
-    return value
+    return tuple(float(v) for v in value) if key == "query_scales" and value is not None else value
 
 
 # Settings added later, as older jobs made their descriptors (else: IngestConfig's default).
@@ -197,12 +202,11 @@ _BEFORE_THE_SETTING = {"shape_grid": 0}
 def _check_same_settings(previous: dict[str, Any], conf: IngestConfig, where: str) -> None:
     defaults = IngestConfig()
     recorded = previous.get("config", {})
-    model = recorded.get("model", defaults.model)
     before = {
-        k: _comparable(k, recorded.get(k, _BEFORE_THE_SETTING.get(k, getattr(defaults, k))), model)
+        k: _comparable(k, recorded.get(k, _BEFORE_THE_SETTING.get(k, getattr(defaults, k))))
         for k in _DESCRIPTOR_SETTINGS
     }
-    now = {k: _comparable(k, getattr(conf, k), conf.model) for k in _DESCRIPTOR_SETTINGS}
+    now = {k: _comparable(k, getattr(conf, k)) for k in _DESCRIPTOR_SETTINGS}
     if previous and before != now and not conf.overwrite:
         raise NeedleInputError(
             f"{where} holds descriptors made with {before}, this job asks for {now}: "
@@ -299,15 +303,15 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
 
     storage = storage_for(output, conf.s3_endpoint_url)
     previous = storage.read_json(INFO_FILE) or {}
+    if not ray.is_initialized():
+        connect_ray(conf.address)
+    conf = with_shape_grid(conf)
     _check_same_settings(previous, conf, storage.url)
     urls = expand_shards(shards, conf.s3_endpoint_url)
     ids = shard_ids(urls)
     manifest = storage.read_json(MANIFEST_FILE) or {}
     todo, entries = plan_shards(urls, storage.committed(), manifest, conf.overwrite)
     log.info("%d shards: %d committed already, %d to do", len(urls), len(urls) - len(todo), len(todo))
-
-    if not ray.is_initialized():
-        connect_ray(conf.address)
     start = time.perf_counter()
     # fresh_info: how this run's workers make their columns (from the first result)
     results, fresh_info = _run_workers(conf, todo, ids, storage, entries, start) if todo else ([], None)
@@ -325,6 +329,20 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
     if report["failed"]:
         raise IngestFailed(report["failed"])
     return output
+
+
+def with_shape_grid(conf: IngestConfig) -> IngestConfig:
+    """``conf`` with the shape grid its workers will use (None resolved for the cluster's device:
+    a grid for a CNN on GPUs, exact shapes on CPUs), so that the job records, and a resumed job
+    compares, the grid the descriptors were made with, never a default that depends on where."""
+    import ray
+
+    from embed.shape_plan import model_shape_grid
+
+    if conf.shape_grid is not None:
+        return conf
+    device = _worker_layout(conf, ray.cluster_resources(), 1, cpus_per_gpu(ray.nodes()))[2]
+    return replace(conf, shape_grid=model_shape_grid(conf.model, None, device))
 
 
 def _run_workers(
