@@ -8,6 +8,18 @@ from one. Prints one JSON
 line last: requests/s, p50/p99 latency (ms) and errors of each run, and their throughput ratio.
 
     python bench/serve_load.py [--index DIR] [--requests 400] [--concurrency 8] [--k 10]
+
+``--mixed``: the server as ``needle serve`` runs it (webapi.connections' protocol, the default
+webapi.limits.ServiceLimits), loaded for ``--duration`` s by ``--clients`` client threads of which
+``--bad-fraction`` send only bad requests (malformed or out-of-range fields, JSON nested 100,000
+deep, too many keys, a 400-megapixel PNG header, non-image bytes, a foreign Host or Origin, a
+text/plain body, an oversized Content-Length), the others key and vector queries whose answers
+were recorded one by one before the load. ``--slowloris N`` adds N connections that trickle
+header lines throughout. Prints one JSON line: requests/s, p50/p99 of the good and the bad
+requests, status counts by class, answers that changed (must be 0), bad requests answered 5xx
+(must be 0), and the server's open files (at most, and after).
+
+    python bench/serve_load.py --mixed [--duration 30] [--clients 50] [--bad-fraction 0.2] [--slowloris 300]
 """
 
 from __future__ import annotations
@@ -48,13 +60,22 @@ def build_index(work: Path, n: int, d: int, parts: int = 4) -> Path:
     return work / "index"
 
 
-def start_server(app):
+def start_server(app, limits=None):
+    """uvicorn on an ephemeral port of 127.0.0.1 in a thread; with ``limits`` (ServiceLimits) the
+    connection bounds ``needle serve`` runs with (webapi.connections)."""
     import uvicorn
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    options = {"host": "127.0.0.1", "port": port, "log_level": "warning", "access_log": False}
+    if limits is not None:
+        from webapi.connections import uvicorn_config
+
+        config = uvicorn_config(app, limits=limits, **options)
+    else:
+        config = uvicorn.Config(app, **options)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -110,8 +131,234 @@ def run_load(url: str, bodies: list[dict], concurrency: int) -> dict:
     }
 
 
+# --- --mixed: good and bad clients, and slow ones ------------------------------------------------
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height (no image data): the decompression-bomb shape."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"\x00" * 8) + chunk(b"IEND", b"")
+
+
+def bad_requests(key: str, d: int) -> list[tuple[str, str, dict, bytes]]:
+    """(kind, path, headers, body) of the bad requests: each must be a 4xx, never a 5xx."""
+    js = {"Content-Type": "application/json"}
+
+    def body(value: object) -> bytes:
+        return json.dumps(value).encode()
+
+    return [
+        ("not_json", "/search", js, b"{not json"),
+        ("nested_100k", "/search", js, b"[" * 100_000),
+        ("nprobe_list", "/search", js, body({"keys": [key], "nprobe": [1]})),
+        ("k_string", "/search", js, body({"keys": [key], "k": "10"})),
+        ("unknown_key", "/search", js, body({"keys": ["nope/0"], "k": 10})),
+        ("unknown_field", "/search", js, body({"keys": [key], "kk": 1})),
+        ("keys_5000", "/search", js, body({"keys": [key] * 5000, "k": 1})),
+        ("k_total", "/search", js, body({"keys": [key] * 200, "k": 100})),
+        ("vectors_nan", "/search", js, body({"vectors": [[float("nan")] * d]})),
+        ("text_plain", "/search", {"Content-Type": "text/plain"}, body({"keys": [key]})),
+        ("foreign_host", "/search", {**js, "Host": "evil.example"}, body({"keys": [key]})),
+        ("foreign_origin", "/search", {**js, "Origin": "http://evil.example"}, body({"keys": [key]})),
+        ("png_20000x20000", "/search/image?k=10", {"Content-Type": "image/png"}, png_header(20_000, 20_000)),
+        ("not_an_image", "/search/image?k=10", {"Content-Type": "application/octet-stream"}, b"hello"),
+    ]
+
+
+def trickle(port: int, count: int, stop: threading.Event, tally: dict) -> None:
+    """Keep ``count`` connections sending a header line each second (reopening those the server
+    closes) until ``stop``: the slowloris."""
+    socks: list[socket.socket] = []
+    while not stop.is_set():
+        while len(socks) < count and not stop.is_set():
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
+                socks.append(sock)
+                tally["opened"] += 1
+            except OSError:
+                tally["refused"] += 1
+                break
+        stop.wait(1.0)
+        alive = []
+        for sock in socks:
+            try:
+                sock.sendall(b"X-Trickle: 1\r\n")
+                alive.append(sock)
+            except OSError:
+                tally["closed_by_server"] += 1
+                sock.close()
+        socks = alive
+    for sock in socks:
+        sock.close()
+
+
+def client_loop(url: str, jobs: list, expected: list | None, until: float, offset: int, out: dict) -> None:
+    """Send ``jobs`` round-robin until ``until``: (kind, path, headers, body); with ``expected`` the
+    answers of good ones are compared with it."""
+    import httpx
+
+    i = offset
+    with httpx.Client(base_url=url, timeout=60) as http:
+        while time.monotonic() < until:
+            kind, path, headers, body = jobs[i % len(jobs)]
+            t0 = time.perf_counter()
+            try:
+                response = http.post(path, content=body, headers=headers)
+                status = response.status_code
+            except httpx.HTTPError:
+                status = 0
+            out["ms"].append((time.perf_counter() - t0) * 1000)
+            out["status"].append((kind, status))
+            if expected is not None and status == 200 and response.json() != expected[i % len(jobs)]:
+                out["changed"] += 1
+            i += 1
+
+
+def run_mixed(url: str, goods: list, expected: list, bads: list, clients: int, n_bad: int, duration: float, slow: int):
+    """The --mixed load (in the clients' process): good and bad client threads, and the slowloris."""
+    until = time.monotonic() + duration
+    good = {"ms": [], "status": [], "changed": 0}
+    bad = {"ms": [], "status": [], "changed": 0}
+    threads = [
+        threading.Thread(target=client_loop, args=(url, bads, None, until, c, bad))
+        if c < n_bad
+        else threading.Thread(target=client_loop, args=(url, goods, expected, until, c * 7, good))
+        for c in range(clients)
+    ]
+    stop, tally = threading.Event(), {"opened": 0, "closed_by_server": 0, "refused": 0}
+    loris = threading.Thread(target=trickle, args=(int(url.rsplit(":", 1)[1]), slow, stop, tally))
+    if slow:
+        loris.start()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    stop.set()
+    if slow:
+        loris.join(10)
+    return {"wall_s": wall, "good": good, "bad": bad, "slowloris": tally}
+
+
+def summary(part: dict, wall: float) -> dict:
+    ms = np.asarray(part["ms"] or [0.0])
+    classes: dict[str, int] = {}
+    for _, status in part["status"]:
+        name = f"{status // 100}xx" if status else "failed"
+        classes[name] = classes.get(name, 0) + 1
+    return {
+        "requests": len(part["ms"]),
+        "requests_per_s": round(len(part["ms"]) / wall, 1),
+        "p50_ms": round(float(np.percentile(ms, 50)), 2),
+        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+        "status": dict(sorted(classes.items())),
+    }
+
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def mixed_record(out: dict, meta: dict, slowloris: int, samples: list[int], limits) -> dict:
+    """The --mixed run's JSON line: throughput, latencies, status classes, the two invariants."""
+    import dataclasses
+
+    wall = out["wall_s"]
+    statuses = out["good"]["status"] + out["bad"]["status"]
+    by_kind: dict[str, dict[int, int]] = {}
+    for kind, status in out["bad"]["status"]:
+        by_kind.setdefault(kind, {}).setdefault(status, 0)
+        by_kind[kind][status] += 1
+    return {
+        "bench": "serve_load_mixed",
+        **meta,
+        "duration_s": round(wall, 1),
+        "requests": len(statuses),
+        "requests_per_s": round(len(statuses) / wall, 1),
+        "good": summary(out["good"], wall),
+        "bad": {**summary(out["bad"], wall), "by_kind": by_kind},
+        "answers_changed": out["good"]["changed"],  # must be 0
+        "good_not_200": sum(status != 200 for _, status in out["good"]["status"]),
+        "bad_5xx": sum(status >= 500 or status == 0 for _, status in out["bad"]["status"]),  # must be 0
+        "slowloris": {"connections": slowloris, **out["slowloris"]},
+        "server_open_files": {"before": samples[0], "max": max(samples), "after": samples[-1]},
+        "limits": dataclasses.asdict(limits),
+    }
+
+
+def mixed_main(args: argparse.Namespace) -> None:
+    """The --mixed run: the answers recorded one by one, then the load, then one JSON line."""
+    import multiprocessing
+
+    from index.search import load_index
+    from webapi.limits import ServiceLimits
+    from webapi.query_service import QueryService
+    from webapi.webapp import create_app
+
+    with tempfile.TemporaryDirectory(prefix="needle-serve-load-") as tmp:
+        path = Path(args.index) if args.index else build_index(Path(tmp), args.n, args.d)
+        index = load_index(path)
+        keys = index.ids["key"].to_pylist()
+        picks = np.random.default_rng(0).choice(len(keys), 200, replace=len(keys) < 200)
+        js = {"Content-Type": "application/json"}
+        goods = [
+            ("key", "/search", js, json.dumps({"keys": [keys[p]], "k": args.k}).encode())
+            if i % 2 == 0
+            else ("vector", "/search", js, json.dumps({"vectors": [index.vectors[p].tolist()], "k": args.k}).encode())
+            for i, p in enumerate(picks)
+        ]
+        limits = ServiceLimits()
+        server, thread, url = start_server(create_app(QueryService(index, limits=limits)), limits)
+        samples, done = [open_files()], threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.25):
+                samples.append(open_files())
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        try:
+            import httpx
+
+            with httpx.Client(base_url=url, timeout=60) as http:  # the answers, one request at a time
+                expected = [http.post(path_, content=body, headers=h).json() for _, path_, h, body in goods]
+            n_bad = round(args.clients * args.bad_fraction)
+            bads = bad_requests(keys[0], index.d)
+            sampler.start()
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                load = (url, goods, expected, bads, args.clients, n_bad, args.duration, args.slowloris)
+                out = pool.apply(run_mixed, load)
+            time.sleep(limits.header_timeout + 1)  # the slowloris connections the server has not closed yet
+            samples.append(open_files())
+        finally:
+            done.set()
+            server.should_exit = True
+            thread.join(10)
+    meta = {
+        "index": str(args.index or f"synthetic ivfpq n={args.n} d={args.d}"),
+        "ntotal": index.ntotal,
+        "cpus": os.cpu_count(),
+        "clients": args.clients,
+        "bad_clients": n_bad,
+    }
+    record = mixed_record(out, meta, args.slowloris, samples, limits)
+    print(json.dumps(record))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mixed", action="store_true", help="good and bad clients for --duration s (see above)")
+    parser.add_argument("--duration", type=float, default=30.0, help="--mixed: seconds of load")
+    parser.add_argument("--clients", type=int, default=50, help="--mixed: client threads")
+    parser.add_argument(
+        "--bad-fraction", type=float, default=0.2, help="--mixed: share of clients sending bad requests"
+    )
+    parser.add_argument("--slowloris", type=int, default=0, help="--mixed: connections trickling headers meanwhile")
     parser.add_argument("--index", help="index directory (default: a synthetic one in a temporary directory)")
     parser.add_argument("--n", type=int, default=20000, help="synthetic index: vectors")
     parser.add_argument("--d", type=int, default=128, help="synthetic index: dimension")
@@ -120,7 +367,14 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=10)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.mixed:
+        mixed_main(args)
+    else:
+        throughput_main(args)
 
+
+def throughput_main(args: argparse.Namespace) -> None:
+    """The concurrent run against the single-client one (the default)."""
     from index.search import load_index
     from webapi.query_service import QueryService
     from webapi.webapp import create_app

@@ -52,6 +52,34 @@ def add_rerank_flags(p: argparse.ArgumentParser) -> None:
             "alpha": {"flag": "--rerank-qe-alpha", "default": None},
         },
     )
+    g.add_argument(
+        "--device",
+        choices=source_constant("rerank.device:DEVICES"),
+        default="cpu",
+        help="where this process re-ranks (the AMES model, Hamming matching, spatial verification's "
+        "tables): cpu (default), cuda (an error without a CUDA GPU), auto (cuda where torch sees one)",
+    )
+
+
+def rerank_device(args: argparse.Namespace) -> str:
+    """``--device``, checked before any index loads: "cuda" without a GPU is a NeedleInputError
+    naming the flag (never a silent CPU). With --ray-shards the shard actors re-rank on their own
+    CPUs (this process only merges), so "cuda" is refused there and "auto" warned about."""
+    device = args.device
+    if getattr(args, "ray_shards", False) and args.rerank and device != "cpu":
+        from core.errors import NeedleInputError
+
+        if device == "cuda":
+            raise NeedleInputError(
+                "--device cuda with --ray-shards: the shard actors re-rank on their own CPUs; drop one of them"
+            )
+        log.warning("--device %s with --ray-shards: the shard actors re-rank on their CPUs", device)
+        return device
+    if not getattr(args, "ray", False):  # --ray: each Serve replica checks its own
+        from rerank.device import resolve_device
+
+        resolve_device(device)
+    return device
 
 
 def rerank_config(args: argparse.Namespace):
@@ -98,6 +126,7 @@ def _query(args: argparse.Namespace) -> int:
     text_queries = tuple(read_text_queries(args.text_file)) if args.text_file else ()
     if (args.multiscale is not None or args.rotations != 1) and not args.image:
         log.warning("--multiscale and --rotations apply to --image queries only: ignored")
+    device = rerank_device(args)
     conf = config_from_args(QueryConfig, args, files=query_files(args), rerank=rerank_config(args))
     inputs = QueryInputs(
         keys=tuple(args.key or ()),
@@ -114,9 +143,9 @@ def _query(args: argparse.Namespace) -> int:
         serving = ShardServing(stage=StageConfig(endpoint_url=args.s3_endpoint_url))
     index = open_index(args.index, args.ray_shards, args.address, serving)
     if args.out:
-        main(conf, index, inputs, Path(args.out))
+        main(conf, index, inputs, Path(args.out), device)
     else:
-        print(json.dumps(answer(conf, index, inputs), indent=2))
+        print(json.dumps(answer(conf, index, inputs, device), indent=2))
     return 0
 
 
@@ -127,10 +156,20 @@ def page_config(args: argparse.Namespace):
     return config_from_args(PageConfig, args, max_upload_bytes=args.max_upload_mb << 20)
 
 
+def service_limits(args: argparse.Namespace):
+    """The serve flags' ServiceLimits (what one request may ask, connections), checked."""
+    from webapi.limits import ServiceLimits
+
+    return config_from_args(ServiceLimits, args).check()
+
+
 def _serve(args: argparse.Namespace) -> int:
     from cluster.serve_run import ServeConfig, run
 
-    run(config_from_args(ServeConfig, args), args.index, query_files(args), rerank_config(args), page_config(args))
+    conf = config_from_args(ServeConfig, args)
+    device = rerank_device(args)
+    limits = service_limits(args)
+    run(conf, args.index, query_files(args), rerank_config(args), page_config(args), device, limits)
     return 0
 
 
@@ -183,5 +222,13 @@ def add_search_parsers(sub: argparse._SubParsersAction) -> None:
         },
     )
     g.add_argument("--max-upload-mb", type=int, default=16, help="largest query image accepted")
+    g = p.add_argument_group("limits: what one request may ask, slow and many clients (docs/serving.md)")
+    add_config_flags(
+        g,
+        "webapi.limits:ServiceLimits",
+        overrides={
+            "allow_hosts": {"flag": "--allow-host", "action": "append", "default": [], "type": str, "metavar": "NAME"}
+        },
+    )
     add_rerank_flags(p)
     p.set_defaults(func=_serve)

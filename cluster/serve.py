@@ -93,6 +93,7 @@ def open_index(
 # Ray Serve: replicas of the same app. Replicas reserve no CPU by default: with --ray-shards the
 # shard actors already hold the cluster's CPUs (see cluster.serve.serve_sharded).
 REPLICA_CPUS = 0.0
+REPLICA_GPUS = 1.0  # --device cuda: each replica's GPU (its AMES model and scoring tables live there)
 
 
 def ray_app(
@@ -104,13 +105,17 @@ def ray_app(
     replicas: int = 1,
     replica_cpus: float = REPLICA_CPUS,
     serving: Any = None,
+    device: str = "cpu",
+    limits: Any = None,
 ):
     """The app as a bound Ray Serve deployment (``serve.run(ray_app(...))``; Ray must be initialised).
 
     Each replica opens the index itself; with ``shard_actors`` (from ``serve_sharded``) every replica
     is a coordinator in front of the same shard actors, which hold the index (``serving``: their
     ShardServing, for the request timeout). A replica's ``check_health`` fails while
-    a shard has no live replica.
+    a shard has no live replica. ``device``: where each replica re-ranks; "cuda" reserves a GPU
+    per replica (Ray hides the GPUs from actors that reserve none, so "auto" there is the CPU).
+    ``limits``: each replica's webapi.limits.ServiceLimits (request sizes, Host, the concurrency gate).
     """
     from fastapi import FastAPI
     from ray import serve
@@ -118,15 +123,27 @@ def ray_app(
     from webapi.query_service import QueryService
     from webapi.webapp import check_shards, create_app
 
-    @serve.deployment(name="needle", num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus})
+    options = {"num_cpus": replica_cpus, "num_gpus": REPLICA_GPUS if device == "cuda" else 0}
+
+    @serve.deployment(name="needle", num_replicas=replicas, ray_actor_options=options)
     @serve.ingress()
     class NeedleDeployment:
-        def __init__(self, index_path: str, files: Any, rerank: Any, page: Any, shard_actors: Any, serving: Any):
+        def __init__(
+            self,
+            index_path: str,
+            files: Any,
+            rerank: Any,
+            page: Any,
+            shard_actors: Any,
+            serving: Any,
+            device: str,
+            limits: Any = None,
+        ):
             from cluster.serve import serve_sharded
             from index.search import load_index
 
             index = serve_sharded(index_path, serving, actors=shard_actors) if shard_actors else load_index(index_path)
-            self.service = QueryService(index, files, rerank)
+            self.service = QueryService(index, files, rerank, device, limits)
             self.page = page
 
         def __serve_build_asgi_app__(self) -> FastAPI:
@@ -136,4 +153,4 @@ def ray_app(
             """Serve's health probe: raises while a shard has no live replica."""
             check_shards(self.service)
 
-    return NeedleDeployment.bind(str(index_path), files, rerank, page, shard_actors, serving)
+    return NeedleDeployment.bind(str(index_path), files, rerank, page, shard_actors, serving, device, limits)

@@ -1,6 +1,11 @@
 """Running ``needle serve``'s app until it is stopped: uvicorn in this process, or a Ray Serve
 deployment (Ray and Serve started, the deployment run, SIGTERM/SIGINT handled, Serve and Ray shut
-down in order). The app itself is webapi.webapp's; the index service cluster.serve's."""
+down in order). The app itself is webapi.webapp's; the index service cluster.serve's.
+
+The request and connection bounds (webapi.limits.ServiceLimits, the ``--max-*`` and ``--*-timeout``
+flags) apply to both: the app's own (sizes, Host, Content-Type, the concurrency gate) in every
+replica; the connection bounds (``--header-timeout``, ``--max-header-kb``, ``--max-connections``:
+webapi.connections) under uvicorn only, since under ``--ray`` Serve's proxy owns the connections."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import NeedleInputError
+from webapi.limits import ANY_HOST, ServiceLimits
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("direct", "ray")  # how the coordinator calls shard actors (shards/direct.py, cluster/ray_shards.py)
@@ -69,34 +75,76 @@ def shard_serving(conf: ServeConfig, tar_dirs: tuple[str, ...] = ()) -> Any:
     )
 
 
-def run(conf: ServeConfig, index: str | Path, files: Any = None, rerank: Any = None, page: Any = None) -> None:
+def served_limits(conf: ServeConfig, limits: ServiceLimits | None) -> ServiceLimits:
+    """``limits`` (checked) with the bound address among the Host names answered; a warning where the
+    server listens on every interface but answers only this machine's names."""
+    import dataclasses
+
+    limits = (limits or ServiceLimits()).check()
+    if conf.host in ("0.0.0.0", "::", ""):
+        if not limits.allow_hosts:
+            log.warning(
+                "--host %s: requests are answered only for Host localhost/127.0.0.1/::1; give the names "
+                "clients use with --allow-host NAME (or --allow-host '*' behind a proxy that checks Host)",
+                conf.host,
+            )
+        return limits
+    if ANY_HOST in limits.allow_hosts or conf.host in limits.allow_hosts:
+        return limits
+    return dataclasses.replace(limits, allow_hosts=(*limits.allow_hosts, conf.host))
+
+
+def run(
+    conf: ServeConfig,
+    index: str | Path,
+    files: Any = None,
+    rerank: Any = None,
+    page: Any = None,
+    device: str = "cpu",
+    limits: ServiceLimits | None = None,
+) -> None:
     """Serve ``index`` (with QueryFiles ``files``, RerankConfig ``rerank`` and the web page's
-    PageConfig ``page``) until stopped: in this process, or with Ray Serve under ``conf.ray``."""
+    PageConfig ``page``) until stopped: in this process, or with Ray Serve under ``conf.ray``;
+    re-ranking on ``device`` (``--device``: this process's, or each Serve replica's); every
+    request and connection within ``limits`` (default ServiceLimits())."""
     if str(index).startswith("s3://") and not conf.ray_shards:
         raise NeedleInputError(
             f"--index {index} is on S3: serve it with --ray-shards (each shard actor stages its shard)"
         )
+    limits = served_limits(conf, limits)
+    if rerank is not None and rerank.shortlist > limits.max_k_total:  # every re-ranked query would be a 413
+        raise NeedleInputError(
+            f"--shortlist {rerank.shortlist} is over --max-k-total {limits.max_k_total} (a re-ranked query "
+            "counts its shortlist): raise --max-k-total or lower --shortlist"
+        )
     if conf.ray:
-        run_ray_serve(conf, index, files, rerank, page)
+        run_ray_serve(conf, index, files, rerank, page, device, limits)
         return
     import uvicorn
 
     from cluster.serve import open_index
+    from webapi.connections import guarded_protocol
     from webapi.query_service import QueryService
     from webapi.webapp import create_app
 
     tar_dirs = tuple(page.shard_dirs) if page is not None else ()
     serving = shard_serving(conf, tar_dirs) if conf.ray_shards else None
     search_index = open_index(index, conf.ray_shards, conf.address, serving)
-    app = create_app(QueryService(search_index, files, rerank), page)
+    app = create_app(QueryService(search_index, files, rerank, device, limits), page)
     log.info(
         "serving %s on http://%s:%d (%d vectors; API docs at /docs)", index, conf.host, conf.port, search_index.ntotal
     )
-    uvicorn.run(app, host=conf.host, port=conf.port, log_level="info")
+    uvicorn.run(app, host=conf.host, port=conf.port, log_level="info", http=guarded_protocol(limits))
 
 
 def run_ray_serve(
-    conf: ServeConfig, index: str | Path, files: Any = None, rerank: Any = None, page: Any = None
+    conf: ServeConfig,
+    index: str | Path,
+    files: Any = None,
+    rerank: Any = None,
+    page: Any = None,
+    device: str = "cpu",
+    limits: ServiceLimits | None = None,
 ) -> None:
     """The same app as a Ray Serve deployment of ``conf.replicas`` replicas, behind Serve's HTTP proxy
     on host:port (in front of one set of shard actors with ``conf.ray_shards``), until SIGTERM or
@@ -124,7 +172,9 @@ def run_ray_serve(
     serve.start(http_options={"host": conf.host, "port": conf.port})
     location = str(index) if str(index).startswith("s3://") else str(Path(index).resolve())
     serve.run(
-        ray_app(location, files, rerank, page, actors, conf.replicas, serving=serving), name="needle", route_prefix="/"
+        ray_app(location, files, rerank, page, actors, conf.replicas, serving=serving, device=device, limits=limits),
+        name="needle",
+        route_prefix="/",
     )
     log.info(
         "serving %s with Ray Serve (%d replicas) on http://%s:%d (API docs at /docs)",

@@ -7,6 +7,15 @@ class NeedleInputError(ValueError):
     """Base class for bad user input (a path, a key, a shape) in any needle stage."""
 
 
+class NeedleDataError(Exception):
+    """Stored data a needle process reads (an index file, a storage location) that is missing,
+    corrupt or refused. Why a class of its own: who is at fault depends on who named the data. At
+    the command line the user named it, so the concrete classes (IndexFileError, StorageError) are
+    also NeedleInputErrors and the CLI reports them as bad input (exit 2). Behind an HTTP service
+    the operator named it, never the client: the service answers them as its own fault (500/503,
+    webapi.http_errors), never a 4xx. Wherever the two are told apart, test NeedleDataError first."""
+
+
 class ShardSpecError(NeedleInputError):
     """A shard pattern that matches nothing or cannot be parsed."""
 

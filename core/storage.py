@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from core.atomic import write_json_atomic
-from core.errors import NeedleInputError
+from core.errors import NeedleDataError, NeedleInputError
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,9 @@ S3_MAX_ATTEMPTS = 8  # botocore attempts per request, with exponential backoff b
 MISSING_CODES = ("NoSuchKey", "404", "NoSuchBucket")  # S3 error codes of an object that is not there
 
 
-class StorageError(NeedleInputError):
-    """A storage location that cannot be used (bad URL, missing bucket or file, no permission)."""
+class StorageError(NeedleDataError, NeedleInputError):
+    """A storage location that cannot be used (bad URL, missing bucket or file, no permission): the
+    user's input at the CLI, the server's fault behind HTTP (core.errors.NeedleDataError)."""
 
 
 def is_s3(url: str | Path) -> bool:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from core.errors import NeedleInputError
+from core.errors import NeedleDataError, NeedleInputError
 
 
-class IndexFileError(NeedleInputError):
-    """An index directory that is missing a file, or whose files disagree with each other."""
+class IndexFileError(NeedleDataError, NeedleInputError):
+    """An index directory that is missing a file, or whose files disagree with each other: the
+    user's input at the CLI, the server's fault behind HTTP (core.errors.NeedleDataError)."""
 
 
 class UnknownKeyError(NeedleInputError):

@@ -56,12 +56,16 @@ def client(service):
 
     from webapi.webapp import create_app
 
-    with TestClient(create_app(service), raise_server_exceptions=False) as c:
+    with TestClient(create_app(service), base_url="http://localhost", raise_server_exceptions=False) as c:
         yield c
 
 
-def post(client, path, body, content_type="application/json"):
+def post(client, path, body, content_type=None):
+    """POST ``body`` (JSON, or bytes) with the Content-Type the endpoint takes unless one is given."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    content_type = content_type or (
+        "application/octet-stream" if path.startswith("/search/image") else "application/json"
+    )
     response = client.post(path, content=data, headers={"Content-Type": content_type})
     return response.status_code, response.json()
 
@@ -96,25 +100,35 @@ def test_http_search_by_key_and_vector(client, built):
 )
 def test_http_bad_input_is_a_4xx_with_a_message(client, path, body, message):
     status, out = post(client, path, body)
-    assert status == 400 and message in out["error"]
+    assert status == 400 and message in out["error"] and out["request_id"]
 
 
-def test_http_unknown_endpoint_too_large_body_and_failure(client, service, monkeypatch):
-    import webapi.webapp
+def test_http_unknown_endpoint_too_large_body_and_failure(client, service, built, monkeypatch, caplog):
+    """A failure is a 500 that says nothing but its request id; the log has the exception with the
+    same id. A body over its limit is a 413 naming the limit."""
+    from fastapi.testclient import TestClient
+
+    from webapi.limits import ServiceLimits
+    from webapi.query_service import QueryService
+    from webapi.webapp import create_app
 
     response = client.get("/nope")
-    assert response.status_code == 404 and response.json() == {"error": "no such endpoint /nope"}
+    assert response.status_code == 404 and response.json()["error"] == "no such endpoint /nope"
 
     def boom(body):
-        raise RuntimeError("disk on fire")
+        raise RuntimeError("disk on fire at /srv/secret/index")
 
     monkeypatch.setattr(service, "search_json", boom)
     status, out = post(client, "/search", {"keys": ["000000/00001"]})
-    assert status == 500 and out == {"error": "RuntimeError: disk on fire"}
-    monkeypatch.setattr(webapi.webapp, "MAX_BODY", 10)
-    for path in ("/search/image?k=2", "/search"):
-        status, out = post(client, path, b"x" * 11)
-        assert status == 413 and "over 10" in out["error"]
+    assert status == 500 and "disk on fire" not in json.dumps(out) and "/srv" not in json.dumps(out)
+    assert out["request_id"] in caplog.text and "disk on fire at /srv/secret/index" in caplog.text
+    small = QueryService(load_index(built / "single"), limits=ServiceLimits(max_body_mb=1, max_json_mb=1))
+    with TestClient(create_app(small), base_url="http://localhost") as c:
+        for path, limit in (("/search/image?k=2", "max_body_mb"), ("/search", "max_json_mb")):
+            status, out = post(c, path, b"x" * ((1 << 20) + 1))
+            assert (
+                status == 413 and out["limit"] == limit and out["field"] == "body" and "over the limit" in out["error"]
+            )
 
 
 def test_openapi_page(client):
@@ -286,7 +300,7 @@ def test_create_app_with_the_web_page(service):
 
     from webapi.webapp import create_app
 
-    with TestClient(create_app(service, webpage.PageConfig())) as c:
+    with TestClient(create_app(service, webpage.PageConfig()), base_url="http://localhost") as c:
         assert c.get("/").status_code == 200
         assert c.get("/health").json()["ntotal"] == 480
 

@@ -18,6 +18,7 @@ import pytest
 from conftest import jpeg_bytes, write_tar
 
 CHROMIUM = "/usr/bin/chromium"
+OCTETS = {"Content-Type": "application/octet-stream"}  # what the page's upload sends
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
@@ -103,7 +104,7 @@ def app(web_index):
 def client(app):
     from fastapi.testclient import TestClient
 
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://localhost") as c:
         yield c
 
 
@@ -172,7 +173,7 @@ def test_search_by_key_with_and_without_reranking(client):
 
 def test_search_by_uploaded_image_reranked(client, web_index):
     data = member(web_index["shards"][0], "00002.jpg")
-    response = client.post("/page/search/image?k=3&rerank=1&shortlist=6", content=data)
+    response = client.post("/page/search/image?k=3&rerank=1&shortlist=6", content=data, headers=OCTETS)
     assert response.status_code == 200
     top = response.json()["results"][0]
     assert top["key"] == "000000/00002" and top["inliers"] >= 5 and len(top["matches"]["db_xy"]) == top["inliers"]
@@ -181,17 +182,17 @@ def test_search_by_uploaded_image_reranked(client, web_index):
 @pytest.mark.parametrize(
     "path,kwargs,status,message",
     [
-        ("/page/search/image?k=3", {"content": b"definitely not an image"}, 400, "not an image"),
-        ("/page/search/image?k=3", {"content": b""}, 400, "empty"),
-        ("/page/search/image?k=3", {"content": b"x" * 300_000}, 413, "over the limit"),
-        ("/page/search/image?k=abc", {"content": b"x"}, 400, "bad query parameter"),
+        ("/page/search/image?k=3", {"content": b"definitely not an image", "headers": OCTETS}, 400, "not an image"),
+        ("/page/search/image?k=3", {"content": b"", "headers": OCTETS}, 400, "empty"),
+        ("/page/search/image?k=3", {"content": b"x" * 300_000, "headers": OCTETS}, 413, "over the limit"),
+        ("/page/search/image?k=abc", {"content": b"x", "headers": OCTETS}, 400, "bad query parameter"),
         ("/page/search", {"json": {"text": "  ", "k": 3}}, 400, "empty"),
         ("/page/search", {"json": {"text": "a red car", "k": 3}}, 400, "no text tower"),
         ("/page/search", {"json": {"key": "nope/1", "k": 3}}, 400, "not in the index"),
         ("/page/search", {"json": {"key": "000000/00001", "k": 1000}}, 400, "larger than the index"),
         ("/page/search", {"json": {"key": "000000/00001", "k": 3, "rerank": True, "shortlist": 0}}, 400, "shortlist"),
         ("/page/search", {"json": {"k": 3}}, 400, "exactly one of"),
-        ("/page/search", {"content": b"{nope"}, 400, "not JSON"),
+        ("/page/search", {"content": b"{nope", "headers": {"Content-Type": "application/json"}}, 400, "not JSON"),
     ],
 )
 def test_bad_input_is_a_json_error(client, path, kwargs, status, message):
@@ -242,7 +243,7 @@ def test_report_not_configured_is_404(web_index):
 
     app = FastAPI()
     register_page(app, QueryService(load_index(web_index["index"])), None)
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://localhost") as c:
         assert c.get("/report").status_code == 404 and "error" in c.get("/report").json()
         assert c.get("/report/scaling.png").status_code == 404
 

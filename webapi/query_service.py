@@ -3,7 +3,10 @@ searches of any ``query.index_protocol.Index`` (one process's ``SearchIndex`` or
 shards, ``shards.coordinator.ShardedIndex``).
 
 Bad input (non-image bytes, wrong vector dimension, k larger than the index, empty text, unknown key,
-malformed JSON) is a ``NeedleInputError``, answered 400 with ``{"error": message}`` by the app.
+malformed JSON, a field of the wrong type or out of range, an unknown field) is a ``NeedleInputError``
+(a ``webapi.limits.FieldError`` naming the field where the service checks it), answered 400 by the
+app; a request past one of ``ServiceLimits`` (queries, k x queries, image pixels, text length) is
+a ``LimitError``, answered 413. Each is raised before any search, model or decoder runs.
 """
 
 from __future__ import annotations
@@ -15,18 +18,26 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import NeedleInputError
 from query.index_protocol import Index
+from webapi.limits import FieldError, RequestChecks, ServiceLimits, boolean
 
 log = logging.getLogger(__name__)
-MAX_BODY = 64 << 20  # 64 MiB: an image or a batch of vectors
+MAX_BODY = ServiceLimits().max_body  # 64 MiB: an image (--max-body-mb)
+SEARCH_FIELDS = ("k", "nprobe", "refine_factor", "partial", "keys", "vectors", "text")  # of a /search body
 
 
 class QueryService:
     """Turns requests into searches; shared by the app's request threads (its lock guards only the
     lazy loading of the query models: searches run in parallel)."""
 
-    def __init__(self, index: Index, files: Any = None, rerank: Any = None):
+    def __init__(
+        self,
+        index: Index,
+        files: Any = None,
+        rerank: Any = None,
+        device: str = "cpu",
+        limits: ServiceLimits | None = None,
+    ):
         from query.recorded import QueryFiles
         from query.retrieve import token_kind
         from rerank.rerank import Reranker
@@ -35,7 +46,11 @@ class QueryService:
         self.token_kind = token_kind(index)  # whose re-ranking settings fill what rerank leaves open
         self.files = files or QueryFiles()  # files in place of those the index records (verified by SHA-256)
         self.rerank = rerank  # RerankConfig: re-rank key and image queries with local tokens; None: global only
-        self.reranker = Reranker(rerank, self.token_kind) if rerank is not None else None
+        # where this process re-ranks (--device): the server's, never a request's (rerank.device)
+        self.device = device
+        self.reranker = Reranker(rerank, self.token_kind, device) if rerank is not None else None
+        self.limits = (limits or ServiceLimits()).check()  # what one request may ask (webapi.limits)
+        self.checks = RequestChecks(self.limits, index.ntotal)
         self._lock = threading.Lock()
         self._extractor = None
         self._adapter: Any = False  # the index's adapter, loaded (and verified) once; False: not yet
@@ -61,7 +76,7 @@ class QueryService:
             return self.reranker
         with self._lock:
             if repr(conf) not in self._rerankers:
-                self._rerankers[repr(conf)] = Reranker(conf, self.token_kind)
+                self._rerankers[repr(conf)] = Reranker(conf, self.token_kind, self.device)
             return self._rerankers[repr(conf)]
 
     def extractor(self):
@@ -82,11 +97,14 @@ class QueryService:
         return xq if self._adapter is None else self._adapter.apply(xq)
 
     def check_k(self, k: Any) -> int:
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise NeedleInputError(f"k must be a positive integer, got {k!r}")
-        if k > self.index.ntotal:
-            raise NeedleInputError(f"k={k} is larger than the index ({self.index.ntotal} vectors)")
-        return k
+        """k as a positive int within the index's size and ``max_k_total``, else a FieldError."""
+        return self.checks.k(k)
+
+    def shortlist_of(self, rerank: Any) -> int | None:
+        """The shortlist a query re-ranked with ``rerank`` (default: the service's) scores: what it
+        costs counts in ``max_k_total`` like k does."""
+        conf = rerank or self.rerank
+        return conf.shortlist if conf is not None else None
 
     def search(
         self,
@@ -103,7 +121,8 @@ class QueryService:
         from query.retrieve import QueryConfig, query_json, results_json, search
 
         rerank = (rerank or self.rerank) if tokens is not None else None
-        conf = QueryConfig(k=self.check_k(k), nprobe=nprobe, refine_factor=refine_factor, rerank=rerank)
+        k, nprobe, refine_factor = self.check_k(k), self.checks.nprobe(nprobe), self.checks.refine_factor(refine_factor)
+        conf = QueryConfig(k=k, nprobe=nprobe, refine_factor=refine_factor, rerank=rerank)
         D, I, details = search(self.index, xq, conf, tokens, self.reranker_for(rerank), evidence=True)
         results = results_json(self.index, D, I)
         return [query_json(label, k, r, detail) for label, r, detail in zip(labels, results, details)]
@@ -111,9 +130,7 @@ class QueryService:
     def answering(self, partial: Any, call: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
         """``call()`` as one request to the shards: where ``partial`` allows it and shards were
         missing, each query's answer says so (``"partial": true``, ``"missing_shards"``)."""
-        if not isinstance(partial, bool):
-            raise NeedleInputError(f"'partial' must be true or false, got {partial!r}")
-        with self.index.request(partial) as state:  # in one process no shard is ever missing
+        with self.index.request(boolean(partial, "partial")) as state:  # in one process no shard is ever missing
             out = call()
         if state.missing:
             for query in out:
@@ -125,39 +142,57 @@ class QueryService:
         return self.answering(body.get("partial", partial), lambda: self.search_body(body))
 
     def search_body(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        from query.retrieve import embed_texts
-
-        k, nprobe, factor = body.get("k", 10), body.get("nprobe"), body.get("refine_factor")
+        """Answer a parsed /search body, every field checked (type, range, limits) before any work."""
+        unknown = sorted(set(body) - set(SEARCH_FIELDS))
+        if unknown:
+            raise FieldError(unknown[0], f"unknown field {unknown[0]!r}: a /search body has {', '.join(SEARCH_FIELDS)}")
         given = [name for name in ("keys", "vectors", "text") if name in body]
         if len(given) != 1:
-            raise NeedleInputError("give exactly one of 'keys', 'vectors' or 'text'")
+            raise FieldError("keys", "give exactly one of 'keys', 'vectors' or 'text'")
+        k, nprobe, factor = self.check_k(body.get("k", 10)), body.get("nprobe"), body.get("refine_factor")
+        self.checks.nprobe(nprobe)
+        self.checks.refine_factor(factor)
         if "keys" in body:
-            keys = body["keys"]
-            if not isinstance(keys, list) or not keys or not all(isinstance(x, str) for x in keys):
-                raise NeedleInputError("'keys' must be a non-empty list of strings")
-            self.index.prefetch_keys(keys, with_tokens=self.rerank is not None)  # shards elsewhere: one call to each
-            tokens = None
-            if self.rerank is not None:
-                from query.retrieve import stored_tokens
-
-                tokens = stored_tokens(self.index, keys)
-            return self.search(
-                np.stack([self.index.vector_of(x) for x in keys]), k, nprobe, [{"key": x} for x in keys], factor, tokens
-            )
+            return self.search_keys(self.checks.keys(body["keys"]), k, nprobe, factor)
         if "vectors" in body:
-            try:
-                xq = np.asarray(body["vectors"], dtype=np.float32)
-            except (TypeError, ValueError) as exc:
-                raise NeedleInputError(f"'vectors' is not a numeric array: {exc}") from exc
-            xq = xq[None] if xq.ndim == 1 else xq
-            if xq.ndim != 2 or xq.shape[1] != self.index.d:
-                raise NeedleInputError(f"vectors have shape {xq.shape}, the index expects (n, {self.index.d})")
+            xq = self.query_vectors(body["vectors"], k)
             return self.search(xq, k, nprobe, [{"vector": i} for i in range(len(xq))], factor)
-        text = body["text"]
-        texts = [text] if isinstance(text, str) else text
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
-            raise NeedleInputError("'text' must be a non-empty string (or list of them)")
+        from query.retrieve import embed_texts
+
+        texts = self.checks.texts(body["text"])
+        self.checks.work("text", len(texts), k)
         return self.search(embed_texts(self.index, texts, self.files), k, nprobe, [{"text": t} for t in texts], factor)
+
+    def search_keys(self, keys: list[str], k: int, nprobe: Any, factor: Any) -> list[dict[str, Any]]:
+        """Search with stored keys (re-ranked with the service's settings where it has them)."""
+        self.checks.work("keys", len(keys), k, self.shortlist_of(None))
+        self.index.prefetch_keys(keys, with_tokens=self.rerank is not None)  # shards elsewhere: one call to each
+        tokens = None
+        if self.rerank is not None:
+            from query.retrieve import stored_tokens
+
+            tokens = stored_tokens(self.index, keys)
+        xq = np.stack([self.index.vector_of(x) for x in keys])
+        return self.search(xq, k, nprobe, [{"key": x} for x in keys], factor, tokens)
+
+    def query_vectors(self, value: Any, k: int) -> np.ndarray:
+        """'vectors' as (n, d) finite float32 queries: a list of numbers, or a list of such lists."""
+        if not isinstance(value, list) or not value:
+            raise FieldError("vectors", "'vectors' must be a non-empty list of numbers (or list of such lists)")
+        self.checks.work("vectors", len(value) if isinstance(value[0], list) else 1, k)
+        try:
+            raw = np.asarray(value)
+        except (TypeError, ValueError) as exc:  # ragged rows
+            raise FieldError("vectors", f"'vectors' is not a numeric array: {exc}") from exc
+        if raw.dtype.kind not in "iuf":  # strings, booleans, objects
+            raise FieldError("vectors", f"'vectors' must hold numbers only, got an array of {raw.dtype}")
+        xq = raw.astype(np.float32)
+        xq = xq[None] if xq.ndim == 1 else xq
+        if xq.ndim != 2 or xq.shape[1] != self.index.d:
+            raise FieldError("vectors", f"vectors have shape {xq.shape}, the index expects (n, {self.index.d})")
+        if not np.isfinite(xq).all():
+            raise FieldError("vectors", "'vectors' hold NaN or infinity (or numbers beyond float32)")
+        return xq
 
     def search_image(
         self, data: bytes, k: int, nprobe: int | None, rerank: Any = None, partial: bool = False
@@ -166,14 +201,11 @@ class QueryService:
         return self.answering(partial, lambda: self.search_image_bytes(data, k, nprobe, rerank))
 
     def search_image_bytes(self, data: bytes, k: int, nprobe: int | None, rerank: Any = None) -> list[dict[str, Any]]:
-        import io
-
-        from PIL import Image, UnidentifiedImageError
-
-        try:  # refuse non-image bytes before loading any model
-            Image.open(io.BytesIO(data)).close()
-        except (UnidentifiedImageError, OSError) as exc:
-            raise NeedleInputError(f"cannot decode the request body as an image: {exc}") from exc
+        """Search with an image's bytes: k, nprobe and the image's header (its format and pixel
+        count) checked before any model loads or any decoder runs."""
+        k, _ = self.check_k(k), self.checks.nprobe(nprobe)
+        self.checks.work("image", 1, k, self.shortlist_of(rerank))
+        self.checks.image_size(data)
         rerank = rerank or self.rerank
         xq, tokens = self.embed_image(data, rerank, "request body")
         return self.search(xq, k, nprobe, [{"image": f"{len(data)} bytes"}], tokens=tokens, rerank=rerank)

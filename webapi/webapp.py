@@ -5,35 +5,59 @@
   number, ``"ready"``/``"unreachable"`` and node), and 503 when a shard has no live replica
 - ``POST /search[?partial=1]``  JSON ``{"k", "nprobe"?, "refine_factor"?, "partial"?, one of "keys" |
   "vectors" | "text"}``
-- ``POST /search/image?k=10[&nprobe=N][&partial=1]`` raw image bytes (the request body, at most ``MAX_BODY``)
+- ``POST /search/image?k=10[&nprobe=N][&partial=1]`` raw image bytes (the request body, at most ``--max-body-mb``)
 - ``GET  /docs``                         the OpenAPI page
 - ``/`` and the web page's own routes when a ``PageConfig`` is given (webapi.webpage)
 
-Bad input is answered 400 with ``{"error": message}``, an unknown endpoint 404, a body over
-``MAX_BODY`` 413, a failure 500 (logged with its traceback). Shards that did not answer within the
-shard timeout: 503 with ``{"error", "missing_shards"}``, unless the request allows a partial
-answer (``"partial": true`` / ``?partial=1``): then each query's answer carries ``"partial": true``
-and ``"missing_shards"``. The endpoints are plain ``def``
-functions: FastAPI runs them in its thread pool, so concurrent requests search in parallel (the
-QueryService's lock guards only the lazy loading of its models). Uploaded bytes stay in memory.
+Every request passes webapi.guard first (request id, Host, Content-Type, body limits, the
+concurrency gate); webapi.connections bounds slow and many connections under uvicorn. Answers:
+
+=====  ==========================================================================================
+200    the answer
+400    bad input: a malformed or out-of-range field, named in ``"field"``; JSON that does not parse
+       or nests too deep; an unknown key; non-image bytes
+403    a browser request from another origin's page (``Origin``, ``Sec-Fetch-Site``)
+404    no such endpoint
+408    the body did not arrive within ``--body-timeout`` (the headers: ``--header-timeout``)
+413    past a limit: the body (``--max-body-mb``, ``--max-json-mb``), queries (``--max-queries``),
+       k x queries (``--max-k-total``), image pixels (``--max-image-pixels``), text length
+       (``--max-text-length``); the body names ``"field"``, ``"limit"``, ``"max"`` and ``"got"``
+415    a Content-Type the endpoint does not take (JSON: application/json; images: image/*,
+       application/octet-stream; curl needs -H 'Content-Type: image/jpeg')
+421    a Host header that names another server (``--allow-host``)
+431    request headers over ``--max-header-kb``
+500    the server's fault: ``{"error": "internal error ...", "request_id"}``; the log has the rest
+503    busy (``--max-inflight``/``--max-queue``, ``--max-buffered-mb``, ``--max-connections``),
+       storage unreachable, or shards that did not answer in time; with Retry-After
+=====  ==========================================================================================
+
+Every error body is ``{"error": message, ...}``, with ``"request_id"`` once the request reached the
+app, and names no path of the server.
+Shards that did not answer within the shard timeout: 503 with ``"missing_shards"``, unless the
+request allows a partial answer (``"partial": true`` / ``?partial=1``): then each query's answer
+carries ``"partial": true`` and ``"missing_shards"``. Searches run in the thread pool, so
+concurrent requests search in parallel (at most ``--max-inflight``; the QueryService's lock guards
+only the lazy loading of its models). Uploaded bytes stay in memory.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from core.errors import ImageDecodeError, NeedleInputError
 from index.shard_files import shard_names
 from shards.coordinator import ShardsUnavailable
-from webapi.query_service import MAX_BODY, QueryService
+from webapi.guard import Guard, Route, allowed_hosts, read_limited
+from webapi.http_errors import error_response, json_response, request_id, server_locations
+from webapi.limits import FieldError, ServiceLimits, parse_json
+from webapi.query_service import QueryService
 
 if TYPE_CHECKING:
     from query.index_protocol import Index
@@ -68,79 +92,71 @@ SEARCH_BODY_SCHEMA = {
 }
 
 
-class BodyTooLarge(Exception):
-    def __init__(self, size: int):
-        super().__init__(f"request body of {size} bytes is over {MAX_BODY}")
-
-
-def json_response(status: int, payload: Any) -> Response:
-    """``json.dumps`` as the http.server handler did (NaN allowed, no re-validation)."""
-    return Response(json.dumps(payload), status_code=status, media_type="application/json")
-
-
-async def request_body(request: Request) -> bytes:
-    """The raw body, refused past ``MAX_BODY`` (by its Content-Length, or while it streams)."""
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > MAX_BODY:
-        raise BodyTooLarge(int(length))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise BodyTooLarge(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def answer(call: Callable[[], Any]) -> Response:
-    """200 with ``call()``; 400 for bad input; 503 for shards that did not answer in time; 500
-    (logged) for anything else."""
+async def respond(request: Request, call: Callable[[], Any], locations: tuple[str, ...] = ()) -> Response:
+    """200 with ``call()`` run in the thread pool; an error as webapi.http_errors answers it (400/413
+    for bad input, 500 with only a request id for the server's faults, 503 for shards or storage)."""
     try:
-        return json_response(200, call())
-    except (NeedleInputError, ImageDecodeError) as exc:
-        return json_response(400, {"error": str(exc)})
-    except ShardsUnavailable as exc:
-        log.warning("503: %s", exc)
-        return json_response(503, {"error": str(exc), "missing_shards": exc.missing})
-    except Exception as exc:  # keep serving; the log has the traceback
-        log.exception("request failed")
-        return json_response(500, {"error": f"{type(exc).__name__}: {exc}"})
+        return json_response(200, await run_in_threadpool(call))
+    except Exception as exc:  # keep serving; the log has the server's faults with the request id
+        return error_response(exc, request_id(request.scope), locations)
+
+
+def guard_routes(limits: ServiceLimits, page: PageConfig | None) -> dict[tuple[str, str], Route]:
+    """What webapi.guard reads and gates: the search endpoints (their bodies) and thumbnails."""
+    routes = {
+        ("POST", "/search"): Route("json", limits.max_json, "max_json_mb"),
+        ("POST", "/search/image"): Route("image", limits.max_body, "max_body_mb"),
+    }
+    if page is not None:
+        routes[("POST", "/page/search")] = Route("json", limits.max_json, "max_json_mb")
+        routes[("POST", "/page/search/image")] = Route("image", page.max_upload_bytes, "max_upload_mb")
+        routes[("GET", "/thumb")] = Route()
+    return routes
 
 
 def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI:
+    """The app of ``service`` (its ServiceLimits bound every request) and, with ``page``, the web page."""
     app = FastAPI(
         title="needle",
         description="Instance-level image retrieval: search an index by stored key, vector, text or image.",
         version="0.1.0",
     )
-    add_error_handlers(app)
+    locations = server_locations(service.index)
+    add_error_handlers(app, locations)
     add_health(app, service)
-    add_search(app, service)
-    add_search_image(app, service)
+    add_search(app, service, locations)
+    add_search_image(app, service, locations)
     if page is not None:
         from webapi.webpage import register_page
 
         register_page(app, service, page)
+    limits = service.limits
+    app.add_middleware(Guard, limits=limits, routes=guard_routes(limits, page), hosts=allowed_hosts(limits))
     return app
 
 
-def add_error_handlers(app: FastAPI) -> None:
-    """Errors FastAPI answers itself (a body too large, a bad query parameter, no such endpoint)
-    as ``{"error": message}``, like the endpoints' own."""
-
-    @app.exception_handler(BodyTooLarge)
-    def _too_large(request: Request, exc: BodyTooLarge) -> Response:
-        return json_response(413, {"error": str(exc)})
+def add_error_handlers(app: FastAPI, locations: tuple[str, ...] = ()) -> None:
+    """Errors FastAPI answers itself (a bad query parameter, no such endpoint, an exception no
+    endpoint caught) as ``{"error": message, "request_id"}``, like the endpoints' own."""
 
     @app.exception_handler(RequestValidationError)
     def _invalid(request: Request, exc: RequestValidationError) -> Response:
         problems = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
-        return json_response(400, {"error": f"bad query parameter: {problems}"})
+        payload = {"error": f"bad query parameter: {problems}", "request_id": request_id(request.scope)}
+        return json_response(400, payload)
 
     @app.exception_handler(StarletteHTTPException)
     def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = f"no such endpoint {request.url.path}" if exc.status_code == 404 else str(exc.detail)
-        return json_response(exc.status_code, {"error": message})
+        return json_response(exc.status_code, {"error": message, "request_id": request_id(request.scope)})
+
+    @app.exception_handler(FieldError)
+    def _field(request: Request, exc: FieldError) -> Response:
+        return error_response(exc, request_id(request.scope), locations)
+
+    @app.exception_handler(Exception)
+    def _unexpected(request: Request, exc: Exception) -> Response:
+        return error_response(exc, request_id(request.scope), locations)
 
 
 def health_answer(index: Index) -> tuple[int, dict[str, Any]]:
@@ -159,7 +175,7 @@ def add_health(app: FastAPI, service: QueryService) -> None:
         return json_response(*health_answer(service.index))
 
 
-def add_search(app: FastAPI, service: QueryService) -> None:
+def add_search(app: FastAPI, service: QueryService, locations: tuple[str, ...] = ()) -> None:
     @app.post(
         "/search",
         summary="search by stored keys, vectors or text",
@@ -167,25 +183,22 @@ def add_search(app: FastAPI, service: QueryService) -> None:
             "requestBody": {"required": True, "content": {"application/json": {"schema": SEARCH_BODY_SCHEMA}}}
         },
     )
-    def search(
+    async def search(
+        request: Request,
         partial: bool = Query(False, description="allow an answer from the shards that answered in time"),
-        data: bytes = Depends(request_body),
     ) -> Response:
+        data = await read_limited(request, service.limits.max_json, "max_json_mb")
+
         def run() -> Any:
-            try:
-                body = json.loads(data or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise NeedleInputError(f"request body is not JSON: {exc}") from exc
-            if not isinstance(body, dict):
-                raise NeedleInputError("request body must be a JSON object")
+            body = parse_json(data)  # in the thread pool: a large body parses off the event loop
             if partial:
                 body.setdefault("partial", True)
             return service.search_json(body)
 
-        return answer(run)
+        return await respond(request, run, locations)
 
 
-def add_search_image(app: FastAPI, service: QueryService) -> None:
+def add_search_image(app: FastAPI, service: QueryService, locations: tuple[str, ...] = ()) -> None:
     @app.post(
         "/search/image",
         summary="search by an image (the raw image bytes are the request body)",
@@ -199,18 +212,15 @@ def add_search_image(app: FastAPI, service: QueryService) -> None:
             }
         },
     )
-    def search_image(
+    async def search_image(
+        request: Request,
         k: int = Query(10, description="results"),
         nprobe: int | None = Query(None, description="IVF lists visited (default: the index's)"),
         partial: bool = Query(False, description="allow an answer from the shards that answered in time"),
-        data: bytes = Depends(request_body),
     ) -> Response:
-        def run() -> Any:
-            if not data:
-                raise NeedleInputError("empty request body: send the image bytes")
-            return service.search_image(data, k, nprobe, **({"partial": True} if partial else {}))
-
-        return answer(run)
+        data = await read_limited(request, service.limits.max_body, "max_body_mb")
+        extra = {"partial": True} if partial else {}
+        return await respond(request, lambda: service.search_image(data, k, nprobe, **extra), locations)
 
 
 def check_shards(service: QueryService) -> None:

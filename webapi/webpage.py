@@ -25,10 +25,8 @@ written to disk.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,8 +34,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from fastapi import Request  # module level: the routes' annotations are resolved in this module's globals
 
-from core.errors import ImageDecodeError, NeedleInputError
+from core.errors import NeedleInputError
 from shards.coordinator import ShardsUnavailable
+from webapi.http_errors import error_response, is_server_side, request_id, scrub, server_locations
+from webapi.limits import FieldError, parse_json, short_repr
 
 if TYPE_CHECKING:
     from query.index_protocol import Index
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parent / "web"
+PAGE_FIELDS = ("key", "text", "k", "nprobe", "rerank", "shortlist")  # of a /page/search body
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,11 @@ class PageConfig:
     report_depth: int = 1000  # missed positives: how deep the global ranking is searched to give their rank
 
 
-def _error(status: int, message: str):
+def _error(status: int, message: str, request: Request | None = None):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": message}, status_code=status)
+    payload = {"error": message} if request is None else {"error": message, "request_id": request_id(request.scope)}
+    return JSONResponse(payload, status_code=status)
 
 
 # --- searching with a per-request re-ranking switch -----------------------------------------------
@@ -70,6 +72,7 @@ class PageSearch:
     def __init__(self, service: QueryService):
         self.service = service
         self.index = service.index
+        self.locations = server_locations(service.index)  # never named in an error body
 
     @property
     def has_locals(self) -> bool:
@@ -98,14 +101,14 @@ class PageSearch:
         base = self.service.rerank or RerankConfig(method="sp")
         if shortlist is None:
             return base if self.service.rerank is not None else dataclasses.replace(base, shortlist=100)
-        if not isinstance(shortlist, int) or isinstance(shortlist, bool) or shortlist < 1:
-            raise NeedleInputError(f"shortlist must be a positive integer, got {shortlist!r}")
-        return dataclasses.replace(base, shortlist=shortlist)
+        return dataclasses.replace(base, shortlist=self.service.checks.shortlist(shortlist))
+
+    def check(self, field: str, k: Any, nprobe: Any, conf: Any = None) -> None:
+        """k, nprobe and the work of one query (re-ranking ``conf``'s shortlist) within the limits."""
+        self.service.checks.work(field, 1, self.service.check_k(k), conf.shortlist if conf is not None else None)
+        self.service.checks.nprobe(nprobe)
 
     def run(self, xq: np.ndarray, k: Any, nprobe: Any, label: dict[str, Any], conf, tokens) -> dict[str, Any]:
-        self.service.check_k(k)
-        if nprobe is not None and (not isinstance(nprobe, int) or isinstance(nprobe, bool) or nprobe < 1):
-            raise NeedleInputError(f"nprobe must be a positive integer, got {nprobe!r}")
         [out] = self.service.search(xq, k, nprobe, [label], tokens=tokens, rerank=conf)
         return {**out, "reranked": conf is not None and tokens is not None}
 
@@ -113,9 +116,10 @@ class PageSearch:
         from query.retrieve import stored_tokens
 
         if not isinstance(key, str) or not key.strip():
-            raise NeedleInputError("'key' must be a non-empty string")
+            raise FieldError("key", "'key' must be a non-empty string")
         key = key.strip()
         conf = self.rerank_config(rerank, shortlist)
+        self.check("key", k, nprobe, conf)
         xq = self.index.vector_of(key)[None]
         tokens = stored_tokens(self.index, [key]) if conf is not None else None
         return self.run(xq, k, nprobe, {"key": key}, conf, tokens)
@@ -124,26 +128,21 @@ class PageSearch:
         from query.retrieve import embed_texts
 
         if not isinstance(text, str) or not text.strip():
-            raise NeedleInputError("the text query is empty")
+            raise FieldError("text", "the text query is empty")
+        [text] = self.service.checks.texts(text)
         if not self.has_text:
-            raise NeedleInputError("the index's model has no text tower: text queries need an open_clip model")
-        self.service.check_k(k)
+            raise FieldError("text", "the index's model has no text tower: text queries need an open_clip model")
+        self.check("text", k, nprobe)
         return self.run(embed_texts(self.index, [text], self.service.files), k, nprobe, {"text": text}, None, None)
 
     def by_image(self, data: bytes, k: Any, nprobe: Any, rerank: Any, shortlist: Any) -> dict[str, Any]:
-        from PIL import Image, UnidentifiedImageError
-
         if not data:
-            raise NeedleInputError("the uploaded file is empty")
-        try:  # refuse non-image bytes before loading any model
-            with Image.open(io.BytesIO(data)) as image:
-                width, height = image.size
-        except (UnidentifiedImageError, OSError) as exc:
-            raise NeedleInputError(f"the uploaded file is not an image this server can decode: {exc}") from exc
-        if not self.has_model:
-            raise NeedleInputError("the index does not record its model: query by key instead")
-        self.service.check_k(k)
+            raise FieldError("image", "the uploaded file is empty")
         conf = self.rerank_config(rerank, shortlist)
+        self.check("image", k, nprobe, conf)
+        width, height = self.service.checks.image_size(data, "upload")  # its header: before any model loads
+        if not self.has_model:
+            raise FieldError("image", "the index does not record its model: query by key instead")
         xq, tokens = self.service.embed_image(data, conf, "uploaded image")
         return self.run(xq, k, nprobe, {"image": f"{len(data)} bytes", "width": width, "height": height}, conf, tokens)
 
@@ -241,21 +240,17 @@ def register_page(app: Any, service: QueryService, conf: PageConfig | None = Non
     add_report(app, search, conf)
 
 
-async def guarded(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in the thread pool, as JSON; 400 for bad input, 503 for shards that did not
-    answer in time, 500 (logged) for anything else."""
+async def guarded(request: Request, search: PageSearch, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in the thread pool, as JSON; an error as webapi.http_errors answers it: 400/413
+    for bad input, 503 for shards that did not answer in time or storage, 500 (logged with the
+    request id, which is all its body says) for the server's faults."""
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
 
     try:
         return JSONResponse(await run_in_threadpool(fn, *args))
-    except (NeedleInputError, ImageDecodeError) as exc:
-        return _error(400, str(exc))
-    except ShardsUnavailable as exc:  # shards served by Ray actors that did not answer in time
-        return _error(503, str(exc))
-    except Exception as exc:  # keep serving; the log has the traceback
-        log.exception("page request failed")
-        return _error(500, f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # keep serving
+        return error_response(exc, request_id(request.scope), search.locations)
 
 
 def add_page(app: Any, search: PageSearch, conf: PageConfig) -> None:
@@ -290,26 +285,36 @@ def add_page(app: Any, search: PageSearch, conf: PageConfig) -> None:
 
 def add_page_search(app: Any, search: PageSearch) -> None:
     """``POST /page/search``: a JSON body with one of ``key`` or ``text``."""
+    from webapi.guard import read_limited
+
+    limit = search.service.limits.max_json
+
+    def answer(data: bytes) -> dict[str, Any]:
+        body = parse_json(data)
+        unknown = sorted(set(body) - set(PAGE_FIELDS))
+        if unknown:
+            fields = ", ".join(PAGE_FIELDS)
+            raise FieldError(unknown[0], f"unknown field {unknown[0]!r}: a /page/search body has {fields}")
+        k, nprobe = body.get("k", 10), body.get("nprobe")
+        given = [name for name in ("key", "text") if name in body]
+        if len(given) != 1:
+            raise FieldError("key", "give exactly one of 'key' or 'text'")
+        if "key" in body:
+            return search.by_key(body["key"], k, nprobe, body.get("rerank"), body.get("shortlist"))
+        return search.by_text(body["text"], k, nprobe)
 
     @app.post("/page/search")
     async def page_search(request: Request):
         try:
-            body = json.loads(await request.body() or b"null")
-        except ValueError as exc:
-            return _error(400, f"request body is not JSON: {exc}")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
-        k, nprobe = body.get("k", 10), body.get("nprobe")
-        given = [name for name in ("key", "text") if name in body]
-        if len(given) != 1:
-            return _error(400, "give exactly one of 'key' or 'text'")
-        if "key" in body:
-            return await guarded(search.by_key, body["key"], k, nprobe, body.get("rerank"), body.get("shortlist"))
-        return await guarded(search.by_text, body["text"], k, nprobe)
+            data = await read_limited(request, limit, "max_json_mb")
+        except FieldError as exc:
+            return error_response(exc, request_id(request.scope))
+        return await guarded(request, search, answer, data)
 
 
 def add_page_search_image(app: Any, search: PageSearch, conf: PageConfig) -> None:
     """``POST /page/search/image``: the uploaded image bytes, at most ``conf.max_upload_bytes``."""
+    from webapi.guard import read_limited
 
     @app.post("/page/search/image")
     async def page_search_image(
@@ -319,40 +324,37 @@ def add_page_search_image(app: Any, search: PageSearch, conf: PageConfig) -> Non
             k_, nprobe_ = int(k), (int(nprobe) if nprobe not in (None, "") else None)
             shortlist_ = int(shortlist) if shortlist not in (None, "") else None
         except ValueError as exc:
-            return _error(400, f"bad query parameter: {exc}")
-        limit = conf.max_upload_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            return _error(413, f"the upload ({int(declared)} bytes) is over the limit of {limit} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():  # in memory only, never on disk
-            size += len(chunk)
-            if size > limit:
-                return _error(413, f"the upload is over the limit of {limit} bytes")
-            chunks.append(chunk)
-        return await guarded(
-            search.by_image, b"".join(chunks), k_, nprobe_, rerank.lower() in ("1", "true", "on", "yes"), shortlist_
-        )
+            return _error(400, f"bad query parameter: {exc}", request)
+        try:  # in memory only, never on disk
+            data = await read_limited(request, conf.max_upload_bytes, "max_upload_mb")
+        except FieldError as exc:
+            return error_response(exc, request_id(request.scope))
+        on = rerank.lower() in ("1", "true", "on", "yes")
+        return await guarded(request, search, search.by_image, data, k_, nprobe_, on, shortlist_)
 
 
 def add_thumbnails(app: Any, index: Index, conf: PageConfig) -> None:
-    """``GET /thumb?key=K``: a JPEG of the key's image, made where the key's rows are (``Index.thumbnail``)."""
+    """``GET /thumb?key=K``: a JPEG of the key's image, made where the key's rows are (``Index.thumbnail``).
+    An unknown key or an unreadable image is a 404; the server's data faults (a corrupt index file,
+    storage refused) are its own (500/503, webapi.http_errors)."""
     from fastapi.responses import Response
 
+    locations = server_locations(index)
+
     @app.get("/thumb")
-    def thumb(key: str = ""):
+    def thumb(request: Request, key: str = ""):
         if not key:
-            return _error(400, "give ?key=")
+            return _error(400, "give ?key=", request)
         try:
             jpeg = index.thumbnail(key, conf.thumbnail_px, conf.shard_dirs)
-        except NeedleInputError as exc:
-            return _error(404, str(exc))
-        except ShardsUnavailable as exc:
-            return _error(503, str(exc))
-        except (OSError, tarfile.TarError) as exc:
-            return _error(404, f"the image of {key!r} cannot be read: {exc}")
-        except Exception as exc:  # undecodable bytes, ShardReadError and the like
-            return _error(404, f"the image of {key!r} cannot be read or decoded: {exc}")
+        except Exception as exc:
+            if is_server_side(exc) or isinstance(exc, ShardsUnavailable):  # the index's files, storage, shards
+                return error_response(exc, request_id(request.scope), locations)
+            # an unknown key, a tar that cannot be read, undecodable bytes, ShardReadError: no thumbnail
+            log.info("thumbnail of %r: %s: %s", key, type(exc).__name__, exc)
+            if isinstance(exc, NeedleInputError):
+                return _error(404, scrub(str(exc), locations), request)
+            return _error(404, f"the image of {short_repr(key)} cannot be read or decoded", request)
         return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "max-age=3600"})
 
 
@@ -363,14 +365,14 @@ def add_report(app: Any, search: PageSearch, conf: PageConfig) -> None:
     report_cache: dict[str, Any] = {}
 
     @app.get("/report")
-    def report():
+    def report(request: Request):
         if not conf.report:
             return _error(404, "no report configured (serve with --report FILE)")
         if "report" not in report_cache:
             try:
                 report_cache["report"] = page_report(conf, search)
             except NeedleInputError as exc:
-                return _error(404, str(exc))
+                return _error(404, scrub(str(exc)), request)
         return report_cache["report"]
 
     @app.get("/report/scaling.png")

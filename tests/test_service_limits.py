@@ -1,0 +1,371 @@
+"""``needle serve`` facing a network (webapi.limits, webapi.guard, webapi.http_errors): each bound
+refused with a status that says whose fault it was and a body naming the field and the limit;
+server faults never a 4xx and never described to the client; Host, Origin and Content-Type
+checks; the concurrency gate. Through TestClient: fast. Slow clients and memory:
+tests/test_serve_connections.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import threading
+import zlib
+
+import pytest
+from helpers_index import clustered_unit_vectors, write_descriptor_file
+
+from index.build import IndexConfig, main
+from index.search import load_index
+
+IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=8, points_per_list=50, nprobe=4, refine_factor=3)
+JSON = {"Content-Type": "application/json"}
+OCTETS = {"Content-Type": "application/octet-stream"}
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("limits")
+    for s in range(2):
+        write_descriptor_file(root / "desc", f"{s:06d}", s, clustered_unit_vectors(150, 32, seed=20 + s))
+    return main(IVF, root / "desc", root / "index")
+
+
+@pytest.fixture(scope="module")
+def index(index_dir):
+    return load_index(index_dir)
+
+
+def app_client(index, **limits):
+    from fastapi.testclient import TestClient
+
+    from webapi.limits import ServiceLimits
+    from webapi.query_service import QueryService
+    from webapi.webapp import create_app
+
+    service = QueryService(index, limits=ServiceLimits(**limits))
+    return TestClient(create_app(service), base_url="http://localhost", raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def client(index):
+    with app_client(index, max_queries=50, max_k_total=200, max_text_length=20, max_image_pixels=10_000) as c:
+        yield c
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height: PIL reads its size without decoding (no valid data)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"\x00" * 8) + chunk(b"IEND", b"")
+
+
+KEY = "000000/00001"
+
+
+@pytest.mark.parametrize(
+    "body,status,field,limit",
+    [
+        ({"keys": [KEY] * 51, "k": 1}, 413, "keys", "max_queries"),
+        ({"keys": [KEY] * 21, "k": 10}, 413, "keys", "max_k_total"),
+        ({"vectors": [[0.1] * 32] * 51, "k": 1}, 413, "vectors", "max_queries"),
+        ({"text": "x" * 21, "k": 1}, 413, "text", "max_text_length"),
+        ({"keys": [KEY], "k": 201}, 413, "k", "max_k_total"),
+        ({"keys": [KEY], "nprobe": [1]}, 400, "nprobe", None),
+        ({"keys": [KEY], "nprobe": "4"}, 400, "nprobe", None),
+        ({"keys": [KEY], "nprobe": 0}, 400, "nprobe", None),
+        ({"keys": [KEY], "nprobe": 10**6}, 400, "nprobe", None),
+        ({"keys": [KEY], "k": "10"}, 400, "k", None),
+        ({"keys": [KEY], "k": True}, 400, "k", None),
+        ({"keys": [KEY], "k": 1.5}, 400, "k", None),
+        ({"keys": [KEY], "refine_factor": 10**6}, 400, "refine_factor", None),
+        ({"keys": [1, 2]}, 400, "keys", None),
+        ({"keys": KEY}, 400, "keys", None),
+        ({"keys": [KEY], "partial": "yes"}, 400, "partial", None),
+        ({"keys": [KEY], "kk": 3}, 400, "kk", None),
+        ({"vectors": [[float("nan")] * 32]}, 400, "vectors", None),
+        ({"vectors": [["0.1"] * 32]}, 400, "vectors", None),
+        ({"vectors": [[0.1] * 32, [0.1] * 5]}, 400, "vectors", None),
+        ({"vectors": {"a": 1}}, 400, "vectors", None),
+        ({"text": ["ok", 3]}, 400, "text", None),
+    ],
+)
+def test_every_field_is_checked_and_named(client, body, status, field, limit):
+    response = client.post("/search", content=json.dumps(body), headers=JSON)
+    out = response.json()
+    assert response.status_code == status, out
+    assert out["field"] == field and out["request_id"] == response.headers["x-request-id"]
+    if limit:
+        assert out["limit"] == limit and f"--{limit.replace('_', '-')}" in out["error"] and out["got"] > out["max"]
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (b"[" * 100_000, "too deep"),  # RecursionError in json.loads: bad input, not a 500
+        (b'{"k": ' + b"9" * 5000 + b"}", "not JSON"),  # past Python's int digits limit
+        (b"\xff\xfe{", "not JSON"),
+        (b'"just a string"', "JSON object"),
+    ],
+)
+def test_malformed_json_is_a_400(client, data, message):
+    response = client.post("/search", content=data, headers=JSON)
+    assert response.status_code == 400 and message in response.json()["error"]
+
+
+def test_image_is_refused_from_its_header_before_any_decoder(client, monkeypatch):
+    from webapi.query_service import QueryService
+
+    def never(*args, **kwargs):
+        raise AssertionError("decoded")
+
+    monkeypatch.setattr(QueryService, "embed_image", never)
+    response = client.post("/search/image?k=2", content=png_header(12_500, 12_500), headers=OCTETS)
+    out = response.json()
+    assert response.status_code == 413 and out["limit"] == "max_image_pixels" and out["got"] == 12_500**2
+    response = client.post(
+        "/search/image?k=2", content=png_header(20_000, 20_000), headers={"Content-Type": "image/png"}
+    )
+    assert response.status_code == 413 and response.json()["limit"] == "max_image_pixels"  # PIL's bomb error too
+    response = client.post("/search/image?k=2", content=b"P6 4 4 255\n" + b"\x00" * 48, headers=OCTETS)
+    assert response.status_code == 400 and "not an image of JPEG" in response.json()["error"]  # PPM: not a query format
+    for query in ("k=0", "k=201", "nprobe=0", "k=2&nprobe=100000"):
+        response = client.post(f"/search/image?{query}", content=png_header(10, 10), headers=OCTETS)
+        assert response.status_code in (400, 413) and response.json()["field"] in ("k", "nprobe"), query
+
+
+def test_body_over_its_limit_is_refused_before_it_is_read(index):
+    with app_client(index, max_json_mb=1, max_body_mb=1) as c:
+        for path, headers, limit in (("/search", JSON, "max_json_mb"), ("/search/image", OCTETS, "max_body_mb")):
+            response = c.post(path, content=b"x" * ((1 << 20) + 1), headers=headers)
+            out = response.json()
+            assert response.status_code == 413 and (out["field"], out["limit"]) == ("body", limit)
+
+            def chunks():  # no Content-Length: counted while it streams
+                yield b"x" * (1 << 20)
+                yield b"x" * 10
+
+            response = c.post(path, content=chunks(), headers=headers)
+            assert response.status_code == 413 and response.json()["limit"] == limit
+
+
+def test_bodies_held_at_once_are_bounded(index):
+    with app_client(index, max_buffered_mb=1, max_body_mb=4) as c:
+        response = c.post("/search/image", content=b"x" * (2 << 20), headers=OCTETS)
+        assert response.status_code == 503 and response.json()["limit"] == "max_buffered_mb"
+        assert response.headers["retry-after"] == "1"
+
+
+# --- whose fault: the server's faults are 5xx and say nothing of themselves ------------------------
+def test_server_faults_are_5xx_with_only_a_request_id(client, index_dir, monkeypatch, caplog):
+    from core.storage import StorageError
+    from index.errors import IndexFileError
+    from webapi.query_service import QueryService
+
+    faults = [
+        (IndexFileError(f"index shard shard_000 ({index_dir}/shard_000): keys.bin is missing"), 500),
+        (StorageError("cannot read s3://bucket/idx/index_infos.json: AccessDenied"), 503),
+        (TypeError("unsupported operand at /usr/lib/python3/site.py"), 500),
+    ]
+    for fault, status in faults:
+
+        def fail(self, body, partial=False, fault=fault):
+            raise fault
+
+        monkeypatch.setattr(QueryService, "search_json", fail)
+        response = client.post("/search", json={"keys": [KEY]}, headers=JSON)
+        out = response.json()
+        assert response.status_code == status and set(out) == {"error", "request_id"}, out
+        assert str(index_dir) not in response.text and "s3://" not in response.text and "/usr" not in response.text
+        assert out["request_id"] in caplog.text and str(fault) in caplog.text  # the log has it all, with the id
+        assert (status == 503) == ("retry-after" in response.headers)
+
+
+def test_bad_input_names_no_server_path(client, index_dir):
+    response = client.post("/search", json={"keys": ["nope"]}, headers=JSON)
+    out = response.json()
+    assert response.status_code == 400 and "not in the index at <index>" in out["error"]
+    assert str(index_dir) not in response.text and str(index_dir.resolve()) not in response.text
+
+
+def test_scrub_keeps_keys_and_media_types():
+    from webapi.http_errors import scrub
+
+    message = "key '000000/00001' of image/png not in /srv/data/idx nor s3://b/p/x.tar (n, 32)"
+    assert scrub(message, ["/srv/data/idx"]) == "key '000000/00001' of image/png not in <index> nor <path> (n, 32)"
+    assert scrub("cannot read /etc/passwd: denied") == "cannot read <path>: denied"
+
+
+def test_data_errors_are_the_servers_fault_but_the_cli_users_input(tmp_path):
+    """IndexFileError and StorageError are NeedleDataErrors (5xx behind HTTP) and NeedleInputErrors,
+    so the CLI still reports a missing index file as bad input (exit 2)."""
+    from cli.main import main as needle
+    from core.errors import NeedleDataError, NeedleInputError
+    from core.storage import StorageError
+    from index.errors import IndexFileError, UnknownKeyError
+    from webapi.http_errors import describe, is_server_side
+
+    for cls in (IndexFileError, StorageError):
+        assert issubclass(cls, NeedleDataError) and issubclass(cls, NeedleInputError) and is_server_side(cls("x"))
+    assert not is_server_side(UnknownKeyError("x")) and describe(UnknownKeyError("x"), "r")[0] == 400
+    assert needle(["query", "--index", str(tmp_path / "missing"), "--key", "a"]) == 2
+
+
+def test_server_side_names_are_input_errors_that_exist():
+    """SERVER_SIDE names classes by string (no torch import to check them): each must still exist."""
+    import importlib
+
+    from core.errors import NeedleInputError
+    from webapi.http_errors import SERVER_SIDE
+
+    for name in SERVER_SIDE:
+        module, _, cls = name.rpartition(".")
+        assert issubclass(getattr(importlib.import_module(module), cls), NeedleInputError), name
+
+
+# --- browsers: Host, Origin, Content-Type ----------------------------------------------------------
+@pytest.mark.parametrize(
+    "headers,status",
+    [
+        ({"Host": "evil.example:8000"}, 421),
+        ({"Host": "localhost.evil.example"}, 421),
+        ({"Host": "127.0.0.1:8000"}, 200),
+        ({"Host": "[::1]:8000"}, 200),
+        ({"Host": "LOCALHOST."}, 200),
+        ({"Content-Type": "text/plain"}, 415),
+        ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
+        ({"Content-Type": "multipart/form-data; boundary=x"}, 415),
+        ({"Content-Type": "application/json; charset=utf-8"}, 200),
+        ({"Origin": "http://evil.example"}, 403),
+        ({"Origin": "null"}, 403),
+        ({"Origin": "http://localhost:3000"}, 403),
+        ({"Origin": "http://localhost"}, 200),
+        ({"Sec-Fetch-Site": "cross-site"}, 403),
+        ({"Sec-Fetch-Site": "same-origin"}, 200),
+    ],
+)
+def test_browser_checks(client, headers, status):
+    response = client.post("/search", content=json.dumps({"keys": [KEY], "k": 2}), headers={**JSON, **headers})
+    assert response.status_code == status, response.text
+
+
+def test_json_api_needs_a_content_type_and_images_an_image_type(client):
+    response = client.post("/search", content=json.dumps({"keys": [KEY]}))
+    assert response.status_code == 415 and response.json()["field"] == "Content-Type"
+    png = {"Content-Type": "image/png"}
+    assert client.post("/search/image?k=2", content=png_header(10, 10), headers=png).status_code == 400  # no model
+    form = {"Content-Type": "application/x-www-form-urlencoded"}  # curl --data-binary's default: a form's type
+    assert client.post("/search/image?k=2", content=png_header(10, 10), headers=form).status_code == 415
+    assert client.post("/search/image?k=2", content=png_header(10, 10)).status_code == 415
+    assert (
+        client.post("/search/image?k=2", content=png_header(10, 10), headers={"Content-Type": "text/plain"}).status_code
+        == 415
+    )
+
+
+def test_host_names_and_health(index):
+    from webapi.guard import allowed_hosts
+    from webapi.limits import ServiceLimits
+
+    assert client_status(index, "evil.example", "/health") == 421
+    assert client_status(index, "needle.lan:8000", "/health", allow_hosts=("needle.lan",)) == 200
+    assert client_status(index, "anything", "/health", allow_hosts=("*",)) == 200
+    assert allowed_hosts(ServiceLimits(allow_hosts=("*",))) is None
+    assert client_status(index, "testserver", "/health") == 421  # TestClient's default: refused like any other
+
+
+def client_status(index, host: str, path: str, **limits) -> int:
+    with app_client(index, **limits) as c:
+        return c.get(path, headers={"Host": host}).status_code
+
+
+def test_served_limits_answer_the_bound_address():
+    from cluster.serve_run import ServeConfig, served_limits
+    from webapi.limits import ServiceLimits
+
+    assert served_limits(ServeConfig(host="10.0.0.5"), None).allow_hosts == ("10.0.0.5",)
+    assert served_limits(ServeConfig(host="0.0.0.0"), None).allow_hosts == ()
+    with pytest.raises(Exception, match="--max-queries"):
+        served_limits(ServeConfig(), ServiceLimits(max_queries=0))
+
+
+def test_serve_refuses_a_shortlist_no_request_could_use(tmp_path):
+    from types import SimpleNamespace
+
+    from cluster.serve_run import ServeConfig, run
+    from core.errors import NeedleInputError
+
+    with pytest.raises(NeedleInputError, match="--shortlist 20000 is over --max-k-total 10000"):
+        run(ServeConfig(), tmp_path / "never-opened", rerank=SimpleNamespace(shortlist=20000))
+
+
+def test_serve_flags_make_the_limits(tmp_path):
+    from cli.main import build_parser
+    from cli.search import service_limits
+    from webapi.limits import ServiceLimits
+
+    args = build_parser().parse_args(["serve", "--index", str(tmp_path)])
+    assert service_limits(args) == ServiceLimits()
+    argv = ["serve", "--index", "x", "--max-queries", "7", "--max-image-pixels", "1000", "--allow-host", "a.lan"]
+    args = build_parser().parse_args(
+        [*argv, "--allow-host", "b.lan", "--max-connections", "9", "--header-timeout", "2"]
+    )
+    assert service_limits(args) == ServiceLimits(
+        max_queries=7, max_image_pixels=1000, allow_hosts=("a.lan", "b.lan"), max_connections=9, header_timeout=2.0
+    )
+
+
+# --- the concurrency gate --------------------------------------------------------------------------
+def test_gate_hands_slots_over_and_bounds_its_queue():
+    from webapi.guard import Gate
+
+    async def scenario():
+        gate = Gate(slots=1, queue=1, timeout=0.2)
+        assert await gate.acquire()
+        waiter = asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0)
+        assert not await gate.acquire()  # the queue is full
+        gate.release()  # handed to the waiter, not freed
+        assert await waiter and gate.busy == 1
+        assert not await gate.acquire()  # waits 0.2 s, then gives up
+        assert not gate.waiters
+        gate.release()
+        assert gate.busy == 0 and await gate.acquire()
+
+    asyncio.run(scenario())
+
+
+def test_busy_server_answers_503_and_health_still_answers(index, monkeypatch):
+    from webapi.query_service import QueryService
+
+    started, finish = threading.Event(), threading.Event()
+
+    def slow(self, body, partial=False):
+        started.set()
+        finish.wait(10)
+        return []
+
+    monkeypatch.setattr(QueryService, "search_json", slow)
+    with app_client(index, max_inflight=1, max_queue=0) as c:
+        first = threading.Thread(target=lambda: c.post("/search", json={"keys": [KEY]}, headers=JSON))
+        first.start()
+        try:
+            assert started.wait(10)
+            response = c.post("/search", json={"keys": [KEY]}, headers=JSON)
+            assert response.status_code == 503 and response.headers["retry-after"] == "1"
+            assert response.json()["limit"] == "max_inflight"
+            assert c.get("/health").status_code == 200  # never gated
+        finally:
+            finish.set()
+            first.join(10)
+        assert c.post("/search", json={"keys": [KEY]}, headers=JSON).status_code == 200
+
+
+def test_a_decompression_bomb_png_is_refused_by_the_default_limit(index):
+    """The issue's 20,000² PNG: a 500 before (PIL's DecompressionBombError), a 413 now."""
+    with app_client(index) as c:
+        response = c.post("/search/image", content=png_header(20_000, 20_000), headers={"Content-Type": "image/png"})
+        assert response.status_code == 413 and response.json()["max"] == 25_000_000

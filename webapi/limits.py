@@ -1,0 +1,264 @@
+"""What one request may ask of ``needle serve``, and how many may run at once.
+
+Why: the service faces a network. Before these bounds one body of 80k keys cost +495 MB, a 152 KB
+PNG of 12,500² px +721 MB, 200 re-ranked keys 2.9 s, and 1,000 connections trickling headers were
+never closed. Every bound has a default and a flag (``needle serve --max-queries`` ..., from
+``ServiceLimits``'s fields), and a request past one is refused before the work starts with a
+``LimitError`` (413) or a ``FieldError`` (400) whose JSON body names the field and the limit.
+
+Memory under parallel worst-case requests is bounded by: request bodies buffered at once
+(``max_buffered_mb``, webapi.guard) + ``max_inflight`` searches, each at most the decode of a
+``max_image_pixels`` image (about 9 bytes per pixel: an RGB copy and its conversion, measured) or
+the parse of a ``max_json_mb`` body; requests past ``max_inflight`` wait (at most ``max_queue`` of
+them, for ``queue_timeout`` s, holding no body beyond the bytes they sent) or get a 503.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from core.errors import NeedleInputError
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")  # always answered: this machine's own names
+ANY_HOST = "*"  # --allow-host '*': answer any Host (no DNS-rebinding protection: behind a proxy that checks it)
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """The serve flags that bound a request's work and the server's connections."""
+
+    max_queries: int = 1000  # queries in one request (keys, vectors or texts); more: 413
+    # k x queries in one request (with re-ranking each query counts max(k, shortlist)); more: 413
+    max_k_total: int = 10000
+    max_nprobe: int = 4096  # largest nprobe a request may ask; more: 400
+    max_refine_factor: int = 64  # largest refine_factor a request may ask; more: 400
+    max_image_pixels: int = 25_000_000  # query image width x height, read from its header before decoding; more: 413
+    max_text_length: int = 1000  # characters of one text query; more: 413
+    max_body_mb: int = 64  # largest /search/image body (MiB); larger: 413
+    max_json_mb: int = 16  # largest JSON body of /search and /page/search (MiB); larger: 413
+    max_buffered_mb: int = 256  # request bodies held in memory at once, all requests (MiB); past it: 503
+    max_inflight: int = 4  # searches, image decodes and thumbnails running at once
+    max_queue: int = 64  # requests waiting for one of max_inflight; more: 503 with Retry-After
+    queue_timeout: float = 10.0  # seconds a request waits for one of max_inflight, then 503
+    body_timeout: float = 60.0  # seconds to receive a whole request body, then 408
+    header_timeout: float = 10.0  # seconds to receive a request's headers (each request of a connection), then 408
+    max_header_kb: int = 64  # request line and headers of one request (KiB); more: 431
+    max_connections: int = 512  # open HTTP connections; more are answered 503 and closed at once
+    # Host names answered besides localhost, 127.0.0.1, ::1 and --host (DNS rebinding: others are 421); '*': any
+    allow_hosts: tuple[str, ...] = ()
+
+    def check(self) -> ServiceLimits:
+        """Self, or a NeedleInputError naming the flag whose value cannot be used."""
+        for name in (
+            "max_queries",
+            "max_k_total",
+            "max_nprobe",
+            "max_refine_factor",
+            "max_image_pixels",
+            "max_text_length",
+            "max_body_mb",
+            "max_json_mb",
+            "max_buffered_mb",
+            "max_inflight",
+            "max_header_kb",
+            "max_connections",
+        ):
+            if getattr(self, name) < 1:
+                raise NeedleInputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("queue_timeout", "body_timeout", "header_timeout"):
+            if not getattr(self, name) > 0:
+                raise NeedleInputError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise NeedleInputError(f"--max-queue must be at least 0, got {self.max_queue}")
+        return self
+
+    @property
+    def max_body(self) -> int:
+        return self.max_body_mb << 20
+
+    @property
+    def max_json(self) -> int:
+        return self.max_json_mb << 20
+
+
+# --- refusals -------------------------------------------------------------------------------------
+class FieldError(NeedleInputError):
+    """A request field that is malformed or out of range: 400, naming the field."""
+
+    status = 400
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": str(self), "field": self.field}
+
+
+class LimitError(FieldError):
+    """A request past one of ServiceLimits: 413, naming the field, the limit (its flag) and both values."""
+
+    status = 413
+
+    def __init__(self, field: str, limit: str, maximum: int, got: int, what: str):
+        flag = "--" + limit.replace("_", "-")
+        super().__init__(field, f"{what}: {got} is over the limit of {maximum} ({flag})")
+        self.limit, self.maximum, self.got = limit, maximum, got
+
+    def payload(self) -> dict[str, Any]:
+        return {**super().payload(), "limit": self.limit, "max": self.maximum, "got": self.got}
+
+
+# --- fields ---------------------------------------------------------------------------------------
+def positive_int(value: Any, field: str, maximum: int | None = None, limit: str | None = None) -> int:
+    """``value`` as a positive int (bools, floats and strings refused), at most ``maximum``: past
+    it a FieldError (or, naming a ``limit`` of ServiceLimits, a LimitError)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise FieldError(field, f"'{field}' must be a positive integer, got {short_repr(value)}")
+    if maximum is not None and value > maximum:
+        if limit is not None:
+            raise LimitError(field, limit, maximum, value, f"'{field}'")
+        raise FieldError(field, f"'{field}' must be at most {maximum}, got {value}")
+    return value
+
+
+def optional_int(value: Any, field: str, maximum: int, limit: str) -> int | None:
+    """None, or a positive int of at most ``maximum`` (a FieldError naming ``limit``'s flag past it)."""
+    if value is None:
+        return None
+    value = positive_int(value, field)
+    if value > maximum:
+        raise FieldError(field, f"'{field}' must be at most {maximum} (--{limit.replace('_', '-')}), got {value}")
+    return value
+
+
+def boolean(value: Any, field: str) -> bool:
+    """``value`` if it is a JSON boolean: "yes", 1 or null are refused, not read as truthy."""
+    if not isinstance(value, bool):
+        raise FieldError(field, f"'{field}' must be true or false, got {short_repr(value)}")
+    return value
+
+
+def short_repr(value: Any, width: int = 60) -> str:
+    """``repr(value)`` cut to ``width`` characters: error bodies echo the bad input, not megabytes of it."""
+    text = repr(value) if not isinstance(value, (list, dict)) else f"a {type(value).__name__} of {len(value)}"
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+class RequestChecks:
+    """The checks of one service's requests against its limits and its index's size."""
+
+    def __init__(self, limits: ServiceLimits, ntotal: int):
+        self.limits = limits
+        self.ntotal = ntotal
+
+    def k(self, value: Any) -> int:
+        """k: a positive int, at most the index's size and ``max_k_total``."""
+        k = positive_int(value, "k")
+        if k > self.ntotal:
+            raise FieldError("k", f"k={k} is larger than the index ({self.ntotal} vectors)")
+        return positive_int(k, "k", self.limits.max_k_total, "max_k_total")
+
+    def nprobe(self, value: Any) -> int | None:
+        """nprobe: None (the index's) or a positive int up to ``max_nprobe`` (``[1]`` was a 500 before)."""
+        return optional_int(value, "nprobe", self.limits.max_nprobe, "max_nprobe")
+
+    def refine_factor(self, value: Any) -> int | None:
+        """refine_factor: None or a positive int up to ``max_refine_factor`` (the message of a
+        non-positive one is the one the API always gave)."""
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise FieldError("refine_factor", f"refine_factor must be a positive integer, got {short_repr(value)}")
+        return optional_int(value, "refine_factor", self.limits.max_refine_factor, "max_refine_factor")
+
+    def shortlist(self, value: Any) -> int | None:
+        """The page's re-ranking shortlist: None (the service's) or a positive int up to ``max_k_total``."""
+        return optional_int(value, "shortlist", self.limits.max_k_total, "max_k_total")
+
+    def work(self, field: str, queries: int, k: int, shortlist: int | None = None) -> None:
+        """``queries`` queries of ``k`` results (re-ranking a ``shortlist`` each) within the limits."""
+        if queries > self.limits.max_queries:
+            raise LimitError(field, "max_queries", self.limits.max_queries, queries, f"queries in '{field}'")
+        total = queries * max(k, shortlist or 0)
+        if total > self.limits.max_k_total:
+            what = f"k x queries in '{field}'" + (" (re-ranked: max(k, shortlist) x queries)" if shortlist else "")
+            raise LimitError(field, "max_k_total", self.limits.max_k_total, total, what)
+
+    def texts(self, value: Any, field: str = "text") -> list[str]:
+        """A text query or a list of them: non-empty strings of at most ``max_text_length``."""
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
+            raise FieldError(field, f"'{field}' must be a non-empty string (or list of them)")
+        longest = max(len(t) for t in texts)
+        if longest > self.limits.max_text_length:
+            raise LimitError(field, "max_text_length", self.limits.max_text_length, longest, f"characters in '{field}'")
+        return texts
+
+    def keys(self, value: Any, field: str = "keys") -> list[str]:
+        """Stored keys: a non-empty list of strings (their number is checked by ``work``)."""
+        if not isinstance(value, list) or not value or not all(isinstance(x, str) for x in value):
+            raise FieldError(field, f"'{field}' must be a non-empty list of strings")
+        return value
+
+    def image_size(self, data: bytes, field: str = "image") -> tuple[int, int]:
+        """(width, height) of an image from its header, without decoding it: a FieldError for bytes
+        that are not an image of QUERY_FORMATS, a LimitError past ``max_image_pixels``."""
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        if not data:
+            raise FieldError(field, "empty request body: send the image bytes")
+        Image.init()  # every plugin registered (Image.open with formats= looks only among those)
+        formats = [f for f in QUERY_FORMATS if f in Image.OPEN]
+        try:  # Image.open reads the header only; nothing is decoded before .load()
+            with Image.open(io.BytesIO(data), formats=formats) as image:
+                width, height = image.size
+        except Image.DecompressionBombError as exc:  # PIL's own cap (2x its MAX_IMAGE_PIXELS), met at open
+            pixels = _pixels_in(str(exc))
+            raise LimitError(field, "max_image_pixels", self.limits.max_image_pixels, pixels, "image pixels") from exc
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+            what = "request body" if field == "image" else field
+            formats = ", ".join(QUERY_FORMATS)
+            raise FieldError(field, f"cannot decode the {what}: not an image of {formats}") from exc
+        if width * height > self.limits.max_image_pixels:
+            raise LimitError(
+                field, "max_image_pixels", self.limits.max_image_pixels, width * height, f"image of {width}x{height}"
+            )
+        return width, height
+
+
+def parse_json(data: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a FieldError: bytes that are not JSON (or not UTF-8, or an
+    integer of more digits than Python parses), JSON nested deeper than the parser recurses (100,000
+    ``[`` raise RecursionError in ``json.loads``: bad input, not a server fault), not an object."""
+    import json
+
+    try:
+        body = json.loads(data or b"null")
+    except RecursionError:
+        raise FieldError("body", "request body nests JSON too deep") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the int digits limit
+        raise FieldError("body", f"request body is not JSON: {str(exc)[:120]}") from None
+    if not isinstance(body, dict):
+        raise FieldError("body", "request body must be a JSON object")
+    return body
+
+
+# Image formats a query may come in: the common photo formats. Others (EPS, which runs Ghostscript;
+# PSD, ICO, ...) are refused from the header, before any decoder runs.
+QUERY_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "MPO")
+
+
+def _pixels_in(message: str) -> int:
+    """The pixel count PIL's DecompressionBombError states (0 where it states none)."""
+    import re
+
+    found = re.search(r"\((\d+) pixels\)", message)
+    return int(found.group(1)) if found else 0
+
+
+def retry_after(seconds: float) -> str:
+    """A Retry-After header value: whole seconds, at least 1."""
+    return str(max(1, math.ceil(seconds)))
