@@ -101,6 +101,9 @@ def test_unknown_decoder_is_refused():
 class PilBatchDecoder:
     """The batched-decoder interface over PIL: the pipeline's plumbing, testable without a GPU."""
 
+    batch = 64  # samples per call, as nvjpeg's
+    concurrency = 1  # one call at a time, as nvjpeg's
+
     def __init__(self):
         self.calls = 0
 
