@@ -27,8 +27,15 @@ bytes/image, what each fold chose):
 * the defaults with other query-side tokens (no storage cost; ``QUERY_TOKEN_VARIANTS`` of the kind);
 * Chamfer plain and asymmetric; AMES trained here on distractor pairs (``--skip-ames`` to leave out).
 
+Held out by source (issue 37, bench/rerank_sources.py; the headline): every setting of
+``HELD_OUT_GRID`` x the kind's query-token sets (λ, threshold, pair hypotheses, floor, α-QE) is
+chosen on the other image sources' queries and scored on the held-out source's:
+``gain_source_held_out`` (pooled per query), ``by_source_held_out`` (per source: queries,
+global-only, the defaults in-sample, held out, the setting chosen), ``defaults_in_sample`` and
+``consensus_setting`` (the setting most folds chose: what the defaults should be).
+
 Prints the table and one JSON line last (also written to ``--out``): ``map_at_1k`` (global, SP as
-before, the defaults, ...), ``gain`` (the defaults over global-only), ``gain_nested``,
+before, the defaults, ...), ``gain`` (the defaults over global-only, λ per group fold), ``gain_nested``,
 ``rerank_ms_per_query`` (the defaults: 1,000 candidates x 100 binary tokens, gathering included,
 timed in the same run; torch threads from OMP_NUM_THREADS), ``local_bytes_per_image``, ``variants``,
 a curve of mAP against tokens per database image, and ``by_source``: global-only and the defaults'
@@ -100,12 +107,23 @@ QUERY_TOKEN_VARIANTS = {
 # Lite0's tokens: their stored 100 per image of every shard (from the top 300 of every third its
 # defaults read 53.6 instead of 56.4: weak tokens are not what it stores).
 ITQ_SAMPLE = {"aliked": (3, 300), "cnn": (1, 100)}
+# Leave-one-source-out validation (issue 37): every setting of this grid (x the kind's query-token
+# sets) is chosen on the other sources' queries and scored on the held-out source's.
+HELD_OUT_GRID = {
+    "max_hamming": ASYMMETRIC_MAX_DISTANCE,
+    "pair_seeds": (0, PAIR_SEEDS),
+    "floors": FLOORS,
+    "qe": (None, *QE_GRID),
+    "lambdas": LAMBDAS,
+}
 BYTES_PER_TOKEN = 23  # the local store's record (index/locals.py); + 8 B of offset per image
 
 log = logging.getLogger("bench.rerank")
 
 
-def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool, locals_preset: str) -> str | None:
+def ingest_all(
+    work: Path, db_tokens: int, itq_from_distractors: bool, locals_preset: str, cpus_per_worker: int = 2
+) -> str | None:
     """Ingest the database and the queries; returns the ITQ file used (None: the shipped one).
 
     With ``itq_from_distractors`` the ITQ projection is first learned from the distractors' local
@@ -130,17 +148,26 @@ def ingest_all(work: Path, db_tokens: int, itq_from_distractors: bool, locals_pr
                 local_itq="none",
                 keep_local_desc=True,
                 overwrite=True,
+                cpus_per_worker=cpus_per_worker,
             )
             distractor_shards = sorted(str(p) for p in (work / "shards").glob("*.tar") if p.stem != GROUPED_SHARD)
             ingest(sample, distractor_shards[::stride], work / "desc_itq")
             itq = str(train_itq(TrainITQConfig(), work / "desc_itq", work / "itq_distractors.npz"))
         ingest(
-            IngestConfig(locals=locals_preset, local_top_k=db_tokens, local_itq=itq, overwrite=True),
+            IngestConfig(
+                locals=locals_preset,
+                local_top_k=db_tokens,
+                local_itq=itq,
+                overwrite=True,
+                cpus_per_worker=cpus_per_worker,
+            ),
             str(work / "shards" / "*.tar"),
             work / "desc",
         )
         ingest(
-            IngestConfig(locals=f"{locals_preset}-query", local_itq=itq, overwrite=True),
+            IngestConfig(
+                locals=f"{locals_preset}-query", local_itq=itq, overwrite=True, cpus_per_worker=cpus_per_worker
+            ),
             str(work / "shards" / f"{GROUPED_SHARD}.tar"),
             work / "desc_q",
         )
@@ -406,6 +433,13 @@ def main() -> None:
         "--ames-shortlist", type=int, default=100, help="AMES re-ranks this many (its CPU cost is per pair)"
     )
     parser.add_argument("--skip-ames", action="store_true")
+    parser.add_argument(
+        "--cpus-per-worker",
+        type=int,
+        default=2,
+        help="ingestion: CPUs (torch threads) per Ray worker; 1 on a busy shared machine (no thread barrier "
+        "stalls), the tokens are the same",
+    )
     parser.add_argument("--reuse", action="store_true", help="reuse descriptors/index/AMES already in --workdir")
     parser.add_argument(
         "--shipped-itq",
@@ -434,7 +468,7 @@ def main() -> None:
     rows, _ = pack_realbench(REALBENCH, work / "shards")
     itq = None if args.shipped_itq else str(work / "itq_distractors.npz")
     if not (args.reuse and (work / "index" / "index_infos.json").is_file()):
-        itq = ingest_all(work, args.db_tokens, not args.shipped_itq, args.locals)
+        itq = ingest_all(work, args.db_tokens, not args.shipped_itq, args.locals, args.cpus_per_worker)
         build_index(IndexConfig(kind="flat"), work / "desc", work / "index")
     index = load_index(work / "index")
     queries = [q for q in row_queries(rows) if q["positives"]]
@@ -587,6 +621,10 @@ def main() -> None:
     if top:  # the expansion is a default: the nested number chooses it (or none) per fold too
         nested_map = qe_map
 
+    for name, scales, top_k in QUERY_TOKEN_VARIANTS[kind]:
+        token_sets[name] = query_tokens_with_projections(work, lists, images, itq, args.locals, scales, top_k)
+    result.update(held_out_by_source(scored, lists, vectors, realbench_sources(rows), kind))
+
     # Query-side tokens cost no storage: more scales or more tokens per scale, the defaults otherwise.
     for name, scales, top_k in QUERY_TOKEN_VARIANTS[get_local_preset(args.locals).kind]:
         token_sets[name] = query_tokens_with_projections(work, lists, images, itq, args.locals, scales, top_k)
@@ -694,6 +732,24 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(line + "\n")
     print(line)
+
+
+def held_out_by_source(scored, lists: list[dict], vectors: list, source: dict, kind: str) -> dict:
+    """Leave-one-source-out validation (bench/rerank_sources.py) over HELD_OUT_GRID x the kind's
+    query-token sets, each pass scored by ``scored`` (main's cache of scoring passes)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_rerank_sources", ROOT / "bench" / "rerank_sources.py")
+    sources_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sources_module)
+
+    def one_pass(tokens: str, max_hamming: int, pair_seeds: int) -> tuple[list, float]:
+        return scored(
+            tokens, _sp_config({"match": {"max_distance": max_hamming}, "spatial": {"pair_seeds": pair_seeds}})
+        )
+
+    grid = dict(HELD_OUT_GRID, tokens=("image", *(v[0] for v in QUERY_TOKEN_VARIANTS[kind])))
+    return sources_module.bench_report(one_pass, lists, vectors, source, kind, grid, K)
 
 
 def print_table(result: dict) -> None:
