@@ -125,8 +125,8 @@ def stage_shape_plan(run: Run) -> None:
         run.emit("shape_plan_exact_baseline", skipped="no GPU: no per-shape kernel set-up to show")
         return
     extractor = GlobalExtractor(LITE0, device=run.device, shape_grid=0, fixed_batches=False)
-    images, _ = decoded(jpegs_of(run, 16 if run.dry else 256), extractor.resolution, run.cpus)
-    cap = 5 if run.dry else min(25.0, run.left() / 6)
+    images, _ = decoded(jpegs_of(run, 4 if run.dry else 256), extractor.resolution, run.cpus)
+    cap = 1 if run.dry else min(25.0, run.left() / 6)
     done, start = 0, time.perf_counter()
     for s in range(0, len(images), 32):
         extractor(images[s : s + 32])
@@ -199,7 +199,7 @@ def stage_ingest(run: Run, model: str) -> dict[str, float]:
     worker = ingest_worker(run, model, "pil")
     init_s = time.perf_counter() - start
     extractor = worker.extractors[0]
-    n = 12 if run.dry else INGEST_N[model]
+    n = 6 if run.dry else INGEST_N[model]
     jpegs = jpegs_of(run, n)
     images, decode_pil = decoded(jpegs, extractor.resolution, worker.decode_threads)
     first, warm = passes(run, extractor, images, worker.chunk_size)
@@ -211,7 +211,7 @@ def stage_ingest(run: Run, model: str) -> dict[str, float]:
     if run.device == "cuda":
         _, res["decode_nvjpeg_img_s"] = decode_nvjpeg(jpegs, extractor.resolution, 64)
     with tempfile.TemporaryDirectory(prefix="needle-gpu-bench-") as tmp:
-        urls = write_shards(jpegs, Path(tmp) / "tars", 3)
+        urls = write_shards(jpegs, Path(tmp) / "tars", 2 if run.dry else 3)
         res["worker_pil_img_s"], res["worker_pil_steady_img_s"] = worker_rate(run, worker, urls, Path(tmp) / "pil")
         interval = sys.getswitchinterval()
         sys.setswitchinterval(0.0005)  # the GIL handed over 10x as often: is the model thread starved?

@@ -69,13 +69,22 @@ def test_an_in_process_command_line_other_than_this_process_is_refused(submitted
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ingest_submit_to_a_local_head(tmp_path, tiny_shards):
-    from cluster.local_ray import start_head
+def test_ingest_submit_to_a_local_head(ray_local, tmp_path, tiny_shards):
+    """`make demo`'s head beside another Ray instance (this session's ray.init): its ports are all
+    free ones (none of Ray's defaults), every process of it listens on 127.0.0.1 only, and
+    `needle ingest --submit` runs there and reports a failed job as failed."""
+    from cluster.local_ray import HEAD_PORT_FLAGS, start_head
+    from tests.test_local_ray import head_pids, non_loopback_listeners
 
     head = start_head(num_cpus=2, log_file=tmp_path / "ray_head.log")
     try:
+        defaults = {6379, 8265, 10001, 52365, 44217, 44227}
+        assert set(head.ports) >= set(HEAD_PORT_FLAGS) and not defaults & set(head.ports.values())
         ok = _needle_ingest(head, str(tmp_path / "{000000..000001}.tar"), tmp_path / "desc")
         failed = _needle_ingest(head, str(tmp_path / "missing" / "*.tar"), tmp_path / "desc2")
+        beyond, ports = non_loopback_listeners(head_pids(head))
+        assert not beyond, f"the demo head listens beyond loopback: {beyond}"
+        assert head.ports["--port"] in ports and head.ports["--dashboard-port"] in ports
     finally:
         head.stop()
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-4000:]

@@ -229,49 +229,6 @@ def test_no_job_agent_and_a_held_port_says_which(dashboard):
         other.wait()
 
 
-@pytest.mark.ray
-def test_the_demo_head_beside_another_ray_listens_on_loopback_and_runs_a_job(ray_local, tmp_path):
-    """`make demo` beside another Ray instance (this session's ray.init): the head's ports are all
-    free ones (none of Ray's defaults), every process of it listens on 127.0.0.1 only, and a job
-    that uses Ray runs."""
-    import sys
-
-    from cluster.local_ray import HEAD_PORT_FLAGS, start_head
-
-    head = start_head(num_cpus=1, log_file=tmp_path / "ray_head.log")
-    try:
-        assert set(head.ports) >= set(HEAD_PORT_FLAGS) and not {6379, 8265, 10001, 52365, 44217, 44227} & set(
-            head.ports.values()
-        )
-        code = "import ray; ray.init(); print('needle-job', ray.get(ray.remote(lambda: 41).remote()) + 1)"
-        outcome = submit_job(head.dashboard_url, [sys.executable, "-c", code], head.env, head=head)
-        assert outcome.ok, outcome
-        beyond, ports = non_loopback_listeners(head_pids(head))
-        assert not beyond, f"the demo head listens beyond loopback: {beyond}"
-        assert head.ports["--port"] in ports and head.ports["--dashboard-port"] in ports
-    finally:
-        head.stop()
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_a_held_head_port_fails_the_start_naming_it(tmp_path, monkeypatch):
-    import socket
-
-    import cluster.local_ray as local_ray
-
-    held = socket.create_server(("127.0.0.1", 0))
-    port = held.getsockname()[1]
-    chosen = local_ray.free_ports
-
-    def with_gcs_port_held(count: int) -> list[int]:
-        return [port, *chosen(count)[1:]]  # --port: the first
-
-    monkeypatch.setattr(local_ray, "free_ports", with_gcs_port_held)
-    with held, pytest.raises(RayHeadError, match=rf"port clash: --port {port}: held by pid"):
-        local_ray.start_head(num_cpus=1, log_file=tmp_path / "ray_head.log")
-
-
 CONNECT_AND_LIST = """
 import json, os, sys
 import ray  # before connect_ray: Ray has read its settings already
