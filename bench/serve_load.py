@@ -86,6 +86,16 @@ def start_server(app, limits=None):
     return server, thread, f"http://127.0.0.1:{port}"
 
 
+def run_threads(threads: list[threading.Thread]) -> float:
+    """Start every client thread, wait for all: the wall seconds they took together."""
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def run_load(url: str, bodies: list[dict], concurrency: int) -> dict:
     import httpx
 
@@ -112,13 +122,7 @@ def run_load(url: str, bodies: list[dict], concurrency: int) -> dict:
                     latencies.append(dt)
                     errors[0] += not ok
 
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads([threading.Thread(target=client) for _ in range(concurrency)])
     ms = np.asarray(latencies) * 1000
     return {
         "concurrency": concurrency,
@@ -234,12 +238,7 @@ def run_mixed(url: str, goods: list, expected: list, bads: list, clients: int, n
     loris = threading.Thread(target=trickle, args=(int(url.rsplit(":", 1)[1]), slow, stop, tally))
     if slow:
         loris.start()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads(threads)
     stop.set()
     if slow:
         loris.join(10)
