@@ -440,6 +440,12 @@ def main() -> None:
         help="ingestion: CPUs (torch threads) per Ray worker; 1 on a busy shared machine (no thread barrier "
         "stalls), the tokens are the same",
     )
+    parser.add_argument(
+        "--glue",
+        default="",
+        help="also verify the top with LightGlue, candidates' descriptors from these sources (codes,images; "
+        "bench/rerank_glue.py)",
+    )
     parser.add_argument("--reuse", action="store_true", help="reuse descriptors/index/AMES already in --workdir")
     parser.add_argument(
         "--shipped-itq",
@@ -624,6 +630,10 @@ def main() -> None:
     for name, scales, top_k in QUERY_TOKEN_VARIANTS[kind]:
         token_sets[name] = query_tokens_with_projections(work, lists, images, itq, args.locals, scales, top_k)
     result.update(held_out_by_source(scored, lists, vectors, realbench_sources(rows), kind))
+    if args.glue:
+        result["glue"] = glue_by_source(
+            scored, lists, vectors, realbench_sources(rows), result, index, token_sets["image"], itq, work, args
+        )
 
     # Query-side tokens cost no storage: more scales or more tokens per scale, the defaults otherwise.
     for name, scales, top_k in QUERY_TOKEN_VARIANTS[get_local_preset(args.locals).kind]:
@@ -750,6 +760,23 @@ def held_out_by_source(scored, lists: list[dict], vectors: list, source: dict, k
 
     grid = dict(HELD_OUT_GRID, tokens=("image", *(v[0] for v in QUERY_TOKEN_VARIANTS[kind])))
     return sources_module.bench_report(one_pass, lists, vectors, source, kind, grid, K)
+
+
+def glue_by_source(scored, lists, vectors, source, held_out, index, query_tokens, itq, work, args) -> dict:
+    """The LightGlue second stage over the held-out first stages (bench/rerank_glue.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_rerank_glue", ROOT / "bench" / "rerank_glue.py")
+    glue = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(glue)
+
+    def vq_of(setting: dict) -> list:
+        option = {"match": {"max_distance": setting["max_hamming"]}, "spatial": {"pair_seeds": setting["pair_seeds"]}}
+        return scored(setting["tokens"], _sp_config(option))[0]
+
+    return glue.glue_report(
+        vq_of, vectors, lists, source, held_out, index, query_tokens, itq, work, args.locals, args.glue.split(",")
+    )
 
 
 def print_table(result: dict) -> None:

@@ -82,6 +82,32 @@ def query_aps(
     return out
 
 
+def final_scores(q, vector: tuple | None, setting: dict) -> np.ndarray:
+    """One query's final scores over its ``q.rows`` under one ``setting`` of the grid (SP at its
+    floor and λ, then its α-QE), as ``query_aps`` ranks them: the first stage that a second
+    verification starts from."""
+    from rerank.ensemble import EnsembleConfig, local_to_unit
+    from rerank.expand import ExpansionConfig, expand, verified_top
+
+    conf = EnsembleConfig(lam=float(setting["lam"]), inlier_floor=float(setting["floor"]))
+    unit = local_to_unit("sp", q.raw_local, conf, q.has_locals)
+
+    def combine(s_global: np.ndarray) -> np.ndarray:
+        return np.where(q.has_locals, conf.lam * np.asarray(s_global, np.float64) + (1.0 - conf.lam) * unit, s_global)
+
+    scores = combine(q.s_global)
+    if setting["qe"] is None:
+        return scores
+    from rerank.ensemble import rerank_order
+
+    expansion = ExpansionConfig(*setting["qe"])
+    top = verified_top(rerank_order(scores, q.rows), q.raw_local, expansion)
+    if not len(top):
+        return scores
+    query, shortlist = vector
+    return combine(shortlist @ expand(query, shortlist[top], expansion))
+
+
 def ap_table(
     passes: dict[tuple, list],
     vectors: list,
@@ -163,6 +189,7 @@ def source_report(
             "gain": round(_pct(per_query[inside]) - _pct(global_aps[inside]), 2),
             "defaults_in_sample": _pct(table[default_row, inside]),
             "chosen": setting_name(settings[row]),
+            "chosen_fields": settings[row],
             "validation_map": _pct(table[row, ~inside]),
         }
     pick = consensus(chosen, table)

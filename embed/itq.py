@@ -49,6 +49,23 @@ class ITQ:
         """(n, d) descriptors -> (n, 16) uint8 packed codes (bit set where the projection is >= 0)."""
         return np.packbits(self.project(x) >= 0, axis=1)
 
+    def reconstruct(self, codes: np.ndarray) -> np.ndarray:
+        """(n, 16) packed codes -> (n, d) unit descriptors whose codes they are, as near the originals
+        as one bit per projection allows (a learned matcher's input where only codes are stored).
+
+        Given only its sign, a projection's expected value is sign * sqrt(2/pi) * sigma; ITQ's rotation
+        spreads the variance evenly over the bits, so one sigma serves all: unit descriptors around
+        ``mean`` have a variance of (1 - |mean|^2) / 128 per projection. Back through the orthonormal
+        ``proj`` and normalised; the codes of the result are ``codes`` unless the mean's share of the
+        norm flips a projection near zero (none for unit descriptors with |mean| < 1)."""
+        codes = np.asarray(codes)
+        if codes.ndim != 2 or codes.shape[1] != BITS // 8 or codes.dtype != np.uint8:
+            raise NeedleInputError(f"codes must be (n, {BITS // 8}) uint8, got {codes.shape} {codes.dtype}")
+        signs = np.unpackbits(codes, axis=1).astype(np.float32) * 2.0 - 1.0
+        sigma = np.sqrt(max(1.0 - float(self.mean @ self.mean), 1e-6) / BITS)
+        x = self.mean + (np.sqrt(2.0 / np.pi) * sigma * signs) @ self.proj.T
+        return (x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+
 
 def train_itq(x: np.ndarray, bits: int = BITS, iterations: int = 50, seed: int = 0) -> ITQ:
     """Learn an ITQ projection from (n, d) float descriptors."""
