@@ -33,9 +33,9 @@ import numpy as np
 log = logging.getLogger("bench.rerank")
 
 DESCRIPTOR_SOURCES = ("codes", "images")
-GLUE_TOPS = (5, 10, 20, 40)  # N: the curve's points; the largest is every pair scored
+GLUE_TOPS = (5, 10, 20)  # N: the curve's points; the largest is every pair scored
 GLUE_WEIGHTS = (0.05, 0.1, 0.2, 0.4, 0.8)
-GLUE_CAPS = (10, 25, 50, 100)
+GLUE_CAPS = (5, 10, 25, 50)
 
 
 def glue_grid(tops: Sequence[int] = GLUE_TOPS) -> list[dict]:
@@ -95,11 +95,11 @@ class CandidateDescriptors:
         return tokens.xy, tokens.desc
 
 
-def _load_counts(path: Path) -> dict[str, int]:
+def _load_counts(path: Path) -> dict[str, float]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _save_counts(path: Path, counts: dict[str, int]) -> None:
+def _save_counts(path: Path, counts: dict[str, float]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(counts))
     tmp.replace(path)
@@ -108,7 +108,7 @@ def _save_counts(path: Path, counts: dict[str, int]) -> None:
 def glue_counts(
     verifier, conf, queries: list, keys: list[str], tops: list[np.ndarray], candidates: CandidateDescriptors, path: Path
 ) -> tuple[list[np.ndarray], float]:
-    """Each query's match counts with its ``tops[q]`` rows (cached by "query|row" in ``path``), and
+    """Each query's expected matches with its ``tops[q]`` rows (cached by "query|row" in ``path``), and
     the measured LightGlue ms per pair (nan when every pair came from the cache)."""
     cache = _load_counts(path)
     seconds, pairs = 0.0, 0
@@ -118,11 +118,11 @@ def glue_counts(
         if todo:
             xy, desc, mask = candidates.batch(np.asarray(todo))
             start = time.perf_counter()
-            counts = verifier.match_counts(query, xy, desc, mask, conf)
+            counts = verifier.matches(query, xy, desc, mask, conf)
             seconds += time.perf_counter() - start
             pairs += len(todo)
-            cache.update({f"{key}|{r}": int(c) for r, c in zip(todo, counts)})
-        out.append(np.array([cache[f"{key}|{r}"] for r in rows], np.int64))
+            cache.update({f"{key}|{r}": round(float(c), 4) for r, c in zip(todo, counts)})
+        out.append(np.array([cache[f"{key}|{r}"] for r in rows], np.float64))
         if todo and q % 10 == 9:
             _save_counts(path, cache)
             log.info("glue %s: %d/%d queries, %d new pairs", candidates.source, q + 1, len(queries), pairs)

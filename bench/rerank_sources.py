@@ -244,7 +244,25 @@ def source_held_out(
     report = source_report(settings, table, np.asarray(global_aps), sources, find_row(settings, defaults))
     pick = find_row(settings, report["consensus_setting"]["setting_fields"])
     report["consensus_setting"]["scoring_ms_per_query"] = round(runs[_pass_of(settings[pick])][1], 1)
+    report["held_out_by_floor"] = held_out_by_floor(settings, table, np.asarray(global_aps), sources)
     return report
+
+
+def held_out_by_floor(settings: list[dict], table: np.ndarray, global_aps: np.ndarray, sources: Sequence[str]) -> dict:
+    """The held-out figures with the chance floor fixed at each of its values (every other field
+    still chosen on the other sources): what keeping a floor costs or gains where a use outside this
+    benchmark needs one."""
+    out = {}
+    for floor in sorted({s["floor"] for s in settings}):
+        rows = [i for i, s in enumerate(settings) if s["floor"] == floor]
+        sub = source_report([settings[i] for i in rows], table[rows], global_aps, sources, 0)
+        out[str(floor)] = {
+            "map_at_1k_source_held_out": sub["map_at_1k_source_held_out"],
+            "gain_source_held_out": sub["gain_source_held_out"],
+            "worst_source_held_out": sub["worst_source_held_out"],
+            "consensus_setting": sub["consensus_setting"]["setting"],
+        }
+    return out
 
 
 def _pass_of(s: dict) -> tuple:

@@ -6,13 +6,12 @@ cap) / cap (0 below the minimum inlier count, already applied by the verifier), 
 chamfer) (the mean best-match similarity, 1 − 2·hamming/128), AMES sigmoid(γ·logit) as in its
 paper's code. Candidates without local tokens keep their global score.
 
-SP's floor is the shortlist's own chance level: a percentile (``inlier_floor``, 99.5: the 5th
-largest count of a 1,000-candidate shortlist) of its candidates' inlier counts. Nearly every
-candidate is a non-match, so the top of that distribution is what textures and repeated patterns
-reach by chance, and only inliers beyond it re-order the shortlist. On a short shortlist the floor
-sits at the top few counts and re-ranking moves only clear winners: the demo's rotated views of
-textured photos (global-only 99.04 mAP) are no longer pushed below distractors with 7-14 chance
-inliers (97.44 without the floor); on realbench the floor is neutral (bench/rerank.py).
+SP's floor is the shortlist's own chance level: a percentile (``inlier_floor``; 99.5: the 5th
+largest count of a 1,000-candidate shortlist) of its candidates' inlier counts, so that only inliers
+beyond what textures and repeated patterns reach by chance re-order the shortlist. It is off by
+default: held out by source on realbench (bench/rerank.py, issue 37) every source's fold chose no
+floor, and the demo's rotated views of textured photos, for which it was introduced before two-match
+hypotheses and asymmetric matching, read 99.92 mAP without it and 99.21 with it (global-only 99.04).
 """
 
 from __future__ import annotations
@@ -30,13 +29,13 @@ METHODS = ("sp", "chamfer", "ames")
 
 @dataclass(frozen=True)
 class EnsembleConfig:
-    lam: float = (
-        0.5  # weight of the global score (1 - lam for the local one); realbench validation folds chose 0.5-0.6 for SP
-    )
+    # weight of the global score (1 - lam for the local one); realbench held out by source: every fold chose 0.45 for SP
+    lam: float = 0.45
     gamma: float = 1.0  # AMES: sigmoid temperature over its logit
     inlier_cap: int = 50  # SP: inliers (beyond the floor) at which the local score saturates at 1
-    # SP: percentile of the shortlist's inlier counts subtracted from each (its chance level); 0: none
-    inlier_floor: float = 99.5
+    # SP: percentile of the shortlist's inlier counts subtracted from each (its chance level); 0: none,
+    # the default (held out by source, no fold chose one)
+    inlier_floor: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lam <= 1.0:

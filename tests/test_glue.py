@@ -69,7 +69,7 @@ def test_a_candidate_seen_from_another_view_matches_more_than_unrelated_ones(itq
     c_desc = np.stack([same, *others])
     mask = np.ones((3, 100), bool)
     mask[2, 60:] = False  # a shorter candidate, padded
-    counts = GlueVerifier(batch=2).match_counts(query, c_xy, c_desc, mask, GlueConfig(top=3))
+    counts = GlueVerifier(batch=2).matches(query, c_xy, c_desc, mask, GlueConfig(top=3))
     assert counts[0] >= 50 and counts[1] < counts[0] / 3 and counts[2] < counts[0] / 3
-    empty = GlueVerifier().match_counts(query, c_xy, c_desc, np.zeros((3, 100), bool), GlueConfig(top=3))
-    assert empty.tolist() == [0, 0, 0]
+    empty = GlueVerifier().matches(query, c_xy, c_desc, np.zeros((3, 100), bool), GlueConfig(top=3))
+    assert empty.tolist() == [0.0, 0.0, 0.0]

@@ -143,7 +143,7 @@ def test_bench_glue_scores_every_pass_and_reports(monkeypatch, capsys):
             "pair_seeds": (0, 8),
             "floors": (0.0, 99.5),
             "qe": (None, (5, 10, 0.0)),
-            "lambdas": (0.5, 1.0),
+            "lambdas": (0.45, 1.0),
         },
     )
     rng = np.random.default_rng(1)
@@ -170,6 +170,7 @@ def test_bench_glue_scores_every_pass_and_reports(monkeypatch, capsys):
     assert set(report["by_source_held_out"]) == {"A", "B"}
     assert (
         report["defaults_in_sample"]["setting"]
-        == "tokens=image,max_hamming=28,pair_seeds=8,floor=99.5,qe=5/10/0.0,lam=0.5"
+        == "tokens=image,max_hamming=28,pair_seeds=8,floor=0.0,qe=5/10/0.0,lam=0.45"
     )
+    assert set(report["held_out_by_floor"]) == {"0.0", "99.5"}
     assert "| A | 3 |" in capsys.readouterr().out
