@@ -52,6 +52,22 @@ def add_rerank_flags(p: argparse.ArgumentParser) -> None:
             "alpha": {"flag": "--rerank-qe-alpha", "default": None},
         },
     )
+    add_config_flags(
+        g,
+        "rerank.glue:GlueConfig",
+        only=("top", "weight", "cap"),
+        overrides={
+            "top": {
+                "flag": "--glue-top",
+                "metavar": "N",
+                "help": "verify the top N of the re-ranked order again with LightGlue (its ALIKED weights, "
+                "descriptors rebuilt from the stored codes; rerank/glue.py) and order them among themselves; "
+                "0: no second stage",
+            },
+            "weight": {"flag": "--glue-weight"},
+            "cap": {"flag": "--glue-cap"},
+        },
+    )
     g.add_argument(
         "--device",
         choices=source_constant("rerank.device:DEVICES"),
@@ -89,6 +105,7 @@ def rerank_config(args: argparse.Namespace):
     from core.errors import NeedleInputError
     from rerank.ensemble import EnsembleConfig
     from rerank.expand import ExpansionConfig
+    from rerank.glue import GlueConfig
     from rerank.matching import MatchConfig
     from rerank.rerank import RerankConfig
 
@@ -103,6 +120,7 @@ def rerank_config(args: argparse.Namespace):
         ensemble=config_from_args(EnsembleConfig, args),
         match=config_from_args(MatchConfig, args),
         expansion=expansion,
+        glue=config_from_args(GlueConfig, args),
     )
 
 

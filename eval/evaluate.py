@@ -52,7 +52,8 @@ from index.search import load_index
 from query.index_protocol import Index
 from query.recorded import QueryFiles
 from query.retrieve import QueryConfig, adapt_queries, embed_texts, search, stored_tokens, token_kind
-from rerank.rerank import RerankConfig, Reranker
+from query.verify_top import make_reranker
+from rerank.rerank import RerankConfig
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ def evaluate(
     # +1: the query finds itself; ignored keys may take places in the shortlist too.
     depth = min(index.ntotal, conf.k + 1 + len(ignore))
     query_conf = QueryConfig(k=depth, nprobe=conf.nprobe, rerank=conf.rerank, qe_top=conf.qe_top)
-    reranker = Reranker(conf.rerank, token_kind(index), device) if conf.rerank else None
+    reranker = make_reranker(conf.rerank, index, token_kind(index), device) if conf.rerank else None
     keys = [q["key"] for q in image_queries]
     external = read_query_vectors(conf.query_descriptors, keys) if conf.query_descriptors and keys else None
     query_tokens = read_query_tokens(conf.query_locals, keys) if conf.rerank and conf.query_locals and keys else None

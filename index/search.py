@@ -68,6 +68,8 @@ class StoredTokensScorer(Protocol):
         self, store: LocalStore, positions: list[np.ndarray], queries: Sequence[LocalTokens]
     ) -> list[Any]: ...
 
+    def glue_of_stored(self, store: LocalStore, positions: np.ndarray, query: LocalTokens) -> np.ndarray: ...
+
 
 @dataclass(frozen=True)
 class WholeRequest:
@@ -229,6 +231,10 @@ class SearchIndex:
         (every query's evidence made only when asked for: ``k`` and ``evidence`` change nothing here)."""
         positions = [self.positions_of_rows(rows) for rows in shortlists]
         return reranker.scores_of_stored(self.stored_tokens(), positions, tokens)
+
+    def glue_matches(self, reranker: StoredTokensScorer, rows: np.ndarray, query: LocalTokens) -> np.ndarray:
+        """``Index.glue_matches``: the second verification of ``rows`` against this index's local store."""
+        return reranker.glue_of_stored(self.stored_tokens(), self.positions_of_rows(np.asarray(rows)), query)
 
     @contextmanager
     def request(self, partial: bool = False) -> Iterator[WholeRequest]:

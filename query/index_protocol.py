@@ -112,6 +112,11 @@ class Index(Protocol):
         members that can reach the top k comes back with the scores."""
         ...
 
+    def glue_matches(self, reranker: Reranker, rows: np.ndarray, query: LocalTokens) -> np.ndarray:
+        """The second verification's expected matches (rerank/glue.py) of ``query`` with row ids
+        ``rows`` (the top of its final order), made where the rows' tokens are: each shard for its own."""
+        ...
+
     def request(self, partial: bool = False) -> AbstractContextManager[RequestScope]:
         """The scope of one request: ``partial`` allows answers from the shards that answered in
         time (their names in the scope's ``missing``), else a missing shard is ShardsUnavailable."""

@@ -183,3 +183,25 @@ def _packaged_file(reference: str | None) -> Path | None:
         return resolve_package_file(reference)
     except NeedleInputError:
         return None
+
+
+def index_itq(infos: dict[str, Any], where: Any, given: str | None = None) -> Any:
+    """The ITQ projection (embed.itq.ITQ) an index's (or a shard's) local tokens were made with, from
+    its ``infos``: the recorded file verified by SHA-256 (or ``given``, through ``--itq``)."""
+    from embed.itq import load_itq
+
+    info = (infos.get("locals") or {}).get("extractor") or {}
+    if not info.get("itq"):
+        raise RecordedFileError(
+            f"{where}: its local tokens record no ITQ projection, which the second verification "
+            "(--glue-top) needs to rebuild descriptors from their codes"
+        )
+    path = verified_file(
+        "ITQ projection of the local tokens",
+        info["itq"],
+        info.get("itq_sha256"),
+        given,
+        "--itq",
+        packaged=_packaged_file((info.get("config") or {}).get("itq")),
+    )
+    return load_itq(path)

@@ -22,6 +22,7 @@ from core.errors import NeedleInputError
 from core.tokens import LocalTokens
 from query.index_protocol import Index
 from query.recorded import QueryFiles, adapter_file, local_files, model_weights
+from query.verify_top import make_reranker, second_verification
 from rerank.expand import ExpansionConfig, expand, verified_top
 from rerank.rerank import RerankConfig, Reranker, with_kind_defaults
 
@@ -237,7 +238,7 @@ def query(
             + (query_tokens_of_images(index, list(images), conf.rerank, conf.files) if images else [])
             + [None] * (len(texts) + len(text_queries) + (0 if vectors is None else len(vectors)))
         )
-    reranker = Reranker(conf.rerank, token_kind(index), device) if conf.rerank is not None else None
+    reranker = make_reranker(conf.rerank, index, token_kind(index), device, conf.files) if conf.rerank else None
     D, I, details = search(index, np.concatenate(blocks), conf, tokens, reranker)
     results = results_json(index, D, I)
     return [query_json(label, conf.k, res, detail) for label, res, detail in zip(labels, results, details)]
@@ -265,6 +266,8 @@ def add_rerank_details(results: list[dict[str, Any]], detail: dict[str, Any]) ->
             result["inliers"] = int(detail["inliers"][i])
         if detail.get("evidence") is not None:
             result["matches"] = {"query_xy": detail["evidence"][i]["query_xy"], "db_xy": detail["evidence"][i]["db_xy"]}
+        if detail.get("glue_matches") is not None and np.isfinite(detail["glue_matches"][i]):
+            result["glue_matches"] = round(float(detail["glue_matches"][i]), 2)
 
 
 # --- local tokens and re-ranking ---------------------------------------------------------------
@@ -403,7 +406,7 @@ def search(
         raise NeedleInputError(
             f"index {index.path} has no local tokens: ingest with --locals and rebuild it to re-rank"
         )
-    reranker = reranker or Reranker(conf.rerank, token_kind(index))
+    reranker = reranker or make_reranker(conf.rerank, index, token_kind(index))
     k = min(conf.k, index.ntotal)
     D, I = index.search(xq, max(k, conf.rerank.shortlist), conf.nprobe, refine_factor=conf.refine_factor)
     D = D.astype(np.float64)
@@ -429,13 +432,15 @@ def search(
     second = expanded_global_scores(index, xq, shortlists, s_first, with_inliers, orders, expansion)
     details: list[dict[str, Any]] = []
     for q in range(len(xq)):
-        if tokens[q] is None:
+        query = tokens[q]
+        if query is None:
             details.append({})
             continue
         rows, local = shortlists[q], local_of[q]
         s_global, averaged = second.get(q, (s_first[q], 0))
         # an expanded query is ordered again by its second global scores; any other keeps its first order
         order, scores = reranker.order(rows, s_global, local) if q in second else firsts[q]
+        order, scores, glued = second_verification(index, reranker, rows, order, scores, query)
         I[q, : sizes[q]], D[q, : sizes[q]] = rows[order], scores[order]
         details.append(
             {
@@ -443,6 +448,7 @@ def search(
                 "local_score": local.raw[order],
                 "inliers": None if local.inliers is None else local.inliers[order],
                 "expanded_with": averaged,
+                "glue_matches": None if glued is None else glued[order],
                 "evidence": [local.evidence(i) for i in order[:k]] if evidence and local.evidence else None,
             }
         )

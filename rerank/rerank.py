@@ -22,10 +22,13 @@ from core.tokens import LocalTokens, TokenBatch
 from rerank.device import resolve_device
 from rerank.ensemble import METHODS, EnsembleConfig, combine, rerank_order
 from rerank.expand import ExpansionConfig
+from rerank.glue import GlueConfig
+from rerank.lightglue import INPUT_DIM as LIGHTGLUE_INPUT_DIM
 from rerank.matching import MatchConfig, matches_from_nearest, nearest_tokens, query_weights_of
 from rerank.spatial import SpatialConfig, verify
 
 if TYPE_CHECKING:
+    from embed.itq import ITQ
     from index.locals import LocalStore
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,8 @@ class RerankConfig:
     # the token kind's own (RERANK_BY_KIND: ALIKED the mean of the top 5 with >= 10 inliers, Lite0
     # none), none where no kind is known. Other methods have no inliers: no expansion.
     expansion: ExpansionConfig | None = None
+    # LightGlue over the top of the final order (rerank/glue.py); top 0 (the default): no second stage
+    glue: GlueConfig = field(default_factory=GlueConfig)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -110,10 +115,20 @@ class Reranker:
     verification's tables run there. It is the process's, not the request's: ``conf`` (what a
     coordinator sends its shards) does not hold it."""
 
-    def __init__(self, conf: RerankConfig, kind: str | None = None, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        conf: RerankConfig,
+        kind: str | None = None,
+        device: str | torch.device = "cpu",
+        itq: ITQ | Callable[[], ITQ] | None = None,
+    ):
         conf = with_kind_defaults(conf, kind)
         self.conf = conf
         self.device = resolve_device(device)
+        # The index's ITQ projection (or what loads it, asked for only when the second stage runs):
+        # the second verification rebuilds the candidates' float descriptors from their codes.
+        self._itq = itq
+        self._glue: Any = None
         self.ames = None
         if conf.method == "ames":
             from rerank.ames import load_ames
@@ -162,6 +177,39 @@ class Reranker:
         in ``store`` (an index's local store in this process: index.search.SearchIndex)."""
         db_tokens = candidate_width(self.conf, lambda: store.max_tokens)
         return [self.local_scores(query, store.batch(at, db_tokens)) for at, query in zip(positions, queries)]
+
+    def glue_of_stored(self, store: LocalStore, positions: np.ndarray, query: LocalTokens) -> np.ndarray:
+        """The second verification's expected matches (rerank/glue.py) of the query with the stored
+        tokens at ``positions`` in ``store``, the candidates' descriptors rebuilt from their codes."""
+        candidates = store.batch(positions, self.conf.db_tokens)
+        itq = self.itq()
+        if itq.dim != LIGHTGLUE_INPUT_DIM:
+            raise NeedleInputError(
+                f"the second verification's LightGlue weights are for ALIKED's {LIGHTGLUE_INPUT_DIM}-d "
+                f"descriptors; this index's local tokens are {itq.dim}-d (re-rank without --glue-top)"
+            )
+        desc = np.zeros((*candidates.codes.shape[:2], itq.dim), np.float32)
+        desc[candidates.mask] = itq.reconstruct(candidates.codes[candidates.mask])
+        if query.desc is None:  # a stored query: its descriptors rebuilt from its codes as well
+            query = replace(query, desc=itq.reconstruct(query.codes))
+        return self.glue_verifier().matches(query, candidates.xy, desc, candidates.mask, self.conf.glue)
+
+    def itq(self) -> ITQ:
+        if self._itq is None:
+            raise NeedleInputError(
+                "the second verification (--glue-top) needs the index's ITQ projection to rebuild descriptors "
+                "from the stored codes; its local tokens record none"
+            )
+        if callable(self._itq):
+            self._itq = self._itq()
+        return self._itq
+
+    def glue_verifier(self) -> Any:
+        if self._glue is None:
+            from rerank.glue import GlueVerifier
+
+            self._glue = GlueVerifier(self.device)
+        return self._glue
 
     def rerank(
         self, rows: np.ndarray, s_global: np.ndarray, query: LocalTokens, candidates: TokenBatch

@@ -89,6 +89,11 @@ class ShardCalls(Protocol):
         without its evidence)."""
         ...
 
+    def glue_matches(self, conf: RerankConfig, rows: np.ndarray, query: LocalTokens) -> np.ndarray:
+        """The second verification's expected matches (rerank/glue.py) of ``query`` with this
+        shard's ``rows``, made here from their stored tokens."""
+        ...
+
 
 class ReplicaFailed(RuntimeError):
     """A replica that cannot answer (its actor died or is restarting)."""

@@ -438,6 +438,17 @@ class ShardedIndex:
             out.append(LocalScores(raw, has_locals, inliers, fetch if conf.method == "sp" else None))
         return out
 
+    def glue_matches(self, reranker: Reranker, rows: np.ndarray, query: LocalTokens) -> np.ndarray:
+        """``Index.glue_matches``: each shard verifies its own rows; the rows of a shard missing from a
+        partial request get none (0)."""
+        owners = self.shard_of_rows(rows)
+        args = {int(s): (reranker.conf, rows[owners == s], query) for s in np.unique(owners)}
+        answers = self.call(ShardCalls.glue_matches, args, "the second verification")
+        out = np.zeros(len(rows))
+        for s, answer in answers.items():
+            out[owners == s] = answer
+        return out
+
     def max_tokens(self) -> int:
         """The most tokens any row of the index has: from the top-level infos, or (indexes built
         before it was recorded) asked of every shard once."""

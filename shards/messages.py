@@ -33,6 +33,7 @@ CALLS: dict[str, Callable[..., Any]] = {
         ShardCalls.max_tokens,
         ShardCalls.score_shortlists,
         ShardCalls.evidence_of,
+        ShardCalls.glue_matches,
     )
 }
 

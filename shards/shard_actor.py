@@ -208,7 +208,7 @@ class ShardActor(ShardCalls):
 
         with self._lock:
             if repr(conf) not in self._rerankers:
-                self._rerankers[repr(conf)] = Reranker(conf, device=self.device)
+                self._rerankers[repr(conf)] = Reranker(conf, device=self.device, itq=self.local_itq)
             return self._rerankers[repr(conf)]
 
     def candidate_tokens(self, conf: RerankConfig, rows: np.ndarray) -> TokenBatch:
@@ -240,6 +240,20 @@ class ShardActor(ShardCalls):
         placed in the top k without its evidence)."""
         local = self.reranker(conf).local_scores(query, self.candidate_tokens(conf, rows))
         return [local.evidence(i) if local.evidence is not None else None for i in range(len(rows))]
+
+    def glue_matches(self, conf: RerankConfig, rows: np.ndarray, query: LocalTokens) -> np.ndarray:
+        """``ShardCalls.glue_matches``: the second verification of this shard's ``rows``."""
+        positions = self.shard.positions_of_rows(np.asarray(rows, np.int64))
+        return self.reranker(conf).glue_of_stored(self.store(), positions, query)
+
+    def local_itq(self) -> Any:
+        """The ITQ projection this shard's local tokens were made with (its recorded file, verified
+        by SHA-256 here: the packaged one wherever needle is installed, another one where it lies
+        on this machine)."""
+        from query.recorded import index_itq
+
+        infos = self.shard.files.infos if self.shard.files is not None else {}
+        return index_itq(infos, self.name)
 
     def memory(self) -> dict[str, int]:
         """This actor's process memory (see index.memory)."""

@@ -52,6 +52,7 @@ OBJECTS = {
     "MatchConfig": "rerank.matching",
     "SpatialConfig": "rerank.spatial",
     "ExpansionConfig": "rerank.expand",
+    "GlueConfig": "rerank.glue",
 }
 
 
@@ -99,11 +100,12 @@ def object_class(name: str) -> type:
         return LocalTokens
     from rerank.ensemble import EnsembleConfig
     from rerank.expand import ExpansionConfig
+    from rerank.glue import GlueConfig
     from rerank.matching import MatchConfig
     from rerank.rerank import RerankConfig
     from rerank.spatial import SpatialConfig
 
-    classes = [RerankConfig, EnsembleConfig, MatchConfig, SpatialConfig, ExpansionConfig]
+    classes = [RerankConfig, EnsembleConfig, MatchConfig, SpatialConfig, ExpansionConfig, GlueConfig]
     found = {cls.__name__: cls for cls in classes}
     if name not in found:
         raise WireError(f"object type {name!r} is not one the channel carries ({sorted(OBJECTS)})")

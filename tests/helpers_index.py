@@ -75,11 +75,14 @@ def to_old_layout(out: Path, target: Path, key_files: bool = True) -> Path:
     return target
 
 
-def write_descriptors_with_tokens(directory: Path, sizes: dict[int, int], d: int, seed: int = 0) -> np.ndarray:
+def write_descriptors_with_tokens(
+    directory: Path, sizes: dict[int, int], d: int, seed: int = 0, aliked: bool = False
+) -> np.ndarray:
     """Parquet files (Parquet shard id -> rows) with global vectors and 0-12 random local tokens
     per row (codes from a pool of 256, so that rows share some); the first vectors of the first
-    shard repeated in the second (exact ties across index shards). Returns the vectors in row
-    order (float32)."""
+    shard repeated in the second (exact ties across index shards). With ``aliked`` the tokens are
+    recorded as ALIKED's, made with the packaged ITQ projection (what the second verification
+    rebuilds descriptors with). Returns the vectors in row order (float32)."""
     from core.tokens import CODE_BYTES
     from ingest.descriptors import list_column, local_fields
 
@@ -115,9 +118,19 @@ def write_descriptors_with_tokens(directory: Path, sizes: dict[int, int], d: int
             schema=descriptor_schema(d, fields),
         )
         write_parquet_atomic(table, Path(directory) / f"{s:06d}.parquet")
-    (Path(directory) / "ingest_info.json").write_text(
-        json.dumps({"extractors": [{"extractor": "local", "scales": [1.0, 0.5]}]})
-    )
+    local: dict = {"extractor": "local", "scales": [1.0, 0.5]}
+    if aliked:
+        from core.hashing import file_sha256
+        from embed.local_presets import ALIKED_ITQ
+        from embed.locals import resolve_itq
+
+        _, itq_path = resolve_itq(ALIKED_ITQ)
+        local.update(
+            config={"kind": "aliked", "itq": ALIKED_ITQ, "scales": [1.0, 0.5]},
+            itq=str(itq_path),
+            itq_sha256=file_sha256(itq_path),
+        )
+    (Path(directory) / "ingest_info.json").write_text(json.dumps({"extractors": [local]}))
     return np.concatenate([vectors[s] for s in ids]).astype(np.float32)
 
 

@@ -276,7 +276,7 @@ def test_ensemble_map_equals_the_metric_and_grid_search_uses_validation_only():
 # --- the query path -----------------------------------------------------------------------------
 
 
-def test_query_and_eval_rerank_with_local_tokens(tmp_path, local_descriptors, capsys):
+def test_query_and_eval_rerank_with_local_tokens(tmp_path, local_descriptors, capsys, caplog):
     from cli.main import main as cli
     from eval.evaluate import EvalConfig, evaluate
     from index.build import IndexConfig
@@ -298,6 +298,10 @@ def test_query_and_eval_rerank_with_local_tokens(tmp_path, local_descriptors, ca
     assert result["results"][0]["key"] == "000000/00000"  # itself: every token matches in place
     assert result["results"][0]["inliers"] >= 5
     assert {"global_score", "local_score", "inliers"} <= set(result["results"][1])
+    # the second verification is LightGlue for ALIKED: these are CNN tokens, a typed error naming it
+    glue = ["query", "--index", str(out), "--key", "000000/00000", "--k", "3", "--rerank", "sp", "--glue-top", "3"]
+    assert cli(glue) == 2
+    assert "LightGlue for ALIKED tokens" in caplog.text
 
 
 def test_train_itq_stage_learns_from_kept_descriptors(tmp_path, local_descriptors):

@@ -220,6 +220,7 @@ def test_requests_name_an_allowed_call_with_arguments_it_takes():
         "max_tokens",
         "score_shortlists",
         "evidence_of",
+        "glue_matches",
     }
     with pytest.raises(WireError, match=r"unknown call '__reduce__': the calls are \['evidence_of'"):
         messages.pack_request("__reduce__", [(0, ())])
@@ -251,3 +252,17 @@ def test_the_prefix_announces_the_sizes():
     magic, header, body = struct.unpack("!4sIQ", message[:16])
     assert magic == wire.MAGIC and (16 + header) % wire.ALIGN == 0 and len(message) == 16 + header + body
     assert wire.frame_sizes(message[:16]) == (header, body)
+
+
+def test_the_second_verification_call_and_its_settings_travel():
+    from rerank.glue import GlueConfig
+    from rerank.rerank import RerankConfig
+
+    conf = RerankConfig(method="sp", glue=GlueConfig(top=7, weight=0.2, cap=10))
+    rows = np.array([5, 9], np.int64)
+    name, got = messages.unpack_request(messages.pack_request("glue_matches", [(1, (conf, rows, tokens(4)))]), 2)
+    assert name == "glue_matches" and got[0][0] == 1
+    sent_conf, sent_rows, sent_query = got[0][1]
+    assert sent_conf == conf and sent_conf.glue == GlueConfig(top=7, weight=0.2, cap=10)
+    np.testing.assert_array_equal(sent_rows, rows)
+    assert len(sent_query) == 4

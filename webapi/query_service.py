@@ -40,7 +40,7 @@ class QueryService:
     ):
         from query.recorded import QueryFiles
         from query.retrieve import token_kind
-        from rerank.rerank import Reranker
+        from query.verify_top import make_reranker
 
         self.index = index
         self.token_kind = token_kind(index)  # whose re-ranking settings fill what rerank leaves open
@@ -48,7 +48,7 @@ class QueryService:
         self.rerank = rerank  # RerankConfig: re-rank key and image queries with local tokens; None: global only
         # where this process re-ranks (--device): the server's, never a request's (rerank.device)
         self.device = device
-        self.reranker = Reranker(rerank, self.token_kind, device) if rerank is not None else None
+        self.reranker = make_reranker(rerank, index, self.token_kind, device, self.files) if rerank else None
         self.limits = (limits or ServiceLimits()).check()  # what one request may ask (webapi.limits)
         self.checks = RequestChecks(self.limits, index.ntotal)
         self._lock = threading.Lock()
@@ -70,13 +70,13 @@ class QueryService:
 
     def reranker_for(self, conf: Any):
         """The Reranker of settings ``conf``: the service's own, or one made once per other setting."""
-        from rerank.rerank import Reranker
+        from query.verify_top import make_reranker
 
         if conf is None or conf == self.rerank:
             return self.reranker
         with self._lock:
             if repr(conf) not in self._rerankers:
-                self._rerankers[repr(conf)] = Reranker(conf, self.token_kind, self.device)
+                self._rerankers[repr(conf)] = make_reranker(conf, self.index, self.token_kind, self.device, self.files)
             return self._rerankers[repr(conf)]
 
     def extractor(self):
