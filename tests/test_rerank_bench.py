@@ -174,3 +174,36 @@ def test_bench_glue_scores_every_pass_and_reports(monkeypatch, capsys):
     )
     assert set(report["held_out_by_floor"]) == {"0.0", "99.5"}
     assert "| A | 3 |" in capsys.readouterr().out
+
+
+def _glue_module():
+    spec = importlib.util.spec_from_file_location(
+        "bench_rerank_glue", Path(__file__).resolve().parents[1] / "bench" / "rerank_glue.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_second_stage_settings_are_chosen_without_the_source_under_each_sources_first_stage():
+    """bench/rerank_glue.py: every source's first stage is its own held-out one (two here), and the
+    second-stage row is chosen on the other sources' queries under that first stage."""
+    glue = _glue_module()
+    grid = [{"top": 0}, {"top": 5}, {"top": 10}]
+    # first stage "s1" (A's), "s2" (B's and C's): rows are the grid, columns the queries
+    tables = {"s1": TABLE, "s2": TABLE[[0, 2, 1]]}
+    chosen = {"A": {}, "B": {}, "C": {}}
+    names = {"A": "s1", "B": "s2", "C": "s2"}
+    per_query, by_source = glue.held_out_tables(tables, chosen, names, np.array(SOURCES), grid)
+    # A under s1: as rs.held_out chose 2 for it; B and C under s2, whose rows 1/2 are TABLE's 2/1
+    assert by_source["A"]["chosen"] == {"top": 10}
+    assert by_source["B"]["chosen"] == {"top": 10} and by_source["C"]["chosen"] == {"top": 10}
+    np.testing.assert_allclose(per_query, [0.0, 0.0, 0.0, 0.1, 0.1, 0.1, 0.1])
+    assert by_source["A"]["first_stage_held_out"] == 50.0  # row 0: no second stage
+
+
+def test_the_glue_grid_starts_with_no_second_stage_and_covers_every_setting():
+    glue = _glue_module()
+    grid = glue.glue_grid((5, 10))
+    assert grid[0]["top"] == 0
+    assert len(grid) == 1 + 2 * len(glue.GLUE_WEIGHTS) * len(glue.GLUE_CAPS)
