@@ -446,6 +446,13 @@ def main() -> None:
         help="also verify the top with LightGlue, candidates' descriptors from these sources (codes,images; "
         "bench/rerank_glue.py)",
     )
+    parser.add_argument("--glue-tops", default="5,10,20", help="the second stage's N: its curve's points")
+    parser.add_argument(
+        "--glue-keypoints",
+        type=int,
+        help="--glue images: re-extract this many keypoints per candidate, and as many for the query "
+        "(default: the database preset's 100 and the query's 300)",
+    )
     parser.add_argument("--reuse", action="store_true", help="reuse descriptors/index/AMES already in --workdir")
     parser.add_argument(
         "--shipped-itq",
@@ -631,8 +638,13 @@ def main() -> None:
         token_sets[name] = query_tokens_with_projections(work, lists, images, itq, args.locals, scales, top_k)
     result.update(held_out_by_source(scored, lists, vectors, realbench_sources(rows), kind))
     if args.glue:
+        glue_queries = token_sets["image"]
+        if args.glue_keypoints:  # the query's keypoints as many as the re-extracted candidates'
+            glue_queries = query_tokens_with_projections(
+                work, lists, images, itq, args.locals, (1.0,), args.glue_keypoints
+            )
         result["glue"] = glue_by_source(
-            scored, lists, vectors, realbench_sources(rows), result, index, token_sets["image"], itq, work, args
+            scored, lists, vectors, realbench_sources(rows), result, index, glue_queries, itq, work, args
         )
 
     # Query-side tokens cost no storage: more scales or more tokens per scale, the defaults otherwise.
@@ -775,7 +787,19 @@ def glue_by_source(scored, lists, vectors, source, held_out, index, query_tokens
         return scored(setting["tokens"], _sp_config(option))[0]
 
     return glue.glue_report(
-        vq_of, vectors, lists, source, held_out, index, query_tokens, itq, work, args.locals, args.glue.split(",")
+        vq_of,
+        vectors,
+        lists,
+        source,
+        held_out,
+        index,
+        query_tokens,
+        itq,
+        work,
+        args.locals,
+        args.glue.split(","),
+        tuple(int(n) for n in args.glue_tops.split(",")),
+        args.glue_keypoints,
     )
 
 

@@ -48,7 +48,9 @@ def glue_grid(tops: Sequence[int] = GLUE_TOPS) -> list[dict]:
 class CandidateDescriptors:
     """Float descriptors, keypoints and masks of index rows from one source (see the module doc)."""
 
-    def __init__(self, source: str, index, itq_path: str | None, work: Path, locals_preset: str):
+    def __init__(
+        self, source: str, index, itq_path: str | None, work: Path, locals_preset: str, keypoints: int | None = None
+    ):
         from embed.locals import build_local_extractor
 
         self.source, self.index, self.work = source, index, work
@@ -56,7 +58,8 @@ class CandidateDescriptors:
         self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # The database side's extractor: its ITQ (the one the codes were made with) and, for
         # ``images``, its network.
-        self._extractor = build_local_extractor(locals_preset, itq=itq_path)
+        self._extractor = build_local_extractor(locals_preset, itq=itq_path, top_k=keypoints)
+        self.keypoints = keypoints
         self.itq = self._extractor.itq
 
     def batch(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -201,6 +204,8 @@ def glue_report(
     work: Path,
     locals_preset: str,
     descriptor_sources: Sequence[str] = DESCRIPTOR_SOURCES,
+    tops: Sequence[int] = GLUE_TOPS,
+    keypoints: int | None = None,
 ) -> dict:
     """The JSON ``glue`` field: per descriptor source, the held-out mAP@1k with the second stage, by
     source, the curve against N and the times (see the module doc)."""
@@ -214,10 +219,14 @@ def glue_report(
     keys = [e["key"] for e in lists]
     queries = [query_tokens[k] for k in keys]
     global_aps = np.array([ap_of_order(e["positive"], e["n_positives"], 1000) for e in lists])
-    verifier, grid, n_max = GlueVerifier(), glue_grid(), max(GLUE_TOPS)
-    out: dict = {"grid": {"tops": list(GLUE_TOPS), "weights": list(GLUE_WEIGHTS), "caps": list(GLUE_CAPS)}}
+    verifier, grid, n_max = GlueVerifier(), glue_grid(tops), max(tops)
+    out: dict = {
+        "grid": {"tops": list(tops), "weights": list(GLUE_WEIGHTS), "caps": list(GLUE_CAPS)},
+        "keypoints": keypoints or 100,
+        "query_keypoints": len(next(iter(query_tokens.values()))) if query_tokens else None,
+    }
     for source in descriptor_sources:
-        candidates = CandidateDescriptors(source, index, itq_path, work, locals_preset)
+        candidates = CandidateDescriptors(source, index, itq_path, work, locals_preset, keypoints)
         tables, ms_pair = {}, []
         for name, (vq, scores) in stages.items():
             tops = [rerank_order(s, q.rows)[:n_max] for q, s in zip(vq, scores)]
@@ -228,7 +237,7 @@ def glue_report(
                 keys,
                 [q.rows[t] for q, t in zip(vq, tops)],
                 candidates,
-                work / f"glue_counts_{source}.json",
+                work / f"glue_counts_{source}{'' if keypoints is None else f'_{keypoints}'}.json",
             )
             ms_pair.append(ms)
             tables[name] = np.stack([_ap_rows(q, s, t, c, grid) for q, s, t, c in zip(vq, scores, tops, counts)], 1)
@@ -236,7 +245,7 @@ def glue_report(
         for s, v in by_source.items():
             v["global"] = _pct(global_aps[sources == s])
         curve = {}
-        for n in GLUE_TOPS:
+        for n in tops:
             keep = [j for j, g in enumerate(grid) if g["top"] == n]
             sub = {name: t[keep] for name, t in tables.items()}
             curve[n] = _pct(held_out_tables(sub, chosen, names, sources, [grid[j] for j in keep])[0])
