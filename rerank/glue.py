@@ -11,9 +11,9 @@ the first stage's order, and only re-orders them among themselves:
 where s1 is the first stage's final score and ``matches`` the expected number of correct matches:
 the sum of the probabilities of the mutual LightGlue matches above its threshold (on realbench's
 hardest sources it separates positives from negatives better than the plain count or the inliers
-of a spatial verification of the matches). The candidates' float descriptors come from ``descriptors``:
-``codes`` rebuilt from the stored 128-bit codes (embed.itq.ITQ.reconstruct: no storage, no image
-reads), the query's are its own float descriptors.
+of a spatial verification of the matches). The candidates' float descriptors are rebuilt from their
+stored 128-bit codes (embed.itq.ITQ.reconstruct: no storage, no image reads; bench/rerank_glue.py
+also measured re-extracted floats, which did not pay either); the query's are its own.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from core.errors import NeedleInputError
 from core.tokens import LocalTokens
 from rerank.lightglue import MATCH_THRESHOLD, load_lightglue, mutual_matches, normalize_keypoints
 
-DESCRIPTOR_SOURCES = ("codes",)
-
 
 @dataclass(frozen=True)
 class GlueConfig:
@@ -36,7 +34,6 @@ class GlueConfig:
     weight: float = 0.1  # added to a verified candidate's score at ``cap`` matches or more
     cap: int = 50  # expected matches at which the bonus saturates
     threshold: float = MATCH_THRESHOLD  # a match's LightGlue probability must exceed this
-    descriptors: str = "codes"  # where the candidates' float descriptors come from (DESCRIPTOR_SOURCES)
     side: float = 512.0  # longer side (pixels) of the frame the tokens' x/y are in: the tokens' base resolution
 
     def __post_init__(self) -> None:
@@ -48,10 +45,6 @@ class GlueConfig:
             raise NeedleInputError(f"glue cap must be >= 1, got {self.cap}")
         if not 0.0 <= self.threshold < 1.0:
             raise NeedleInputError(f"glue threshold must be in [0, 1), got {self.threshold}")
-        if self.descriptors not in DESCRIPTOR_SOURCES:
-            raise NeedleInputError(
-                f"unknown glue descriptor source {self.descriptors!r}; choose from {DESCRIPTOR_SOURCES}"
-            )
         if self.side <= 0:
             raise NeedleInputError(f"glue side must be > 0 pixels, got {self.side}")
 
