@@ -130,16 +130,7 @@ def local_files(info: dict[str, Any], files: QueryFiles, index_path: Any) -> dic
     elif config.get("kind") != "sift":
         out["weights"] = model_weights(info, config["model"], files.local_weights, "--local-weights", index_path)
     if info.get("itq"):
-        out["itq"] = str(
-            verified_file(
-                "ITQ projection of the local tokens",
-                info["itq"],
-                info.get("itq_sha256"),
-                files.itq,
-                "--itq",
-                packaged=_packaged_file(config.get("itq")),
-            )
-        )
+        out["itq"] = str(itq_file(info, files.itq))
     elif files.itq is not None:
         raise RecordedFileError(f"--itq {files.itq}: index {index_path} records no ITQ projection for its local tokens")
     detector = config.get("detector_weights")
@@ -185,6 +176,19 @@ def _packaged_file(reference: str | None) -> Path | None:
         return None
 
 
+def itq_file(info: dict[str, Any], given: str | None) -> Path:
+    """The ITQ projection file of a local extractor's recorded ``info`` (which records one):
+    ``given`` (through ``--itq``) or the recorded path, else the packaged copy, by SHA-256."""
+    return verified_file(
+        "ITQ projection of the local tokens",
+        info["itq"],
+        info.get("itq_sha256"),
+        given,
+        "--itq",
+        packaged=_packaged_file((info.get("config") or {}).get("itq")),
+    )
+
+
 def index_itq(infos: dict[str, Any], where: Any, given: str | None = None) -> Any:
     """The ITQ projection (embed.itq.ITQ) an index's (or a shard's) local tokens were made with, from
     its ``infos``: the recorded file verified by SHA-256 (or ``given``, through ``--itq``)."""
@@ -196,12 +200,4 @@ def index_itq(infos: dict[str, Any], where: Any, given: str | None = None) -> An
             f"{where}: its local tokens record no ITQ projection, which the second verification "
             "(--glue-top) needs to rebuild descriptors from their codes"
         )
-    path = verified_file(
-        "ITQ projection of the local tokens",
-        info["itq"],
-        info.get("itq_sha256"),
-        given,
-        "--itq",
-        packaged=_packaged_file((info.get("config") or {}).get("itq")),
-    )
-    return load_itq(path)
+    return load_itq(itq_file(info, given))
