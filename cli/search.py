@@ -32,8 +32,12 @@ def add_rerank_flags(p: argparse.ArgumentParser) -> None:
     add_config_flags(
         g,
         "rerank.ensemble:EnsembleConfig",
-        only=("lam", "gamma"),
-        overrides={"lam": {"flag": "--rerank-lambda"}, "gamma": {"flag": "--rerank-gamma"}},
+        only=("lam", "gamma", "chamfer_weight"),
+        overrides={
+            "lam": {"flag": "--rerank-lambda"},
+            "gamma": {"flag": "--rerank-gamma"},
+            "chamfer_weight": {"flag": "--rerank-chamfer"},
+        },
     )
     add_config_flags(g, "rerank.matching:MatchConfig", overrides={"max_distance": {"flag": "--max-hamming"}})
     add_config_flags(

@@ -264,6 +264,8 @@ def add_rerank_details(results: list[dict[str, Any]], detail: dict[str, Any]) ->
         result["local_score"] = float(detail["local_score"][i])
         if detail.get("inliers") is not None:
             result["inliers"] = int(detail["inliers"][i])
+        if detail.get("chamfer") is not None:
+            result["chamfer"] = round(float(detail["chamfer"][i]), 4)
         if detail.get("evidence") is not None:
             result["matches"] = {"query_xy": detail["evidence"][i]["query_xy"], "db_xy": detail["evidence"][i]["db_xy"]}
         if detail.get("glue_matches") is not None and np.isfinite(detail["glue_matches"][i]):
@@ -447,6 +449,7 @@ def search(
                 "global_score": s_global[order],
                 "local_score": local.raw[order],
                 "inliers": None if local.inliers is None else local.inliers[order],
+                "chamfer": None if local.chamfer is None else local.chamfer[order],
                 "expanded_with": averaged,
                 "glue_matches": None if glued is None else glued[order],
                 "evidence": [local.evidence(i) for i in order[:k]] if evidence and local.evidence else None,

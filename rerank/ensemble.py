@@ -1,10 +1,18 @@
-"""Combining global and local scores: s = λ·s_global + (1 − λ)·f(s_local), and choosing λ (and
-AMES's γ) by grid search on validation queries, never on the test queries.
+"""Combining global and local scores: s = λ·s_global + (1 − λ)·f(s_local) [+ w_c·max(0, chamfer) for
+SP], and choosing λ (and AMES's γ) by grid search on validation queries, never on the test queries.
 
 f maps each method's raw local score to [0, 1]: spatial verification min(max(0, inliers − floor),
 cap) / cap (0 below the minimum inlier count, already applied by the verifier), Chamfer max(0,
 chamfer) (the mean best-match similarity, 1 − 2·hamming/128), AMES sigmoid(γ·logit) as in its
 paper's code. Candidates without local tokens keep their global score.
+
+SP's Chamfer term (``chamfer_weight`` w_c) adds the candidate's Chamfer similarity to its ensemble
+score: geometry-free evidence, the mean over the query's tokens of their best similarity in the
+candidate, which SP's matching has already computed (its nearest-token distances), so it costs
+nothing. It ranks the hard positives that SP leaves below the minimum of inliers (extreme viewpoint,
+day and night): on realbench most of the wide-baseline sources' positives have none. Its default is
+the token kind's (filled in by rerank.rerank.with_kind_defaults): ALIKED 0.3, which every
+source-held-out fold chose there; none for kinds not measured with it.
 
 SP's floor is the shortlist's own chance level: a percentile (``inlier_floor``; 99.5: the 5th
 largest count of a 1,000-candidate shortlist) of its candidates' inlier counts, so that only inliers
@@ -36,6 +44,10 @@ class EnsembleConfig:
     # SP: percentile of the shortlist's inlier counts subtracted from each (its chance level); 0: none,
     # the default (held out by source, no fold chose one)
     inlier_floor: float = 0.0
+    # SP: weight w_c of the candidate's Chamfer similarity added to the ensemble (0: none); None: the
+    # token kind's own (embed.local_presets.RERANK_BY_KIND: ALIKED 0.3, which every held-out fold
+    # chose on realbench; the other kinds, not measured with it, none), none where no kind is known
+    chamfer_weight: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.lam <= 1.0:
@@ -44,6 +56,8 @@ class EnsembleConfig:
             raise NeedleInputError(f"inlier_cap must be >= 1, got {self.inlier_cap}")
         if not 0.0 <= self.inlier_floor < 100.0:
             raise NeedleInputError(f"inlier_floor must be a percentile in [0, 100), got {self.inlier_floor}")
+        if self.chamfer_weight is not None and not 0.0 <= self.chamfer_weight <= 1.0:
+            raise NeedleInputError(f"chamfer_weight must be in [0, 1], got {self.chamfer_weight}")
 
 
 def inlier_floor(raw: np.ndarray, has_locals: np.ndarray, percentile: float) -> float:
@@ -69,12 +83,40 @@ def local_to_unit(
     raise NeedleInputError(f"unknown re-ranking method {method!r}; choose from {METHODS}")
 
 
+def local_term(
+    method: str,
+    raw_local: np.ndarray,
+    has_locals: np.ndarray,
+    conf: EnsembleConfig,
+    chamfer: np.ndarray | None = None,
+) -> np.ndarray:
+    """(1 − λ)·f(s_local), plus SP's Chamfer term: what the ensemble adds to λ·s_global (the same
+    for a second global score, α-QE's). ``chamfer``: SP's (C,) Chamfer similarities, needed when
+    ``conf.chamfer_weight`` is on."""
+    local = (1.0 - conf.lam) * local_to_unit(method, raw_local, conf, has_locals)
+    if method != "sp" or not conf.chamfer_weight:  # 0, or None: no token kind filled it in
+        return local
+    if chamfer is None:
+        raise NeedleInputError(
+            f"the ensemble's chamfer_weight {conf.chamfer_weight} needs the candidates' Chamfer similarities "
+            "(SP's local scores carry them)"
+        )
+    chamfer = np.asarray(chamfer, np.float64)
+    if chamfer.shape != local.shape:
+        raise NeedleInputError(f"Chamfer similarities of shape {chamfer.shape} do not fit {len(local)} candidates")
+    return local + conf.chamfer_weight * np.maximum(chamfer, 0.0)
+
+
 def combine(
-    method: str, s_global: np.ndarray, raw_local: np.ndarray, has_locals: np.ndarray, conf: EnsembleConfig
+    method: str,
+    s_global: np.ndarray,
+    raw_local: np.ndarray,
+    has_locals: np.ndarray,
+    conf: EnsembleConfig,
+    chamfer: np.ndarray | None = None,
 ) -> np.ndarray:
     """Final scores of a shortlist: the ensemble where a candidate has tokens, else its global score."""
-    local = local_to_unit(method, raw_local, conf, has_locals)
-    mixed = conf.lam * np.asarray(s_global, np.float64) + (1.0 - conf.lam) * local
+    mixed = conf.lam * np.asarray(s_global, np.float64) + local_term(method, raw_local, has_locals, conf, chamfer)
     return np.where(has_locals, mixed, s_global)
 
 
@@ -93,6 +135,7 @@ class ValidationQuery:
     has_locals: np.ndarray  # (C,) bool
     positive: np.ndarray  # (C,) bool: candidate is a positive
     n_positives: int  # positives in the whole database (AP's denominator)
+    chamfer: np.ndarray | None = None  # (C,) SP's Chamfer similarities (for its chamfer_weight)
 
 
 def ap_of_order(positive_in_order: np.ndarray, n_positives: int, k: int) -> float:
@@ -108,7 +151,7 @@ def mean_ap(queries: Sequence[ValidationQuery], method: str, conf: EnsembleConfi
     """mAP@k x 100 of the validation queries re-ranked with ``conf``."""
     aps = []
     for q in queries:
-        scores = combine(method, q.s_global, q.raw_local, q.has_locals, conf)
+        scores = combine(method, q.s_global, q.raw_local, q.has_locals, conf, q.chamfer)
         aps.append(ap_of_order(q.positive[rerank_order(scores, q.rows)], q.n_positives, k))
     return 100.0 * float(np.mean(aps))
 
@@ -125,13 +168,20 @@ def grid_search(
     gammas: Sequence[float] = DEFAULT_GAMMAS,
     inlier_cap: int = 50,
     inlier_floor: float = EnsembleConfig.inlier_floor,
+    chamfer_weight: float = 0.0,
 ) -> tuple[EnsembleConfig, float]:
     """The (λ, γ) of best validation mAP@k (γ only for AMES); ties go to the first in grid order."""
     if not queries:
         raise NeedleInputError("grid search needs at least one validation query")
     best: tuple[EnsembleConfig, float] | None = None
     for lam, gamma in itertools.product(lambdas, gammas if method == "ames" else (1.0,)):
-        conf = EnsembleConfig(lam=float(lam), gamma=float(gamma), inlier_cap=inlier_cap, inlier_floor=inlier_floor)
+        conf = EnsembleConfig(
+            lam=float(lam),
+            gamma=float(gamma),
+            inlier_cap=inlier_cap,
+            inlier_floor=inlier_floor,
+            chamfer_weight=chamfer_weight if method == "sp" else 0.0,
+        )
         value = mean_ap(queries, method, conf, k)
         if best is None or value > best[1] + 1e-12:
             best = (conf, value)

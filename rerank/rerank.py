@@ -19,6 +19,7 @@ import torch
 
 from core.errors import NeedleInputError
 from core.tokens import LocalTokens, TokenBatch
+from rerank.chamfer import chamfer_from_nearest
 from rerank.device import resolve_device
 from rerank.ensemble import METHODS, EnsembleConfig, combine, rerank_order
 from rerank.expand import ExpansionConfig
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 class RerankConfig:
     method: str = "sp"  # sp | chamfer | ames
     shortlist: int = 1000  # global top candidates re-ranked
-    ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)  # s = lam * global + (1 - lam) * f(local)
+    # s = lam * global + (1 - lam) * f(local) [+ w_c * chamfer for SP; w_c left open: the token kind's]
+    ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
     # tentative correspondences (Hamming threshold, mutual); a threshold left open (None) is the token kind's
     match: MatchConfig = field(default_factory=MatchConfig)
     spatial: SpatialConfig = field(default_factory=SpatialConfig)  # spatial verification thresholds
@@ -68,17 +70,23 @@ class RerankConfig:
 
 def with_kind_defaults(conf: RerankConfig, kind: str | None) -> RerankConfig:
     """``conf`` with what it leaves open (None) set to the token kind's own settings
-    (embed.local_presets.RERANK_BY_KIND); kind None (not known): no expansion, the query side left open,
-    MatchConfig's generic threshold."""
+    (embed.local_presets.RERANK_BY_KIND); kind None (not known): no expansion, no Chamfer term, the
+    query side left open, MatchConfig's generic threshold."""
+    ensemble = conf.ensemble
     if kind is None:
-        return replace(conf, expansion=conf.expansion or ExpansionConfig())
+        if ensemble.chamfer_weight is None:
+            ensemble = replace(ensemble, chamfer_weight=0.0)
+        return replace(conf, expansion=conf.expansion or ExpansionConfig(), ensemble=ensemble)
     from embed.local_presets import RERANK_BY_KIND
 
     if kind not in RERANK_BY_KIND:
         raise NeedleInputError(f"unknown local-token kind {kind!r}; known: {sorted(RERANK_BY_KIND)}")
     own = RERANK_BY_KIND[kind]
+    if ensemble.chamfer_weight is None:
+        ensemble = replace(ensemble, chamfer_weight=own.chamfer_weight)
     return replace(
         conf,
+        ensemble=ensemble,
         match=conf.match if conf.match.max_distance is not None else replace(conf.match, max_distance=own.max_hamming),
         query_scales=conf.query_scales or own.query_scales,
         query_top_k=conf.query_top_k or own.query_top_k,
@@ -94,6 +102,15 @@ class LocalScores:
     has_locals: np.ndarray  # (C,) bool: the candidate has tokens
     inliers: np.ndarray | None = None  # (C,) SP inlier counts
     evidence: Callable[[int], dict[str, Any]] | None = None  # SP: candidate -> its inlier point pairs, built on demand
+    # (C,) SP: each candidate's Chamfer similarity, from the nearest-token distances its matching
+    # computed (the ensemble's chamfer_weight term)
+    chamfer: np.ndarray | None = None
+
+
+def no_local_scores(n: int) -> LocalScores:
+    """The local scores of ``n`` candidates matched with no query token: none has evidence, and
+    each keeps its global score."""
+    return LocalScores(np.zeros(n), np.zeros(n, bool), chamfer=np.zeros(n))
 
 
 def candidate_width(conf: RerankConfig, longest: Callable[[], int]) -> int | None:
@@ -138,15 +155,13 @@ class Reranker:
     def local_scores(self, query: LocalTokens, candidates: TokenBatch) -> LocalScores:
         has_locals = candidates.mask.any(1)
         if len(query) == 0:  # nothing to match: every candidate keeps its global score
-            return LocalScores(np.zeros(len(candidates)), np.zeros(len(candidates), bool))
+            return no_local_scores(len(candidates))
         if self.conf.method == "ames":
             from rerank.ames import score_shortlist
 
             return LocalScores(score_shortlist(self.ames, query, candidates).astype(np.float64), has_locals)
         weights = query_weights_of(query, self.conf.match)  # None: plain Hamming distances
         if self.conf.method == "chamfer":
-            from rerank.chamfer import chamfer_from_nearest
-
             nearest = nearest_tokens(
                 query.codes, candidates, within=-1, mutual=False, query_weights=weights, device=self.device
             )
@@ -168,6 +183,7 @@ class Reranker:
             has_locals,
             inliers,
             functools.partial(_inlier_evidence, query, candidates, matches, result),
+            chamfer_from_nearest(nearest),
         )
 
     def scores_of_stored(
@@ -221,7 +237,7 @@ class Reranker:
 
     def order(self, rows: np.ndarray, s_global: np.ndarray, local: LocalScores) -> tuple[np.ndarray, np.ndarray]:
         """(order of a shortlist, its final scores) from its global scores and local evidence."""
-        scores = combine(self.conf.method, s_global, local.raw, local.has_locals, self.conf.ensemble)
+        scores = combine(self.conf.method, s_global, local.raw, local.has_locals, self.conf.ensemble, local.chamfer)
         return rerank_order(scores, rows), scores
 
 

@@ -80,7 +80,7 @@ class ShardCalls(Protocol):
     ) -> list[dict[str, Any] | None]:
         """Per query, this shard's members of its shortlist (row ids, global scores) scored against
         their stored tokens with the query's ``tokens`` and ``conf``: ``{"raw", "has_locals",
-        "inliers", "evidence": {member: evidence}}``, the evidence (with ``evidence``) of the
+        "inliers", "chamfer", "evidence": {member: evidence}}``, the evidence (with ``evidence``) of the
         members that can reach the query's top k; None where it has none."""
         ...
 

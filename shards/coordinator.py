@@ -394,7 +394,7 @@ class ShardedIndex:
         """``Index.score_shortlists``: each member scored by the shard that owns it; evidence not
         sent with the scores is asked for when wanted. Members of a shard missing from a partial
         request keep their global score (no local evidence)."""
-        from rerank.rerank import LocalScores, candidate_width
+        from rerank.rerank import LocalScores, candidate_width, no_local_scores
 
         # the width the single index would gather to (AMES: its longest row), the same on every shard
         conf = dataclasses.replace(reranker.conf, db_tokens=candidate_width(reranker.conf, self.max_tokens))
@@ -417,11 +417,12 @@ class ShardedIndex:
         out = []
         for q, rows in enumerate(shortlists):
             if not asked[q]:
-                out.append(LocalScores(np.zeros(len(rows)), np.zeros(len(rows), bool)))
+                out.append(no_local_scores(len(rows)))
                 continue
             raw = np.zeros(len(rows), np.float64)
             has_locals = np.zeros(len(rows), bool)
             inliers = np.zeros(len(rows), np.int64) if conf.method == "sp" else None
+            chamfer = np.zeros(len(rows), np.float64) if conf.method == "sp" else None
             sent: dict[int, Any] = {}  # member -> the match evidence its shard sent with the scores
             for s, answer in answers.items():
                 part = answer[q]
@@ -432,10 +433,12 @@ class ShardedIndex:
                 has_locals[mine] = part["has_locals"]
                 if inliers is not None and part["inliers"] is not None:
                     inliers[mine] = part["inliers"]
+                if chamfer is not None and part["chamfer"] is not None:
+                    chamfer[mine] = part["chamfer"]
                 if part["evidence"] is not None:
                     sent.update((int(mine[i]), ev) for i, ev in part["evidence"].items())
             fetch = self.evidence_fetcher(conf, rows, owners[q], tokens[q], sent, set(answers))
-            out.append(LocalScores(raw, has_locals, inliers, fetch if conf.method == "sp" else None))
+            out.append(LocalScores(raw, has_locals, inliers, fetch if conf.method == "sp" else None, chamfer))
         return out
 
     def glue_matches(self, reranker: Reranker, rows: np.ndarray, query: LocalTokens) -> np.ndarray:

@@ -49,7 +49,7 @@ def scored_shortlist(
     reranker: Any, query: Any, rows: np.ndarray, scores: np.ndarray, candidates: Any, k: int, evidence: bool
 ) -> dict[str, Any]:
     """Shortlist members ``rows`` (global ``scores``, stored tokens ``candidates``) scored with the
-    query's tokens: ``{"raw", "has_locals", "inliers", "evidence"}``, the evidence (with
+    query's tokens: ``{"raw", "has_locals", "inliers", "chamfer", "evidence"}``, the evidence (with
     ``evidence``) of the members among these ones' top k + EVIDENCE_MARGIN by final score (the
     coordinator asks for any other it places in the final top k). A member's scores do not depend
     on the members beside it (rerank.rerank), so one shard or several together give the same."""
@@ -59,9 +59,15 @@ def scored_shortlist(
     local = reranker.local_scores(query, candidates)
     sent = None
     if evidence and local.evidence is not None:
-        final = combine(conf.method, scores, local.raw, local.has_locals, conf.ensemble)
+        final = combine(conf.method, scores, local.raw, local.has_locals, conf.ensemble, local.chamfer)
         sent = {int(i): local.evidence(int(i)) for i in rerank_order(final, rows)[: k + EVIDENCE_MARGIN]}
-    return {"raw": local.raw, "has_locals": local.has_locals, "inliers": local.inliers, "evidence": sent}
+    return {
+        "raw": local.raw,
+        "has_locals": local.has_locals,
+        "inliers": local.inliers,
+        "chamfer": local.chamfer,
+        "evidence": sent,
+    }
 
 
 def split_scored(scored: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]:
@@ -75,6 +81,7 @@ def split_scored(scored: dict[str, Any], sizes: list[int]) -> list[dict[str, Any
                 "raw": scored["raw"][start:end],
                 "has_locals": scored["has_locals"][start:end],
                 "inliers": None if scored["inliers"] is None else scored["inliers"][start:end],
+                "chamfer": None if scored["chamfer"] is None else scored["chamfer"][start:end],
                 "evidence": None
                 if evidence is None
                 else {i - start: e for i, e in evidence.items() if start <= i < end},

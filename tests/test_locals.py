@@ -254,16 +254,20 @@ def test_ensemble_map_equals_the_metric_and_grid_search_uses_validation_only():
         s_global = np.sort(rng.random(c))[::-1]
         raw = np.where(positive, rng.integers(3, 60, c), rng.integers(0, 8, c)).astype(float)  # inliers: informative
         has = rng.random(c) < 0.9
-        queries.append(ValidationQuery(np.arange(c) * 7, s_global, raw, has, positive, int(positive.sum()) + 1))
+        chamfer = rng.uniform(-0.1, 0.5, c)  # SP's Chamfer similarities (the default ensemble's term)
+        queries.append(
+            ValidationQuery(np.arange(c) * 7, s_global, raw, has, positive, int(positive.sum()) + 1, chamfer)
+        )
     conf = EnsembleConfig(lam=0.3)
     brute = []
     for q in queries:
-        scores = combine("sp", q.s_global, q.raw_local, q.has_locals, conf)
+        scores = combine("sp", q.s_global, q.raw_local, q.has_locals, conf, q.chamfer)
         ranking = sorted(range(len(scores)), key=lambda i: (-scores[i], q.rows[i]))
         positives = set(np.flatnonzero(q.positive)) | {-1}  # one positive outside the shortlist
         brute.append(average_precision_at_k(ranking, positives, 10))
         assert (
-            combine("sp", q.s_global, q.raw_local, q.has_locals, conf)[~q.has_locals] == q.s_global[~q.has_locals]
+            combine("sp", q.s_global, q.raw_local, q.has_locals, conf, q.chamfer)[~q.has_locals]
+            == q.s_global[~q.has_locals]
         ).all()
     assert mean_ap(queries, "sp", conf, 10) == pytest.approx(100 * np.mean(brute))
     best, value = grid_search(queries[:10], "sp", k=10)

@@ -28,7 +28,7 @@ def test_sp_chance_floor_equals_a_plain_loop(percentile):
         raw = rng.integers(0, 70, c).astype(float)
         has = rng.random(c) < 0.9
         s_global = rng.random(c)
-        conf = EnsembleConfig(lam=0.4, inlier_cap=30, inlier_floor=percentile)
+        conf = EnsembleConfig(lam=0.4, inlier_cap=30, inlier_floor=percentile, chamfer_weight=0.0)
         counts = [float(raw[i]) for i in range(c) if has[i]]
         floor = plain_floor(counts, percentile) if percentile > 0 and counts else 0.0
         want = []

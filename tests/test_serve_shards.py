@@ -433,13 +433,13 @@ def brute_force_expanded(index, xq, tokens, conf):
     for q in range(len(xq)):
         rows, s_global = I[q], D[q].astype(np.float64)
         local = reranker.local_scores(tokens[q], index.local_store.batch(index.positions_of_rows(rows)))
-        first = rerank_order(combine("sp", s_global, local.raw, local.has_locals, conf.ensemble), rows)
+        first = rerank_order(combine("sp", s_global, local.raw, local.has_locals, conf.ensemble, local.chamfer), rows)
         vectors = index.vectors_of_rows(rows)[0]
         second = None  # a query without tokens: nothing verified, nothing expanded
         if local.inliers is not None:
             second = expanded_scores(xq[q], vectors, first, local.inliers, conf.expansion)
         s = s_global if second is None else second
-        final = combine("sp", s, local.raw, local.has_locals, conf.ensemble)
+        final = combine("sp", s, local.raw, local.has_locals, conf.ensemble, local.chamfer)
         out.append((rows[rerank_order(final, rows)], second is not None))
     return out
 
@@ -458,8 +458,14 @@ def test_expansion_after_reranking_equals_brute_force_on_the_shards(built, shard
     tokens = stored_tokens(single, keys)
     from rerank.ensemble import EnsembleConfig
 
-    # global-heavy: the second global scoring then decides between the verified results
-    plain = RerankConfig(method="sp", shortlist=60, ensemble=EnsembleConfig(lam=0.9), expansion=ExpansionConfig(top=0))
+    # global-heavy: the second global scoring then decides between the verified results; with SP's
+    # Chamfer term, whose similarities the shards send back
+    plain = RerankConfig(
+        method="sp",
+        shortlist=60,
+        ensemble=EnsembleConfig(lam=0.9, chamfer_weight=0.05),
+        expansion=ExpansionConfig(top=0),
+    )
     qe = replace(plain, expansion=ExpansionConfig(top=5, min_inliers=2))
     D0, I0, _ = search(single, xq, QueryConfig(k=15, rerank=plain), tokens)
     D1, I1, d1 = search(single, xq, QueryConfig(k=15, rerank=qe), tokens)
@@ -467,6 +473,9 @@ def test_expansion_after_reranking_equals_brute_force_on_the_shards(built, shard
     np.testing.assert_array_equal(I1, I2)
     np.testing.assert_array_equal(D1, D2)
     assert [d["expanded_with"] for d in d1] == [d["expanded_with"] for d in d2]
+    for a, b in zip(d1, d2):
+        np.testing.assert_array_equal(a["chamfer"], b["chamfer"])
+    assert all((d["chamfer"] > 0).any() for d in d1)
     reference = brute_force_expanded(single, xq, tokens, qe)
     for q, (order, expanded) in enumerate(reference):
         np.testing.assert_array_equal(I1[q], order[:15])
