@@ -19,16 +19,16 @@ bytes/image, what each fold chose):
 
 * SP as before issue 21 (plain Hamming, single-match hypotheses; threshold and LO per fold);
 * + two-match (rotation-aware) hypotheses; asymmetric matching; both (threshold 28/32 per fold);
-* the defaults (``RerankConfig()``: asymmetric, threshold 32, pair hypotheses, the shortlist's
-  chance floor of inliers), λ per fold; and every SP setting of this issue chosen per fold, floor
-  or none included (``sp, all settings per fold``): the defaults were picked in exploration on
-  these same queries, this row is the fully nested number;
+* the defaults (``RerankConfig()``: asymmetric, the kind's threshold, pair hypotheses, the
+  ensemble's floor and Chamfer term), λ per fold; and every SP setting of this issue chosen per
+  fold, floor or none included, SP alone (``sp, all settings per fold``);
 * the defaults followed by α-QE over the verified top and a second scoring of the shortlist;
 * the defaults with other query-side tokens (no storage cost; ``QUERY_TOKEN_VARIANTS`` of the kind);
 * Chamfer plain and asymmetric; AMES trained here on distractor pairs (``--skip-ames`` to leave out).
 
 Held out by source (issue 37, bench/rerank_sources.py; the headline): every setting of
-``HELD_OUT_GRID`` x the kind's query-token sets (λ, threshold, pair hypotheses, floor, α-QE) is
+``HELD_OUT_GRID`` x the kind's query-token sets (λ, threshold, pair hypotheses, floor, Chamfer
+term, α-QE) is
 chosen on the other image sources' queries and scored on the held-out source's:
 ``gain_source_held_out`` (pooled per query), ``by_source_held_out`` (per source: queries,
 global-only, the defaults in-sample, held out, the setting chosen), ``defaults_in_sample`` and
@@ -93,6 +93,9 @@ LAMBDAS = tuple(np.round(np.linspace(0.0, 1.0, 21), 3))
 PAIR_SEEDS = 8  # two-match (rotation-aware) hypotheses among each candidate's 8 closest matches
 ASYMMETRIC_MAX_DISTANCE = (28, 32)  # weighted-Hamming thresholds tried with asymmetric matching
 FLOORS = (0.0, 99.5)  # the shortlist's chance floor of inliers: none, or its 99.5th percentile
+# SP's Chamfer term (EnsembleConfig.chamfer_weight): the weight of the candidates' Chamfer similarity
+# added to the ensemble (free: SP's matching computes the distances), none or one of these
+CHAMFER_WEIGHTS = (0.0, 0.15, 0.3, 0.5)
 # Query expansion after verification: (results looked at, inliers needed, alpha) tried per fold
 QE_GRID = tuple((top, inliers, alpha) for top in (1, 2, 3, 5) for inliers in (5, 10, 20) for alpha in (0.0, 3.0))
 # Query-side token variants (no storage cost) by token kind: (name, scales, tokens per scale); the
@@ -113,6 +116,7 @@ HELD_OUT_GRID = {
     "max_hamming": ASYMMETRIC_MAX_DISTANCE,
     "pair_seeds": (0, PAIR_SEEDS),
     "floors": FLOORS,
+    "chamfers": CHAMFER_WEIGHTS,
     "qe": (None, *QE_GRID),
     "lambdas": LAMBDAS,
 }
@@ -203,16 +207,16 @@ def shortlists(index, queries: list[dict]) -> tuple[list[dict], float]:
 
 def local_scores(
     index, reranker, lists: list[dict], query_tokens: dict, db_tokens: int, shortlist: int = SHORTLIST
-) -> tuple[list[np.ndarray], float]:
-    """Raw local scores of every query's shortlist, and the mean time per query (ms) of gathering
-    the candidates' tokens and scoring them."""
-    raws, seconds = [], 0.0
+) -> tuple[list, float]:
+    """Local scores (rerank.rerank.LocalScores) of every query's shortlist, and the mean time per
+    query (ms) of gathering the candidates' tokens and scoring them."""
+    scores, seconds = [], 0.0
     for entry in lists:
         start = time.perf_counter()
         candidates = index.local_store.batch(index.positions_of_rows(entry["rows"][:shortlist]), db_tokens)
-        raws.append(reranker.local_scores(query_tokens[entry["key"]], candidates).raw)
+        scores.append(reranker.local_scores(query_tokens[entry["key"]], candidates))
         seconds += time.perf_counter() - start
-    return raws, 1000.0 * seconds / len(lists)
+    return scores, 1000.0 * seconds / len(lists)
 
 
 def query_tokens_with_projections(
@@ -267,6 +271,7 @@ def map_by_source(
     source: dict,
     vectors: list | None = None,
     expansion=None,
+    chamfer_weight: float = 0.0,
 ) -> dict:
     """Global-only and re-ranked mAP@K per image source of realbench (each query re-ranked with the
     λ its fold was scored with, then expanded with ``expansion`` where given): where re-ranking pays
@@ -275,7 +280,7 @@ def map_by_source(
 
     rows: dict[str, list[tuple[float, float]]] = {}
     for f, fold in enumerate(folds):
-        conf = EnsembleConfig(lam=chosen[f]["lam"])
+        conf = EnsembleConfig(lam=chosen[f]["lam"], chamfer_weight=chamfer_weight)
         for i in fold:
             q = vq[i]
             order = sp_order(q, conf, expansion, None if vectors is None else vectors[i])
@@ -298,17 +303,22 @@ def sp_order(q, conf, expansion=None, vectors: tuple | None = None) -> np.ndarra
     from rerank.ensemble import combine, rerank_order
     from rerank.expand import expanded_scores
 
-    order = rerank_order(combine("sp", q.s_global, q.raw_local, q.has_locals, conf), q.rows)
+    order = rerank_order(combine("sp", q.s_global, q.raw_local, q.has_locals, conf, q.chamfer), q.rows)
     if expansion is None:
         return order
     s_qe = expanded_scores(vectors[0], vectors[1], order, q.raw_local, expansion)
     if s_qe is None:
         return order
-    return rerank_order(combine("sp", s_qe, q.raw_local, q.has_locals, conf), q.rows)
+    return rerank_order(combine("sp", s_qe, q.raw_local, q.has_locals, conf, q.chamfer), q.rows)
 
 
 def qe_cross_validated(
-    lists: list[dict], vq: list, vectors: list, folds: list[np.ndarray], settings: list | None = None
+    lists: list[dict],
+    vq: list,
+    vectors: list,
+    folds: list[np.ndarray],
+    settings: list | None = None,
+    chamfer_weight: float = 0.0,
 ) -> tuple[float, list[dict]]:
     """mAP@K of the default SP followed by α-QE over the verified top and a second global scoring of
     the shortlist, every (λ, QE setting of ``settings`` (ExpansionConfig or None: none); default
@@ -317,7 +327,7 @@ def qe_cross_validated(
     from rerank.expand import ExpansionConfig
 
     def fold_map(idx, lam, qe):
-        conf = EnsembleConfig(lam=lam)
+        conf = EnsembleConfig(lam=lam, chamfer_weight=chamfer_weight)
         aps = [ap_of_order(vq[i].positive[sp_order(vq[i], conf, qe, vectors[i])], vq[i].n_positives, K) for i in idx]
         return 100.0 * float(np.mean(aps))
 
@@ -344,19 +354,20 @@ def qe_cross_validated(
     return total / sum(len(f) for f in folds), chosen
 
 
-def expansion_ms(index, lists: list[dict], vq: list, conf) -> float:
+def expansion_ms(index, lists: list[dict], vq: list, conf, ensemble) -> float:
     """Mean time per query (ms) of the query path's α-QE after SP (query.retrieve's
     ``expanded_global_scores``: the verified results' vectors and the shortlist's second scoring,
-    read from the index as a query does), on the first order at the default λ."""
+    read from the index as a query does), on the first order of ``ensemble`` (the kind's defaults)."""
     from query.retrieve import expanded_global_scores
-    from rerank.ensemble import EnsembleConfig, combine, rerank_order
+    from rerank.ensemble import combine, rerank_order
 
     seconds = 0.0
     for e, q in zip(lists, vq):
         rows = np.asarray(e["rows"][:SHORTLIST], np.int64)
         n = len(rows)
         s_first = np.asarray(q.s_global[:n], np.float64)
-        order = rerank_order(combine("sp", s_first, q.raw_local[:n], q.has_locals[:n], EnsembleConfig()), rows)
+        chamfer = None if q.chamfer is None else q.chamfer[:n]
+        order = rerank_order(combine("sp", s_first, q.raw_local[:n], q.has_locals[:n], ensemble, chamfer), rows)
         xq = np.asarray(index.vector_of(e["key"]), np.float32)[None]
         start = time.perf_counter()
         expanded_global_scores(
@@ -366,11 +377,13 @@ def expansion_ms(index, lists: list[dict], vq: list, conf) -> float:
     return 1000.0 * seconds / len(lists)
 
 
-def validation_queries(lists: list[dict], raws: list[np.ndarray], shortlist: int):
+def validation_queries(lists: list[dict], scores: list, shortlist: int):
+    """Each query's ValidationQuery from its shortlist and its local scores (``local_scores``)."""
     from rerank.ensemble import ValidationQuery
 
     out = []
-    for entry, raw in zip(lists, raws):
+    for entry, local in zip(lists, scores):
+        raw = local.raw
         n = len(raw)
         # Past the shortlist the global order stays: those candidates get no local score and
         # are placed below every shortlisted one (a score below any ensemble score).
@@ -379,18 +392,27 @@ def validation_queries(lists: list[dict], raws: list[np.ndarray], shortlist: int
         s_global = np.where(has, entry["s_global"], entry["s_global"] - 10.0)
         full_raw = np.zeros(len(entry["rows"]))
         full_raw[:n] = raw
-        out.append(ValidationQuery(entry["rows"], s_global, full_raw, has, entry["positive"], entry["n_positives"]))
+        chamfer = None
+        if local.chamfer is not None:
+            chamfer = np.zeros(len(entry["rows"]))
+            chamfer[:n] = local.chamfer
+        out.append(
+            ValidationQuery(entry["rows"], s_global, full_raw, has, entry["positive"], entry["n_positives"], chamfer)
+        )
     return out
 
 
-def cross_validated_map(vq: list, folds: list[np.ndarray], method: str, gammas=(1.0,)) -> tuple[float, list[dict]]:
-    """mAP@K over all queries, each fold scored with the (λ, γ) chosen on the other folds."""
+def cross_validated_map(
+    vq: list, folds: list[np.ndarray], method: str, gammas=(1.0,), chamfer_weight: float = 0.0
+) -> tuple[float, list[dict]]:
+    """mAP@K over all queries, each fold scored with the (λ, γ) chosen on the other folds (SP with
+    ``chamfer_weight``'s Chamfer term)."""
     from rerank.ensemble import grid_search, mean_ap
 
     total, chosen = 0.0, []
     for f, fold in enumerate(folds):
         train = [vq[i] for i in np.concatenate([g for j, g in enumerate(folds) if j != f])]
-        conf, val_map = grid_search(train, method, K, LAMBDAS, gammas)
+        conf, val_map = grid_search(train, method, K, LAMBDAS, gammas, chamfer_weight=chamfer_weight)
         total += mean_ap([vq[i] for i in fold], method, conf, K) * len(fold)
         chosen.append({"lam": conf.lam, "gamma": conf.gamma, "validation_map": round(val_map, 2)})
     return total / sum(len(f) for f in folds), chosen
@@ -508,6 +530,7 @@ def main() -> None:
     cache: dict[tuple[str, str], tuple[list, float]] = {}  # one scoring pass per (query tokens, setting)
 
     kind = get_local_preset(args.locals).kind
+    ensemble = with_kind_defaults(RerankConfig(), kind).ensemble  # the kind's defaults: λ, floor, Chamfer term
 
     def scored(tokens_name: str, conf) -> tuple[list, float]:
         conf = with_kind_defaults(conf, kind)  # what the defaults leave open: the token kind's own
@@ -531,7 +554,7 @@ def main() -> None:
             vq, ms = scored(tokens_name, _sp_config(option))
             for floor in floors:
                 runs[f"{_describe(with_kind_defaults(_sp_config(option), kind))},floor={floor}"] = (vq, ms, floor)
-        value, chosen = _cv_over_settings(runs, folds)
+        value, chosen = _cv_over_settings(runs, folds, ensemble)
         timed_conf = _sp_config(timed if timed is not None else options[-1])
         row = {
             "name": name,
@@ -566,8 +589,8 @@ def main() -> None:
         ),
         sp_row("asymmetric + two-match hypotheses (threshold 28/32)", "image", asym, timed={}),
         sp_row(
-            "defaults (RerankConfig()): asymmetric + two-match + chance floor"
-            + (", before α-QE" if with_kind_defaults(RerankConfig(), kind).expansion.top else ""),
+            "defaults (RerankConfig()): asymmetric + two-match, the ensemble's (λ per fold; its floor and Chamfer "
+            "term)" + (", before α-QE" if with_kind_defaults(RerankConfig(), kind).expansion.top else ""),
             "image",
             [{}],
             floors=(None,),
@@ -595,10 +618,12 @@ def main() -> None:
     # α-QE is part of the defaults where the token kind's is on (embed.local_presets.RERANK_BY_KIND)
     kind_qe = with_kind_defaults(RerankConfig(), kind).expansion
     top, min_inliers = kind_qe.top, kind_qe.min_inliers
-    qe_ms = expansion_ms(index, lists, default_vq, kind_qe if top else ExpansionConfig(top=5))
+    qe_ms = expansion_ms(index, lists, default_vq, kind_qe if top else ExpansionConfig(top=5), ensemble)
     if top:
         result["map_at_1k"]["sp_default_no_qe"] = default_map
-        default_map, chosen = qe_cross_validated(lists, default_vq, vectors, folds, [kind_qe])
+        default_map, chosen = qe_cross_validated(
+            lists, default_vq, vectors, folds, [kind_qe], chamfer_weight=ensemble.chamfer_weight
+        )
         rerank_ms += qe_ms
         variants.append(
             {
@@ -619,8 +644,9 @@ def main() -> None:
         realbench_sources(rows),
         vectors,
         kind_qe if top else None,
+        ensemble.chamfer_weight,
     )
-    qe_map, qe_chosen = qe_cross_validated(lists, default_vq, vectors, folds)
+    qe_map, qe_chosen = qe_cross_validated(lists, default_vq, vectors, folds, chamfer_weight=ensemble.chamfer_weight)
     variants.append(
         {
             "name": "the defaults' SP + α-QE chosen per fold (none, or top 1-5, >= 5-20 inliers, alpha 0/3)",
@@ -651,7 +677,7 @@ def main() -> None:
     for name, scales, top_k in QUERY_TOKEN_VARIANTS[get_local_preset(args.locals).kind]:
         token_sets[name] = query_tokens_with_projections(work, lists, images, itq, args.locals, scales, top_k)
         vq, ms = scored(name, RerankConfig(method="sp"))
-        value, chosen = cross_validated_map(vq, folds, "sp")
+        value, chosen = cross_validated_map(vq, folds, "sp", chamfer_weight=ensemble.chamfer_weight)
         variants.append(
             {
                 "name": f"defaults, query tokens {top_k} at each of {len(scales)} scales {scales}",
@@ -690,7 +716,7 @@ def main() -> None:
         else:
             raws, ms = local_scores(index, default_reranker, lists, proj_tokens, n)
             vq = validation_queries(lists, raws, SHORTLIST)
-        value, _ = cross_validated_map(vq, folds, "sp")
+        value, _ = cross_validated_map(vq, folds, "sp", chamfer_weight=ensemble.chamfer_weight)
         curve.append(
             {
                 "tokens": n,
@@ -836,18 +862,23 @@ def _describe(conf) -> str:
     )
 
 
-def _cv_over_settings(runs: dict, folds: list[np.ndarray]) -> tuple[float, list[dict]]:
-    """Cross-validated SP mAP choosing both a run (a scoring setting and a floor: None the default)
-    and λ on the other folds' queries, never on the fold scored."""
-    from rerank.ensemble import EnsembleConfig, grid_search, mean_ap
+def _cv_over_settings(runs: dict, folds: list[np.ndarray], defaults) -> tuple[float, list[dict]]:
+    """Cross-validated SP mAP choosing both a run (a scoring setting and a floor: None the
+    ensemble's ``defaults``, the kind's Chamfer term included; a floor: SP alone) and λ on the other
+    folds' queries, never on the fold scored."""
+    from rerank.ensemble import grid_search, mean_ap
 
     total, chosen = 0.0, []
     for f, fold in enumerate(folds):
         others = np.concatenate([g for j, g in enumerate(folds) if j != f])
         best = None
         for setting, (vq, _, floor) in runs.items():
-            floor = EnsembleConfig.inlier_floor if floor is None else floor
-            conf, value = grid_search([vq[i] for i in others], "sp", K, LAMBDAS, inlier_floor=floor)
+            # floor None: the ensemble's defaults (its floor and Chamfer term); else that floor, SP alone
+            chamfer_weight = defaults.chamfer_weight if floor is None else 0.0
+            floor = defaults.inlier_floor if floor is None else floor
+            conf, value = grid_search(
+                [vq[i] for i in others], "sp", K, LAMBDAS, inlier_floor=floor, chamfer_weight=chamfer_weight
+            )
             if best is None or value > best[2] + 1e-12:
                 best = (setting, conf, value)
         setting, conf, value = best

@@ -6,7 +6,7 @@ on queries of the same sources as the test queries flatter the gain: the default
 all 131 queries. Here every setting is chosen without the source it is scored on:
 
 * an AP table: one row per setting (query tokens, Hamming threshold, pair hypotheses, inlier floor,
-  α-QE, λ), one column per query, AP@1k of that query re-ranked with that setting;
+  Chamfer weight, α-QE, λ), one column per query, AP@1k of that query re-ranked with that setting;
 * for each source s, the row of best mAP@1k over the queries of every *other* source (pooled per
   query; ties to the first row in grid order) is scored on s's queries;
 * ``gain_source_held_out``: the mean over all queries (pooled per query, not a mean of the
@@ -31,33 +31,40 @@ def setting_name(s: dict) -> str:
     qe = "none" if s["qe"] is None else "/".join(str(v) for v in s["qe"])
     return (
         f"tokens={s['tokens']},max_hamming={s['max_hamming']},pair_seeds={s['pair_seeds']},"
-        f"floor={s['floor']},qe={qe},lam={s['lam']}"
+        f"floor={s['floor']},chamfer={s['chamfer']},qe={qe},lam={s['lam']}"
     )
 
 
 def query_aps(
-    vq: list, vectors: list | None, floor: float, lam: float, qe_grid: Sequence, cache: list[dict] | None = None
+    vq: list,
+    vectors: list | None,
+    floor: float,
+    lam: float,
+    qe_grid: Sequence,
+    cache: list[dict] | None = None,
+    chamfer: float = 0.0,
 ) -> np.ndarray:
-    """(len(qe_grid), Q) AP@1k of every query re-ranked by SP at (floor, λ), then expanded with each
-    α-QE setting of ``qe_grid`` ((top, min_inliers, alpha) or None: no expansion). An expansion
-    averaging in the same results as another of the same alpha is scored once; ``cache`` (one dict
-    per query, kept across calls) holds the expanded queries' global scores, which depend on
-    neither λ nor the floor."""
+    """(len(qe_grid), Q) AP@1k of every query re-ranked by SP at (floor, λ, Chamfer weight), then
+    expanded with each α-QE setting of ``qe_grid`` ((top, min_inliers, alpha) or None: no
+    expansion). An expansion averaging in the same results as another of the same alpha is scored
+    once; ``cache`` (one dict per query, kept across calls) holds the expanded queries' global
+    scores, which depend on neither λ, the floor nor the Chamfer weight."""
     from rerank.ensemble import EnsembleConfig, ap_of_order, local_to_unit, rerank_order
     from rerank.expand import ExpansionConfig, expand, verified_top
 
-    conf = EnsembleConfig(lam=float(lam), inlier_floor=float(floor))
+    conf = EnsembleConfig(lam=float(lam), inlier_floor=float(floor), chamfer_weight=float(chamfer))
     cache = cache if cache is not None else [{} for _ in vq]
     out = np.zeros((len(qe_grid), len(vq)))
     for i, q in enumerate(vq):
         if ("unit", floor) not in cache[i]:  # f(inliers) with the shortlist's floor: the same for every λ
             cache[i][("unit", floor)] = local_to_unit("sp", q.raw_local, conf, q.has_locals)
-        unit = cache[i][("unit", floor)]
+        # rerank.ensemble.local_term with f(local) computed once
+        local = (1.0 - conf.lam) * cache[i][("unit", floor)]
+        if conf.chamfer_weight:
+            local = local + conf.chamfer_weight * np.maximum(q.chamfer, 0.0)
 
-        def combine(s_global, q=q, unit=unit):  # rerank.ensemble.combine with f(local) computed once
-            return np.where(
-                q.has_locals, conf.lam * np.asarray(s_global, np.float64) + (1.0 - conf.lam) * unit, s_global
-            )
+        def combine(s_global, q=q, local=local):  # rerank.ensemble.combine
+            return np.where(q.has_locals, conf.lam * np.asarray(s_global, np.float64) + local, s_global)
 
         order = rerank_order(combine(q.s_global), q.rows)
         plain = ap_of_order(q.positive[order], q.n_positives, 1000)
@@ -86,14 +93,16 @@ def final_scores(q, vector: tuple | None, setting: dict) -> np.ndarray:
     """One query's final scores over its ``q.rows`` under one ``setting`` of the grid (SP at its
     floor and λ, then its α-QE), as ``query_aps`` ranks them: the first stage that a second
     verification starts from."""
-    from rerank.ensemble import EnsembleConfig, local_to_unit
+    from rerank.ensemble import EnsembleConfig
+    from rerank.ensemble import combine as ensemble
     from rerank.expand import ExpansionConfig, expand, verified_top
 
-    conf = EnsembleConfig(lam=float(setting["lam"]), inlier_floor=float(setting["floor"]))
-    unit = local_to_unit("sp", q.raw_local, conf, q.has_locals)
+    conf = EnsembleConfig(
+        lam=float(setting["lam"]), inlier_floor=float(setting["floor"]), chamfer_weight=float(setting["chamfer"])
+    )
 
     def combine(s_global: np.ndarray) -> np.ndarray:
-        return np.where(q.has_locals, conf.lam * np.asarray(s_global, np.float64) + (1.0 - conf.lam) * unit, s_global)
+        return ensemble("sp", s_global, q.raw_local, q.has_locals, conf, q.chamfer)
 
     scores = combine(q.s_global)
     if setting["qe"] is None:
@@ -114,26 +123,29 @@ def ap_table(
     floors: Sequence[float],
     qe_grid: Sequence,
     lambdas: Sequence[float],
+    chamfers: Sequence[float] = (0.0,),
 ) -> tuple[list[dict], np.ndarray]:
     """Every setting's per-query AP: ``passes`` maps (tokens, max_hamming, pair_seeds) to that
-    scoring's validation queries; rows in grid order (pass, floor, λ, α-QE)."""
+    scoring's validation queries; rows in grid order (pass, floor, Chamfer weight, λ, α-QE)."""
     settings, rows = [], []
     for (tokens, max_hamming, pair_seeds), vq in passes.items():
         cache: list[dict] = [{} for _ in vq]
         for floor in floors:
-            for lam in lambdas:
-                rows.append(query_aps(vq, vectors, floor, lam, qe_grid, cache))
-                for qe in qe_grid:
-                    settings.append(
-                        {
-                            "tokens": tokens,
-                            "max_hamming": int(max_hamming),
-                            "pair_seeds": int(pair_seeds),
-                            "floor": float(floor),
-                            "qe": None if qe is None else [int(qe[0]), int(qe[1]), float(qe[2])],
-                            "lam": float(lam),
-                        }
-                    )
+            for chamfer in chamfers:
+                for lam in lambdas:
+                    rows.append(query_aps(vq, vectors, floor, lam, qe_grid, cache, chamfer))
+                    for qe in qe_grid:
+                        settings.append(
+                            {
+                                "tokens": tokens,
+                                "max_hamming": int(max_hamming),
+                                "pair_seeds": int(pair_seeds),
+                                "floor": float(floor),
+                                "chamfer": float(chamfer),
+                                "qe": None if qe is None else [int(qe[0]), int(qe[1]), float(qe[2])],
+                                "lam": float(lam),
+                            }
+                        )
     return settings, np.concatenate(rows)
 
 
@@ -240,23 +252,28 @@ def source_held_out(
     and report it with ``defaults`` (a setting) as the in-sample comparison."""
     runs = {(t, d, p): scored(t, d, p) for t in grid["tokens"] for d in grid["max_hamming"] for p in grid["pair_seeds"]}
     passes = {key: vq for key, (vq, _) in runs.items()}
-    settings, table = ap_table(passes, vectors, grid["floors"], grid["qe"], grid["lambdas"])
+    settings, table = ap_table(
+        passes, vectors, grid["floors"], grid["qe"], grid["lambdas"], grid.get("chamfers", (0.0,))
+    )
     report = source_report(settings, table, np.asarray(global_aps), sources, find_row(settings, defaults))
     pick = find_row(settings, report["consensus_setting"]["setting_fields"])
     report["consensus_setting"]["scoring_ms_per_query"] = round(runs[_pass_of(settings[pick])][1], 1)
-    report["held_out_by_floor"] = held_out_by_floor(settings, table, np.asarray(global_aps), sources)
+    report["held_out_by_floor"] = held_out_by(settings, table, np.asarray(global_aps), sources, "floor")
+    report["held_out_by_chamfer"] = held_out_by(settings, table, np.asarray(global_aps), sources, "chamfer")
     return report
 
 
-def held_out_by_floor(settings: list[dict], table: np.ndarray, global_aps: np.ndarray, sources: Sequence[str]) -> dict:
-    """The held-out figures with the chance floor fixed at each of its values (every other field
-    still chosen on the other sources): what keeping a floor costs or gains where a use outside this
-    benchmark needs one."""
+def held_out_by(
+    settings: list[dict], table: np.ndarray, global_aps: np.ndarray, sources: Sequence[str], field: str
+) -> dict:
+    """The held-out figures with one ``field`` of the settings fixed at each of its values (every
+    other field still chosen on the other sources): what a value costs or gains, e.g. keeping a
+    chance floor where a use outside this benchmark needs one, or SP without its Chamfer term."""
     out = {}
-    for floor in sorted({s["floor"] for s in settings}):
-        rows = [i for i, s in enumerate(settings) if s["floor"] == floor]
+    for value in sorted({s[field] for s in settings}):
+        rows = [i for i, s in enumerate(settings) if s[field] == value]
         sub = source_report([settings[i] for i in rows], table[rows], global_aps, sources, 0)
-        out[str(floor)] = {
+        out[str(value)] = {
             "map_at_1k_source_held_out": sub["map_at_1k_source_held_out"],
             "gain_source_held_out": sub["gain_source_held_out"],
             "worst_source_held_out": sub["worst_source_held_out"],
@@ -295,6 +312,7 @@ def bench_report(
         "max_hamming": conf.match.threshold,
         "pair_seeds": conf.spatial.pair_seeds,
         "floor": conf.ensemble.inlier_floor,
+        "chamfer": conf.ensemble.chamfer_weight,
         "qe": [qe.top, qe.min_inliers, float(qe.alpha)] if qe.top else None,
         "lam": conf.ensemble.lam,
     }

@@ -41,7 +41,7 @@ def test_pooled_arithmetic_and_report():
     global_aps = np.full(7, 0.3)
     report = rs.source_report(
         [
-            {"tokens": "t", "max_hamming": 28, "pair_seeds": 8, "floor": 0.0, "qe": None, "lam": lam}
+            {"tokens": "t", "max_hamming": 28, "pair_seeds": 8, "floor": 0.0, "chamfer": 0.0, "qe": None, "lam": lam}
             for lam in (0, 1, 2)
         ],
         TABLE,
@@ -77,7 +77,7 @@ def test_consensus_breaks_equal_counts_by_pooled_map():
     assert rs.consensus({"A": 0, "B": 1, "C": 2}, table) == 1
 
 
-def _query(positive, s_global, inliers):
+def _query(positive, s_global, inliers, chamfer=None):
     n = len(positive)
     return ValidationQuery(
         np.arange(n),
@@ -86,6 +86,7 @@ def _query(positive, s_global, inliers):
         np.ones(n, bool),
         np.asarray(positive),
         int(np.sum(positive)),
+        np.zeros(n) if chamfer is None else np.asarray(chamfer, float),
     )
 
 
@@ -116,15 +117,20 @@ def test_query_aps_expansion_equals_the_query_paths_arithmetic():
     query /= np.linalg.norm(query)
     positive = np.zeros(n, bool)
     positive[[3, 7, 20]] = True
-    q = _query(positive, vecs @ query, rng.integers(0, 30, n))
+    # Chamfer similarities, some below 0 (the ensemble clips them)
+    q = _query(positive, vecs @ query, rng.integers(0, 30, n), rng.uniform(-0.1, 0.5, n))
     qe_grid = ((3, 5, 0.0), (5, 10, 3.0))
-    aps = rs.query_aps([q], [(query, vecs)], floor=99.5, lam=0.5, qe_grid=qe_grid)
-    conf = EnsembleConfig(lam=0.5, inlier_floor=99.5)
-    order = rerank_order(combine("sp", q.s_global, q.raw_local, q.has_locals, conf), q.rows)
-    for j, qe in enumerate(qe_grid):
-        s_qe = expanded_scores(query, vecs, order, q.raw_local, ExpansionConfig(*qe))
-        final = rerank_order(combine("sp", s_qe, q.raw_local, q.has_locals, conf), q.rows)
-        assert aps[j, 0] == pytest.approx(ap_of_order(q.positive[final], q.n_positives, 1000))
+    for chamfer in (0.0, 0.3):
+        aps = rs.query_aps([q], [(query, vecs)], floor=99.5, lam=0.5, qe_grid=qe_grid, chamfer=chamfer)
+        conf = EnsembleConfig(lam=0.5, inlier_floor=99.5, chamfer_weight=chamfer)
+        order = rerank_order(combine("sp", q.s_global, q.raw_local, q.has_locals, conf, q.chamfer), q.rows)
+        for j, qe in enumerate(qe_grid):
+            s_qe = expanded_scores(query, vecs, order, q.raw_local, ExpansionConfig(*qe))
+            final = rerank_order(combine("sp", s_qe, q.raw_local, q.has_locals, conf, q.chamfer), q.rows)
+            assert aps[j, 0] == pytest.approx(ap_of_order(q.positive[final], q.n_positives, 1000))
+            setting = {"lam": 0.5, "floor": 99.5, "chamfer": chamfer, "qe": list(qe)}
+            expected = combine("sp", s_qe, q.raw_local, q.has_locals, conf, q.chamfer)
+            np.testing.assert_allclose(rs.final_scores(q, (query, vecs), setting), expected)
 
 
 def test_bench_glue_scores_every_pass_and_reports(monkeypatch, capsys):
@@ -142,6 +148,7 @@ def test_bench_glue_scores_every_pass_and_reports(monkeypatch, capsys):
             "max_hamming": (28, 32),
             "pair_seeds": (0, 8),
             "floors": (0.0, 99.5),
+            "chamfers": (0.0, 0.3),
             "qe": (None, (5, 10, 0.0)),
             "lambdas": (0.45, 1.0),
         },
@@ -161,18 +168,22 @@ def test_bench_glue_scores_every_pass_and_reports(monkeypatch, capsys):
 
     def scored(tokens, conf):
         calls.append((tokens, conf.match.max_distance, conf.spatial.pair_seeds))
-        vq = [_query(e["positive"], -np.arange(n) / n, rng.integers(0, 40, n)) for e in lists]
+        vq = [_query(e["positive"], -np.arange(n) / n, rng.integers(0, 40, n), rng.uniform(0, 0.5, n)) for e in lists]
         return vq, 1.0
 
     report = bench.held_out_by_source(scored, lists, vectors, sources, "aliked")
     assert len(calls) == 3 * 2 * 2 and len(set(calls)) == len(calls)  # tokens image/200/500 x 28/32 x 0/8
-    assert report["held_out_settings"] == 12 * 2 * 2 * 2
+    assert report["held_out_settings"] == 12 * 2 * 2 * 2 * 2
     assert set(report["by_source_held_out"]) == {"A", "B"}
+    from rerank.rerank import RerankConfig, with_kind_defaults
+
+    chamfer = with_kind_defaults(RerankConfig(), "aliked").ensemble.chamfer_weight
     assert (
         report["defaults_in_sample"]["setting"]
-        == "tokens=image,max_hamming=28,pair_seeds=8,floor=0.0,qe=5/10/0.0,lam=0.45"
+        == f"tokens=image,max_hamming=28,pair_seeds=8,floor=0.0,chamfer={chamfer},qe=5/10/0.0,lam=0.45"
     )
     assert set(report["held_out_by_floor"]) == {"0.0", "99.5"}
+    assert set(report["held_out_by_chamfer"]) == {"0.0", "0.3"}
     assert "| A | 3 |" in capsys.readouterr().out
 
 
