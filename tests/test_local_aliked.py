@@ -233,6 +233,7 @@ def test_extractor_columns_equal_those_of_one_image_at_a_time(monkeypatch):
 
 
 def test_every_kind_has_its_re_ranking_defaults():
+    from rerank.ensemble import EnsembleConfig
     from rerank.expand import ExpansionConfig
     from rerank.matching import MatchConfig
     from rerank.rerank import RerankConfig, Reranker, with_kind_defaults
@@ -250,8 +251,9 @@ def test_every_kind_has_its_re_ranking_defaults():
     kept = with_kind_defaults(given, "aliked")
     assert (kept.match, kept.query_scales, kept.query_top_k) == (given.match, (1.0,), 50)
     assert Reranker(RerankConfig(), "cnn").conf.match.max_distance == 32
-    # no kind known: no expansion, the rest left open (the generic threshold applies)
-    assert Reranker(RerankConfig()).conf == RerankConfig(expansion=ExpansionConfig()) and MatchConfig().threshold == 32
+    # no kind known: no expansion, no Chamfer term, the rest left open (the generic threshold applies)
+    unknown = RerankConfig(expansion=ExpansionConfig(), ensemble=EnsembleConfig(chamfer_weight=0.0))
+    assert Reranker(RerankConfig()).conf == unknown and MatchConfig().threshold == 32
     assert with_kind_defaults(RerankConfig(expansion=ExpansionConfig(top=2)), "aliked").expansion.top == 2
     with pytest.raises(NeedleInputError, match="unknown local-token kind 'orb'"):
         with_kind_defaults(RerankConfig(), "orb")
