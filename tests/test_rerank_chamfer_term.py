@@ -10,15 +10,14 @@ from core.errors import NeedleInputError
 from rerank.ensemble import EnsembleConfig, ValidationQuery, combine, mean_ap
 from rerank.rerank import RerankConfig, Reranker, no_local_scores, with_kind_defaults
 from tests.test_rerank_device import realish
+from tests.test_rerank_floor import random_shortlist
 
 
 def test_chamfer_term_equals_a_plain_loop():
     rng = np.random.default_rng(3)
     for _ in range(20):
-        c = int(rng.integers(1, 200))
-        raw = rng.integers(0, 70, c).astype(float)
-        has = rng.random(c) < 0.9
-        s_global = rng.random(c)
+        raw, has, s_global = random_shortlist(rng, 200)
+        c = len(raw)
         chamfer = rng.uniform(-0.2, 0.6, c)
         conf = EnsembleConfig(lam=0.4, inlier_cap=30, chamfer_weight=0.3)
         want = []

@@ -18,16 +18,20 @@ def plain_floor(counts: list[float], percentile: float) -> float:
     return ordered[low] + (position - low) * (ordered[high] - ordered[low])
 
 
+def random_shortlist(rng: np.random.Generator, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A shortlist of 1..``most`` candidates: (inlier counts, has tokens (~90%), global scores)."""
+    c = int(rng.integers(1, most))
+    return rng.integers(0, 70, c).astype(float), rng.random(c) < 0.9, rng.random(c)
+
+
 @pytest.mark.parametrize("percentile", [0.0, 50.0, 99.0, 99.5])
 def test_sp_chance_floor_equals_a_plain_loop(percentile):
     """SP's local score: inliers beyond the shortlist's chance floor (a percentile of the counts of
     the candidates with tokens), capped, written out candidate by candidate."""
     rng = np.random.default_rng(1)
     for _ in range(20):
-        c = int(rng.integers(1, 300))
-        raw = rng.integers(0, 70, c).astype(float)
-        has = rng.random(c) < 0.9
-        s_global = rng.random(c)
+        raw, has, s_global = random_shortlist(rng, 300)
+        c = len(raw)
         conf = EnsembleConfig(lam=0.4, inlier_cap=30, inlier_floor=percentile, chamfer_weight=0.0)
         counts = [float(raw[i]) for i in range(c) if has[i]]
         floor = plain_floor(counts, percentile) if percentile > 0 and counts else 0.0
