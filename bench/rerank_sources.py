@@ -49,7 +49,7 @@ def query_aps(
     expansion). An expansion averaging in the same results as another of the same alpha is scored
     once; ``cache`` (one dict per query, kept across calls) holds the expanded queries' global
     scores, which depend on neither λ, the floor nor the Chamfer weight."""
-    from rerank.ensemble import EnsembleConfig, ap_of_order, local_to_unit, rerank_order
+    from rerank.ensemble import EnsembleConfig, ap_of_order, chamfer_term, local_to_unit, rerank_order
     from rerank.expand import ExpansionConfig, expand, verified_top
 
     conf = EnsembleConfig(lam=float(lam), inlier_floor=float(floor), chamfer_weight=float(chamfer))
@@ -59,9 +59,8 @@ def query_aps(
         if ("unit", floor) not in cache[i]:  # f(inliers) with the shortlist's floor: the same for every λ
             cache[i][("unit", floor)] = local_to_unit("sp", q.raw_local, conf, q.has_locals)
         # rerank.ensemble.local_term with f(local) computed once
-        local = (1.0 - conf.lam) * cache[i][("unit", floor)]
-        if conf.chamfer_weight:
-            local = local + conf.chamfer_weight * np.maximum(q.chamfer, 0.0)
+        unit = cache[i][("unit", floor)]
+        local = (1.0 - conf.lam) * unit + chamfer_term("sp", conf, q.chamfer, len(unit))
 
         def combine(s_global, q=q, local=local):  # rerank.ensemble.combine
             return np.where(q.has_locals, conf.lam * np.asarray(s_global, np.float64) + local, s_global)

@@ -93,18 +93,24 @@ def local_term(
     """(1 − λ)·f(s_local), plus SP's Chamfer term: what the ensemble adds to λ·s_global (the same
     for a second global score, α-QE's). ``chamfer``: SP's (C,) Chamfer similarities, needed when
     ``conf.chamfer_weight`` is on."""
-    local = (1.0 - conf.lam) * local_to_unit(method, raw_local, conf, has_locals)
-    if method != "sp" or not conf.chamfer_weight:  # 0, or None: no token kind filled it in
-        return local
+    unit = local_to_unit(method, raw_local, conf, has_locals)
+    return (1.0 - conf.lam) * unit + chamfer_term(method, conf, chamfer, len(unit))
+
+
+def chamfer_term(method: str, conf: EnsembleConfig, chamfer: np.ndarray | None, n: int) -> np.ndarray | float:
+    """SP's Chamfer term of ``n`` candidates, w_c·max(0, chamfer); 0 for other methods or without
+    a weight (0, or None: no token kind filled it in)."""
+    if method != "sp" or not conf.chamfer_weight:
+        return 0.0
     if chamfer is None:
         raise NeedleInputError(
             f"the ensemble's chamfer_weight {conf.chamfer_weight} needs the candidates' Chamfer similarities "
             "(SP's local scores carry them)"
         )
     chamfer = np.asarray(chamfer, np.float64)
-    if chamfer.shape != local.shape:
-        raise NeedleInputError(f"Chamfer similarities of shape {chamfer.shape} do not fit {len(local)} candidates")
-    return local + conf.chamfer_weight * np.maximum(chamfer, 0.0)
+    if chamfer.shape != (n,):
+        raise NeedleInputError(f"Chamfer similarities of shape {chamfer.shape} do not fit {n} candidates")
+    return conf.chamfer_weight * np.maximum(chamfer, 0.0)
 
 
 def combine(
