@@ -12,7 +12,7 @@ data, while the re-scoring runs in the shards, in parallel, next to their vector
 (index/search.py) and of the coordinator of shards served elsewhere (shards/coordinator.py).
 
 Rows are addressed by a *position* (0..N-1, the shards' rows in order); a row id maps to its
-position through the small table of Parquet shard ids (``offset_table``, ``positions_of_rows``).
+position through the small table of Parquet shard ids (index/row_map.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import numpy as np
 
 from core.errors import NeedleInputError
 from index.build_train import DEFAULT_QUANTIZER_EF, hnsw_quantizer
-from ingest.descriptors import ROW_SHARD_SHIFT
 
 
 def checked_queries(xq: np.ndarray, k: int, d: int) -> np.ndarray:
@@ -109,19 +108,6 @@ def search_params(index: Any, nprobe: int, quantizer_ef: int | None = None) -> A
         params.quantizer_params = graph
         params.referenced_objects = [graph]  # FAISS keeps a bare pointer: the Python object must outlive the call
     return params
-
-
-def offset_table(infos: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """(first position, shard id) of every Parquet shard id, sorted by shard id."""
-    items = sorted((int(s), int(o)) for s, o in infos["shard_offsets"].items())
-    return np.array([o for _, o in items], np.int64), np.array([s for s, _ in items], np.int64)
-
-
-def positions_of_rows(I: np.ndarray, offsets: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Row ids -> positions in ids/vectors (from each shard's offset; -1 stays -1)."""
-    first, shard_ids = offsets
-    index = np.searchsorted(shard_ids, I >> ROW_SHARD_SHIFT).clip(0, len(shard_ids) - 1)
-    return np.where(I >= 0, first[index] + (I & ((1 << ROW_SHARD_SHIFT) - 1)), -1)
 
 
 def top_order(D: np.ndarray, I: np.ndarray, k: int) -> np.ndarray:

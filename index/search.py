@@ -30,21 +30,16 @@ import pyarrow.compute as pc
 
 from core.errors import NeedleInputError
 from core.tokens import LocalTokens
+from index.deletes import DeleteSet, read_delete_set
 from index.errors import IndexFileError, UnknownKeyError
+from index.generations import read_view
 from index.gpu import check_device
 from index.images import ImageSource
 from index.keys import KeyStore, has_key_files
 from index.layout import IDS_FILE, INFOS_FILE, LAYOUT_SHARDS, VECTORS_FILE
 from index.locals import LocalStore, open_local_store
-from index.merge import (
-    checked_queries,
-    inner_products_at,
-    merge_shortlists,
-    offset_table,
-    positions_of_rows,
-    shortlist_size,
-    trim_to_shortlist,
-)
+from index.merge import checked_queries, inner_products_at, merge_shortlists, shortlist_size, trim_to_shortlist
+from index.row_map import DenseRows, RowMap, row_map_of
 from index.shard import Shard, is_valid_descriptor, make_shard
 from index.shard_files import (
     ShardedKeys,
@@ -95,9 +90,15 @@ class SearchIndex:
 
     @property
     def ntotal(self) -> int:
+        """Vectors a search can return (less those deleted in the generation read)."""
         if not self.shards:  # shards served elsewhere (Ray actors): trust the checked infos
-            return int(self.infos["ntotal"])
+            return int(self.infos.get("live_ntotal", self.infos["ntotal"]))
         return int(sum(s.ntotal for s in self.shards))
+
+    @property
+    def generation(self) -> int:
+        """The generation this index answers from (0: as built)."""
+        return int(self.infos.get("generation", 0))
 
     @property
     def is_exact(self) -> bool:
@@ -133,8 +134,8 @@ class SearchIndex:
         return merge_shortlists(self.search_shards(xq, kk, nprobe, refine), kk, k)
 
     @cached_property
-    def offsets(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.layout.offsets if self.layout is not None else offset_table(self.infos)
+    def row_map(self) -> RowMap:
+        return self.layout.row_map if self.layout is not None else DenseRows(self.infos["shard_offsets"])
 
     @cached_property
     def local_store(self) -> LocalStore | None:
@@ -147,7 +148,7 @@ class SearchIndex:
 
     def positions_of_rows(self, I: np.ndarray) -> np.ndarray:
         """Row ids -> positions in ids/vectors (-1 stays -1)."""
-        return positions_of_rows(I, self.offsets)
+        return self.row_map.positions(I)
 
     # --- keys: read from the memory-mapped id table, only the pages a lookup touches ----------
     @cached_property
@@ -258,8 +259,11 @@ class SearchIndex:
         return {}
 
 
-def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True, device: str = "auto") -> SearchIndex:
-    """Open an index directory, checking that its files exist and agree (never a wrong answer).
+def load_index(
+    path: str | Path, mmap: bool = True, with_shards: bool = True, device: str = "auto", generation: int | None = None
+) -> SearchIndex:
+    """Open an index directory at its newest generation (or ``generation``), checking that its
+    files exist and agree (never a wrong answer).
 
     ``with_shards=False`` skips the FAISS files (a coordinator whose shards live in Ray actors);
     ``device``: where flat shards scan (see ``Shard.device``).
@@ -269,7 +273,7 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True, de
     if (path / INFOS_FILE).is_file():
         infos = read_infos(path)
         if infos.get("layout") == LAYOUT_SHARDS:
-            return load_shard_directories(path, infos, mmap, with_shards, device)
+            return load_shard_directories(path, read_view(path, number=generation), mmap, with_shards, device)
     for name in (IDS_FILE, VECTORS_FILE, INFOS_FILE):
         if not (path / name).is_file():
             raise IndexFileError(f"index directory {path} has no {name}")
@@ -308,8 +312,9 @@ def load_index(path: str | Path, mmap: bool = True, with_shards: bool = True, de
 def load_shard_directories(
     path: Path, infos: dict[str, Any], mmap: bool = True, with_shards: bool = True, device: str = "auto"
 ) -> SearchIndex:
-    """An index of shard directories: each opened and checked by itself, then checked against the
-    top-level infos; positions run over the shards in order."""
+    """An index of shard directories (a generation's segments: index.generations.view_infos):
+    each opened and checked by itself with its delete set, then checked against the top-level
+    infos; positions run over the shards in order."""
     entries = infos.get("shards") or []
     if not entries:
         raise IndexFileError(f"index {path}: {INFOS_FILE} lists no shards")
@@ -329,9 +334,25 @@ def load_shard_directories(
     if any(o.infos.get("dim") != infos.get("dim") for o in opened):
         raise IndexFileError(f"index {path}: shards of other dimensions than d={infos.get('dim')}")
     bases = np.cumsum([0] + [o.rows for o in opened[:-1]]).astype(np.int64)
-    shards = [make_shard(o.index, o.vectors, o.infos, device, o) for o in opened] if with_shards else []
+    deletes = [entry_deletes(path, entry) for entry in entries]
+    shards = (
+        [make_shard(o.index, o.vectors, o.infos, device, o, d) for o, d in zip(opened, deletes)] if with_shards else []
+    )
     ids = pa.concat_tables([o.ids for o in opened])  # zero copy: the shards' mapped tables as chunks
-    layout = ShardLayout([o.directory.name for o in opened], bases, [o.infos for o in opened])
+    maps = [row_map_of(o.infos, o.ids) for o in opened]
+    layout = ShardLayout([o.directory.name for o in opened], bases, [o.infos for o in opened], maps)
     vectors = ShardedVectors([o.vectors for o in opened], bases)
-    keys = ShardedKeys([o.keys for o in opened], bases)
+
+    def deleted(shard: int, position: int) -> bool:
+        return bool(len(deletes[shard])) and bool(deletes[shard].contains(opened[shard].ids["row"][position].as_py()))
+
+    keys = ShardedKeys([o.keys for o in opened], bases, deleted)
     return SearchIndex(shards, ids, vectors, infos, path, keys, layout)
+
+
+def entry_deletes(path: Path, entry: dict[str, Any]) -> DeleteSet:
+    """The delete set a generation records for one segment (empty where it records none)."""
+    recorded = entry.get("deleted")
+    if not recorded:
+        return DeleteSet.empty()
+    return read_delete_set(path / recorded["file"], int(recorded["indexed"]), f"segment {entry['name']} of {path}")

@@ -28,18 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from index.deletes import DeleteSet
 from index.errors import IndexFileError
 from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
 from index.gpu_resident import ResidentDatabase, keep_resident
 from index.locals import LocalStore, open_local_store
-from index.merge import (
-    inner_products_at,
-    offset_table,
-    positions_of_rows,
-    search_params,
-    sort_by_score,
-    tie_margin,
-)
+from index.merge import inner_products_at, search_params, sort_by_score, tie_margin
+from index.row_map import RowMap, row_map_of
 from index.shard_files import ShardFiles, open_shard_files, read_faiss, read_infos_and_vectors
 from ingest.descriptors import STATUS_OK
 
@@ -59,22 +54,24 @@ class Shard:
 
     index: Any  # FAISS index, ids = Parquet row ids
     vectors: np.ndarray  # (N, d) float16 memory map of the directory's vectors (this shard reads its rows)
-    offsets: tuple[np.ndarray, np.ndarray]  # offset_table of the directory
+    row_map: RowMap  # row ids -> positions in ``vectors`` (index/row_map.py)
     exact: bool  # a flat index: its scores need no re-scoring
     nprobe: int  # default lists visited
     quantizer_ef: int | None  # HNSW coarse quantizer depth recorded by the build
     device: str = "auto"  # flat shards on a GPU: large searches when one is present (auto), never (cpu), always (cuda)
     files: ShardFiles | None = None  # a shard directory's own files (None: a shard of an old single directory)
+    deletes: DeleteSet = field(default_factory=lambda: DeleteSet.empty())  # rows deleted in the generation served
     resident: ResidentDatabase | bool | None = field(default=None, init=False, repr=False, compare=False)
     # its vectors on the GPU (device "cuda"): None until its first scan there, False where they do not fit
 
     @property
     def ntotal(self) -> int:
-        return int(self.index.ntotal)
+        """Vectors a search can return: those in its FAISS index less the deleted ones."""
+        return int(self.index.ntotal) - self.deletes.indexed
 
     def positions_of_rows(self, I: np.ndarray) -> np.ndarray:
         """Row ids of this shard -> its own positions (-1 stays -1)."""
-        return positions_of_rows(I, self.offsets)
+        return self.row_map.positions(I)
 
     def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
         """Row ids (nq, k) of this shard -> keys from its own key files, None for the -1 padding."""
@@ -88,7 +85,10 @@ class Shard:
         """The shard-local position of ``key`` from this shard's own key files (O(log n)), or -1."""
         if self.files is None:
             raise IndexFileError("a shard of an index built before shard directories has no key files of its own")
-        return self.files.keys.position_of(key)
+        position = self.files.keys.position_of(key)
+        if position >= 0 and len(self.deletes) and self.deletes.contains(self.files.ids["row"][position].as_py()):
+            return -1  # deleted in the generation served: unknown
+        return position
 
     def vector_at(self, position: int) -> np.ndarray | None:
         """The float32 vector at a shard-local position, or None where its row has no valid descriptor."""
@@ -127,7 +127,9 @@ class Shard:
         if not hasattr(index, "id_map"):
             raise IndexFileError(f"a flat shard of {type(index).__name__} has no id map to scan its vectors by")
         rows = faiss.vector_to_array(index.id_map).astype(np.int64)
-        positions = positions_of_rows(rows, self.offsets)
+        positions = self.positions_of_rows(rows)
+        keep = ~self.deletes.contains(rows)  # a deleted row is never scanned
+        positions, rows = positions[keep], rows[keep]
         order = np.argsort(positions, kind="stable")
         return positions[order], rows[order]
 
@@ -178,7 +180,7 @@ class Shard:
         as much as sorting its candidates (profiled). Read-only once made: request threads share them."""
         nprobe = nprobe or self.nprobe
         if nprobe not in self._params:
-            self._params[nprobe] = search_params(self.index, nprobe, self.quantizer_ef)
+            self._params[nprobe] = with_selector(search_params(self.index, nprobe, self.quantizer_ef), self.deletes)
         return self._params[nprobe]
 
     @cached_property
@@ -206,7 +208,7 @@ class Shard:
 
     def rescore(self, xq: np.ndarray, I: np.ndarray) -> np.ndarray:
         """Exact inner products of the candidates against their float16 vectors (-inf for -1)."""
-        return inner_products_at(self.vector_rows, positions_of_rows(I, self.offsets), xq)
+        return inner_products_at(self.vector_rows, self.positions_of_rows(I), xq)
 
 
 def is_valid_descriptor(vector: np.ndarray, status: str | None) -> bool:
@@ -215,20 +217,39 @@ def is_valid_descriptor(vector: np.ndarray, status: str | None) -> bool:
     return status == STATUS_OK and bool(np.isfinite(vector).all()) and bool(vector.any())
 
 
+def with_selector(params: Any | None, deletes: DeleteSet) -> Any | None:
+    """``params`` that also skip the deleted rows (FAISS's IDSelector), where any are deleted."""
+    if deletes.selector is None:
+        return params
+    import faiss
+
+    if params is None:  # a flat index
+        params = faiss.SearchParameters()
+    params.sel = deletes.selector
+    params.referenced_objects = [*(getattr(params, "referenced_objects", None) or []), deletes.selector]
+    return params
+
+
 def make_shard(
-    index: Any, vectors: np.ndarray, infos: dict[str, Any], device: str = "auto", files: ShardFiles | None = None
+    index: Any,
+    vectors: np.ndarray,
+    infos: dict[str, Any],
+    device: str = "auto",
+    files: ShardFiles | None = None,
+    deletes: DeleteSet | None = None,
 ) -> Shard:
-    """A shard over ``vectors`` whose positions ``infos["shard_offsets"]`` gives (the old
-    directory's infos, or a shard directory's ``shard_infos.json``)."""
+    """A shard over ``vectors`` whose positions its infos give (the old directory's infos, or a
+    shard directory's ``shard_infos.json``: ``index.row_map``), less the rows ``deletes`` names."""
     return Shard(
         index,
         vectors,
-        offset_table(infos),
+        row_map_of(infos, files.ids if files is not None else None),
         infos.get("kind") == "flat",
         int(infos.get("nprobe", 64)),
         infos.get("quantizer_ef"),
         device,
         files,
+        deletes or DeleteSet.empty(),
     )
 
 

@@ -12,6 +12,7 @@ is routed to the shard that owns it, and nothing concatenates the shards' keys, 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -25,6 +26,7 @@ from index.errors import IndexFileError
 from index.keys import KeyFileError, KeyStore
 from index.layout import IDS_FILE, INDEX_FILE, INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE, VECTORS_FILE
 from index.locals import LocalStore, LocalStoreError
+from index.row_map import RoutedRows, RowMap
 
 
 def read_faiss(path: Path, mmap: bool = True) -> Any:
@@ -214,11 +216,13 @@ class ShardedVectors:
 
 
 class ShardedKeys:
-    """``keys_at(positions)`` and ``position_of(key)`` over the shards' own key files (index/keys.py)."""
+    """``keys_at(positions)`` and ``position_of(key)`` over the shards' own key files (index/keys.py);
+    ``deleted(shard, position)``: whether that row is deleted in the generation read (never found)."""
 
-    def __init__(self, stores: list[KeyStore], bases: np.ndarray):
+    def __init__(self, stores: list[KeyStore], bases: np.ndarray, deleted: Callable[[int, int], bool] | None = None):
         self.stores = stores
         self.bases = bases
+        self.deleted = deleted
 
     def __len__(self) -> int:
         return int(sum(len(s) for s in self.stores))
@@ -235,10 +239,12 @@ class ShardedKeys:
         return keys
 
     def position_of(self, key: str) -> int:
-        """The position of ``key`` (a binary search in each shard's key files), or -1."""
-        for base, store in zip(self.bases, self.stores):
+        """The position of ``key`` (a binary search in each shard's key files), or -1; a row deleted
+        in the generation read is passed over (a key re-added with ``--replace`` lives in a later
+        segment)."""
+        for shard, (base, store) in enumerate(zip(self.bases, self.stores)):
             position = store.position_of(key)
-            if position >= 0:
+            if position >= 0 and not (self.deleted is not None and self.deleted(shard, position)):
                 return int(base) + position
         return -1
 
@@ -251,16 +257,14 @@ class ShardLayout:
     bases: np.ndarray  # (shards,) first position of each shard
     shard_infos: list[dict[str, Any]]
 
+    maps: list[RowMap]  # each shard's (segment's) row ids -> its own positions
+
     @cached_property
-    def offsets(self) -> tuple[np.ndarray, np.ndarray]:
-        """(first position, Parquet shard id) of every Parquet file, sorted by shard id: a row id's
-        Parquet shard id routes it to its index shard and position (one entry per Parquet file)."""
-        items = sorted(
-            (int(shard_id), int(base) + int(offset))
-            for base, infos in zip(self.bases, self.shard_infos)
-            for shard_id, offset in infos["shard_offsets"].items()
-        )
-        return np.array([o for _, o in items], np.int64), np.array([s for s, _ in items], np.int64)
+    def row_map(self) -> RoutedRows:
+        """Row ids -> positions over every shard: a row id's Parquet shard id routes it to the shard
+        (segment) that holds its file, whose own map places it."""
+        parquet_ids = [[int(i) for i in infos["shard_offsets"]] for infos in self.shard_infos]
+        return RoutedRows(self.maps, self.bases, parquet_ids)
 
     def local_store(self, path: Path, infos: dict[str, Any]) -> LocalStore | None:
         if not infos.get("locals"):
