@@ -135,6 +135,7 @@ class S3Location:
     def __init__(self, url: str, endpoint_url: str | None = None):
         self.url = url.rstrip("/")
         self.bucket, self.prefix = split_s3(self.url)
+        self.endpoint_url = endpoint_url
         self.client = s3_client(endpoint_url)
 
     def _key(self, name: str) -> str:

@@ -1,0 +1,221 @@
+"""``needle index add``: the rows of Parquet files an index does not hold yet, as a new generation.
+
+Rows are encoded with the build's trained quantizer and PQ (no retraining: ``trained_empty``) by
+the build's own add and shard steps (index/build_add.py, index/build_shard.py), one new segment
+per shard that receives files; files go to the shards with the fewest live rows, so the shards
+stay balanced. Local tokens, refine vectors and keys are written into the segment beside its
+index. Re-running adds nothing twice: a Parquet file the index already holds (its Parquet shard
+id, with the same name and rows) is skipped; a key the index already holds is an error naming it,
+unless ``replace``: then its old row goes into the new generation's delete set. The report says
+how far the new rows drift from what the quantizer was trained on (index/drift.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from core.errors import NeedleInputError
+from core.kill_points import kill_point
+from index.build_add import PartRunner, run_parts_sequentially
+from index.build_plan import FileInfo, load_adapter, local_extractor, part_task, read_sources
+from index.build_shard import finish_shard
+from index.drift import drift_report, sample_positions
+from index.generations import GENERATIONS_DIR, segments_of
+from index.layout import VECTORS_FILE
+from index.live_keys import ParentKeys
+from index.live_writer import Writer, next_shards, parent_files, writing
+from ingest.descriptors import DescriptorFileError, has_locals
+
+log = logging.getLogger(__name__)
+TRAINED_SAMPLE_FILE = f"{GENERATIONS_DIR}/trained_sample.npy"  # the drift report's baseline rows
+TRAINED_SAMPLE_ROWS = 2000
+
+
+@dataclass(frozen=True)
+class AddConfig:
+    replace: bool = False  # a key the index already holds: delete its old row, index the new one (else an error)
+    s3_endpoint_url: str | None = None  # S3-compatible endpoint for s3:// indexes and descriptors
+    drift_error_ratio: float = 1.25  # recommend a rebuild past this ratio of mean quantisation errors (new/trained)
+    drift_top_share_ratio: float = 2.0  # ... or past this ratio of the fullest 1 % of lists' shares (new/trained)
+
+
+class DuplicateKeyError(NeedleInputError):
+    """A key being added that the index (or another added file) already holds."""
+
+
+def main(
+    conf: AddConfig,
+    descriptors: Path | str | Sequence[Path | str],
+    index: Path | str,
+    run_parts: PartRunner = run_parts_sequentially,
+) -> dict[str, Any]:
+    """Add the new rows of ``descriptors`` to ``index`` as its next generation; returns what changed
+    (the manifest's ``change``: ``"generation"`` None where nothing was new)."""
+    with writing(index, conf.s3_endpoint_url) as writer:
+        sources = read_sources(descriptors, writer.scratch / "staging", conf.s3_endpoint_url)
+        adapt = (writer.infos.get("config") or {}).get("adapt")
+        adapter = load_adapter(adapt, sources.dim)
+        index_dim = int(adapter.out_dim) if adapter is not None else sources.dim
+        if index_dim != int(writer.infos["dim"]):
+            raise NeedleInputError(
+                f"--descriptors have d={sources.dim} (indexed as d={index_dim}); "
+                f"index {index} holds d={writer.infos['dim']}"
+            )
+        new, skipped = new_files(writer, sources.files)
+        change: dict[str, Any] = {"command": "add", "skipped_files": skipped, "generation": None}
+        if not new:
+            log.info("every file is already in %s: nothing to add", index)
+            return change
+        with_locals = bool(writer.infos.get("locals"))
+        missing = [f.path for f in new if with_locals != has_locals(Path(f.path))]
+        if missing:
+            what = "has local tokens" if with_locals else "has no local tokens"
+            raise DescriptorFileError(f"index {index} {what}, and {missing[0]} does not match it")
+        replaced = replaced_rows(writer, new, conf.replace)
+        assignment = balance(writer, new)
+        trained = writer.trained_empty()
+        names, tasks = {}, []
+        for shard, files in assignment.items():
+            names[shard] = writer.segment_name(shard)
+            directory = writer.new_segment_dir(names[shard])
+            tasks.append(part_task(trained, directory, 0, files, sources.dim, with_locals, adapt))
+        stats = run_parts(tasks)
+        kill_point("parts_added")
+        common = segment_common(writer)
+        extractor = local_extractor(sources.ingest)
+        entries = {}
+        for (shard, files), task, stat in zip(assignment.items(), tasks, stats):
+            directory = writer.root / names[shard]
+            entries[shard] = finish_shard(directory, shard, files, [task], [stat], common, extractor)
+            entries[shard]["name"] = names[shard]
+            writer.commit_segment(names[shard])
+        drift = added_drift(writer, conf, trained, [writer.root / names[s] for s in assignment])
+        shards = next_shards(writer, entries, replaced)
+        change.update(
+            files=[Path(f.source or f.path).name for f in new],
+            rows=sum(f.rows for f in new),
+            vectors=sum(int(s["added"]) for s in stats),
+            replaced=sum(len(rows) for rows, _ in replaced.values()),
+            segments=sorted(names.values()),
+            drift=drift,
+        )
+        if drift and drift["rebuild_recommended"]:
+            log.warning(
+                "the added rows drift from what the quantizer was trained on (mean quantisation error x%.2f, "
+                "fullest 1%% of lists x%.2f their trained share): rebuild the index (needle index build) to retrain",
+                drift["error_ratio"],
+                drift["top_share_ratio"],
+            )
+        manifest = writer.publish(shards, change)
+        change["generation"] = manifest["generation"]
+        return change
+
+
+def new_files(writer: Writer, files: list[FileInfo]) -> tuple[list[FileInfo], list[str]]:
+    """The files the parent does not hold, and the names of those it holds (skipped). A Parquet
+    shard id the index holds from another file is an error: their row ids would collide."""
+    held = parent_files(writer)
+    new, skipped = [], []
+    for f in files:
+        name = Path(f.source or f.path).name
+        if f.shard_id in held:
+            have = held[f.shard_id]
+            if Path(have["path"]).name == name and int(have["rows"]) == f.rows:
+                skipped.append(name)
+                continue
+            raise DescriptorFileError(
+                f"{f.source or f.path} holds Parquet shard id {f.shard_id}, which the index already holds from "
+                f"{have['path']} ({have['rows']} rows): their row ids would collide"
+            )
+        new.append(f)
+    return new, skipped
+
+
+def replaced_rows(writer: Writer, files: list[FileInfo], replace_keys: bool) -> dict[int, tuple[np.ndarray, int]]:
+    """Parent segment number -> (rows to delete, how many had vectors) for keys the new files
+    re-add (``replace_keys``); a duplicate key without it is a DuplicateKeyError naming it."""
+    keys: list[str] = []
+    for f in files:
+        keys.extend(pq.read_table(f.path, columns=["key"])["key"].to_pylist())
+    twice = [key for key, count in Counter(keys).items() if count > 1]
+    if twice:
+        raise DuplicateKeyError(f"key {twice[0]!r} is in more than one added row ({len(twice)} such keys)")
+    parent = ParentKeys(writer)
+    present = [(key, at) for key in keys if (at := parent.find(key)) is not None]
+    if present and not replace_keys:
+        raise DuplicateKeyError(
+            f"key {present[0][0]!r} is already in the index ({len(present)} of the added keys are): "
+            "delete them first, or add with --replace"
+        )
+    return parent.deletes_of(writer, [at for _, at in present])
+
+
+def balance(writer: Writer, files: list[FileInfo]) -> dict[int, list[FileInfo]]:
+    """Shard -> the files it receives (largest first to the shard with the fewest live rows),
+    each shard's files in Parquet shard id order with positions counted from its segment's start."""
+    live = []
+    for shard in writer.parent["shards"]:
+        rows = sum(int(s["rows"]) - int((s.get("deleted") or {}).get("rows", 0)) for s in shard["segments"])
+        live.append(rows)
+    chosen: dict[int, list[FileInfo]] = {}
+    for f in sorted(files, key=lambda f: (-f.rows, f.shard_id)):
+        shard = int(np.argmin(live))
+        live[shard] += f.rows
+        chosen.setdefault(shard, []).append(f)
+    out = {}
+    for shard in sorted(chosen):
+        offset, placed = 0, []
+        for f in sorted(chosen[shard], key=lambda f: f.shard_id):
+            placed.append(replace(f, offset=offset))
+            offset += f.rows
+        out[shard] = placed
+    return out
+
+
+def segment_common(writer: Writer) -> dict[str, Any]:
+    """What every segment's ``shard_infos.json`` records of the build (from the parent's first segment)."""
+    first = writer.segment_infos(segments_of(writer.parent)[0]["name"])
+    names = ("kind", "factory", "metric", "dim", "nprobe", "refine_factor", "quantizer_ef", "adapt")
+    return {**{name: first.get(name) for name in names}, "faiss_version": first.get("faiss_version"),
+            "trained_sha256": first.get("trained_sha256")}  # fmt: skip
+
+
+def added_drift(writer: Writer, conf: AddConfig, trained: Path, segments: list[Path]) -> dict[str, Any] | None:
+    """The drift report of the rows just added (index/drift.py), against the baseline sample."""
+    import faiss
+
+    index = faiss.read_index(str(trained))
+    baseline = trained_sample(writer)
+    new = [np.asarray(np.load(d / VECTORS_FILE, mmap_mode="r"), np.float32) for d in segments]
+    xb = np.concatenate(new) if new else np.zeros((0, int(writer.infos["dim"])), np.float32)
+    xb = xb[np.abs(xb).sum(1) > 0]  # rows whose image failed hold zeros and are not indexed
+    return drift_report(index, xb, baseline, conf.drift_error_ratio, conf.drift_top_share_ratio)
+
+
+def trained_sample(writer: Writer) -> np.ndarray:
+    """The baseline rows of the drift report: a sample of the index's rows taken at its first
+    change (the build's rows), kept beside the generations and reused by later adds."""
+    data = writer.location.read_bytes(TRAINED_SAMPLE_FILE)
+    if data is not None:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    rows = []
+    for entry in segments_of(writer.parent):
+        for position in sample_positions(int(entry["rows"]), TRAINED_SAMPLE_ROWS // len(writer.parent["shards"])):
+            rows.append(np.asarray(writer.row_vector(entry["name"], int(position)), np.float32))
+    sample = np.stack(rows) if rows else np.zeros((0, int(writer.infos["dim"])), np.float32)
+    sample = sample[np.abs(sample).sum(1) > 0]
+    buffer = io.BytesIO()
+    np.save(buffer, sample)
+    with contextlib.suppress(FileExistsError):
+        writer.location.create_exclusive(TRAINED_SAMPLE_FILE, buffer.getvalue())
+    return sample
