@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from cli.flags import add_config_flags, config_from_args, source_constant
+from cli.live import add_live_parsers
 from core.errors import NeedleInputError
 
 log = logging.getLogger("needle")
@@ -229,6 +230,7 @@ def add_build_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--ray", action="store_true", help="run the add parts as Ray tasks")
     b.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else a local instance)")
     b.set_defaults(func=_index_build)
+    add_live_parsers(isub)  # add, delete, compact
 
 
 def add_tool_parsers(sub: argparse._SubParsersAction) -> None:

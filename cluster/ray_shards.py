@@ -54,6 +54,21 @@ def shard_groups(n_shards: int, shards_per_actor: int) -> list[list[int]]:
     return [list(range(start, min(start + size, n_shards))) for start in range(0, n_shards, size)]
 
 
+def actor_groups(infos: dict[str, Any], shards_per_actor: int) -> list[list[int]]:
+    """The entries of ``infos["shards"]`` each actor serves: of a generation (index.generations.
+    view_infos), every segment of ``shards_per_actor`` consecutive shards, so that a shard's
+    segments live in one actor with its rows; of an index as built, ``shard_groups``."""
+    segments = infos.get("shard_segments")
+    if not segments:
+        return shard_groups(len(infos["shards"]), shards_per_actor)
+    return [[entry for shard in group for entry in shard] for group in shard_groups_of(segments, shards_per_actor)]
+
+
+def shard_groups_of(items: list[list[int]], size: int) -> list[list[list[int]]]:
+    size = max(1, size)
+    return [items[start : start + size] for start in range(0, len(items), size)]
+
+
 class GroupBatch:
     """One call to a group actor carrying several shard calls, over its direct channel
     (shards/direct.py) or as a Ray call; its answers decoded once. A direct call whose connection
@@ -174,6 +189,18 @@ class RayShards:
             for group, replicas in enumerate(actors):
                 for replica in range(len(replicas)):
                     self.ask_endpoint(group, replica)
+
+    def close(self) -> None:
+        """Close the channels and stop the actors (a generation no request uses any more)."""
+        import ray
+
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+        for replicas in self.actors:
+            for actor in replicas:
+                ray.kill(actor, no_restart=True)
 
     def ask_endpoint(self, group: int, replica: int) -> None:
         self._asked[group, replica] = self.actors[group][replica].endpoint.remote()
@@ -366,7 +393,7 @@ def start_shard_actors(
             f"{placement.replicas}, {placement.concurrency}, {placement.shards_per_actor}"
         )
     entries = infos["shards"]
-    groups = shard_groups(len(entries), placement.shards_per_actor)
+    groups = actor_groups(infos, placement.shards_per_actor)
     cpus = placement.cpus
     if cpus is None:
         cpus = min(1.0, ray.cluster_resources().get("CPU", 1) / (len(groups) * placement.replicas))

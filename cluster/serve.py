@@ -47,7 +47,10 @@ class ShardServing:
 
 
 def serve_sharded(
-    path: str | Path, serving: ShardServing | None = None, actors: list[list[Any]] | None = None
+    path: str | Path,
+    serving: ShardServing | None = None,
+    actors: list[list[Any]] | None = None,
+    generation: int | None = None,
 ) -> ShardedIndex:
     """A coordinator (shards.coordinator.ShardedIndex) of the index at ``path`` (an ``s3://``
     prefix or a path every node can read), its shards in Ray actors (Ray must be initialised).
@@ -55,16 +58,17 @@ def serve_sharded(
     The coordinator reads only the top-level ``index_infos.json``; each actor stages its shard to
     its node's disk and opens it there. ``actors``: the shard actors of another coordinator of the
     same index ([group][replica], ``.backend.actors``), shared instead of starting new ones (one
-    set of shard actors behind several Serve replicas).
+    set of shard actors behind several Serve replicas). ``generation``: the one to serve (None:
+    the newest); each shard's segments are served by one actor.
     """
-    from cluster.ray_shards import RayShards, shard_groups, start_shard_actors, wait_ready
+    from cluster.ray_shards import RayShards, actor_groups, start_shard_actors, wait_ready
     from shards.staging import read_index_infos, source_url
 
     serving = serving or ShardServing()
     source = source_url(path)
-    infos = read_index_infos(source, serving.stage.endpoint_url)
+    infos = read_index_infos(source, serving.stage.endpoint_url, generation)
     names = [entry["name"] for entry in infos["shards"]]
-    groups = shard_groups(len(names), serving.placement.shards_per_actor)
+    groups = actor_groups(infos, serving.placement.shards_per_actor)
     if actors is None:
         actors = start_shard_actors(source, infos, serving.stage, serving.placement, serving.images)
         wait_ready(actors, names, serving.placement.stage_timeout, groups)
@@ -78,16 +82,35 @@ def serve_sharded(
 
 
 def open_index(
-    path: str | Path, ray_shards: bool = False, address: str | None = None, serving: ShardServing | None = None
+    path: str | Path,
+    ray_shards: bool = False,
+    address: str | None = None,
+    serving: ShardServing | None = None,
+    reload_interval: float = 0.0,
 ) -> Any:
     """The index to search: its shards in Ray actors with ``ray_shards`` (joining ``address``, else
-    $RAY_ADDRESS, else a local instance), else loaded in this process."""
+    $RAY_ADDRESS, else a local instance), else loaded in this process. With ``reload_interval``
+    (seconds), one that follows the index's newest generation (webapi.live_index.LiveIndex): under
+    ``ray_shards`` each generation gets its own shard actors, stopped once no request uses them."""
     if ray_shards:
         from cluster.ingest_job import connect_ray
 
         connect_ray(address)
-        return serve_sharded(path, serving)
-    return load_index(path)
+    if reload_interval <= 0:
+        return serve_sharded(path, serving) if ray_shards else load_index(path)
+    from index.generations import latest_number, location_of
+    from webapi.live_index import LiveIndex
+
+    endpoint = serving.stage.endpoint_url if serving is not None else None
+    location = location_of(path, endpoint)
+    if ray_shards:
+        return LiveIndex(
+            lambda n: serve_sharded(path, serving, generation=n),
+            lambda: latest_number(location),
+            reload_interval,
+            close_generation=lambda index: index.backend.close(),
+        )
+    return LiveIndex(lambda n: load_index(path, generation=n), lambda: latest_number(location), reload_interval)
 
 
 # Ray Serve: replicas of the same app. Replicas reserve no CPU by default: with --ray-shards the

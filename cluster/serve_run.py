@@ -41,6 +41,7 @@ class ServeConfig:
         None  # --ray-shards: each node's local dir for staged shards ({node}: node id); default <tmp>
     )
     s3_endpoint_url: str | None = None  # S3-compatible endpoint for an s3:// --index
+    reload_interval: float = 2.0  # seconds between checks for a newer generation of the index (0: never switch)
     stage_local: bool = (
         True  # --ray-shards: copy a local --index's shards to each node's cache (--no-stage-local: serve it in place)
     )
@@ -129,7 +130,9 @@ def run(
 
     tar_dirs = tuple(page.shard_dirs) if page is not None else ()
     serving = shard_serving(conf, tar_dirs) if conf.ray_shards else None
-    search_index = open_index(index, conf.ray_shards, conf.address, serving)
+    if conf.reload_interval < 0:
+        raise NeedleInputError(f"--reload-interval must be >= 0 seconds, got {conf.reload_interval}")
+    search_index = open_index(index, conf.ray_shards, conf.address, serving, conf.reload_interval)
     app = create_app(QueryService(search_index, files, rerank, device, limits), page)
     log.info(
         "serving %s on http://%s:%d (%d vectors; API docs at /docs)", index, conf.host, conf.port, search_index.ntotal

@@ -253,7 +253,7 @@ def make_shard(
     )
 
 
-def open_shard(path: str | Path, name: str, device: str = "auto") -> Shard:
+def open_shard(path: str | Path, name: str, device: str = "auto", deletes: DeleteSet | None = None) -> Shard:
     """One shard of an index, with its own memory maps (a Ray shard actor's view): the shard
     directory ``path / name`` by itself (nothing outside it is read), or for an index built
     before shard directories, its FAISS file ``name`` and the directory's shared files."""
@@ -261,6 +261,6 @@ def open_shard(path: str | Path, name: str, device: str = "auto") -> Shard:
     device = check_device(device)
     if (path / name).is_dir():
         files = open_shard_files(path / name)
-        return make_shard(files.index, files.vectors, files.infos, device, files)
+        return make_shard(files.index, files.vectors, files.infos, device, files, deletes)
     infos, vectors = read_infos_and_vectors(path)
     return make_shard(read_faiss(path / name), vectors, infos, device)

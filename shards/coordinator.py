@@ -116,7 +116,13 @@ class ShardedIndex:
 
     @property
     def ntotal(self) -> int:
-        return int(self.infos["ntotal"])
+        """Vectors a search can return (less those deleted in the generation served)."""
+        return int(self.infos.get("live_ntotal", self.infos["ntotal"]))
+
+    @property
+    def generation(self) -> int:
+        """The generation every shard answers from (0: as built)."""
+        return int(self.infos.get("generation", 0))
 
     @property
     def is_exact(self) -> bool:

@@ -29,7 +29,7 @@ from core.tokens import LocalTokens, TokenBatch
 from index.shard import open_shard
 from ingest.source_images import SourceImages, SourceImagesConfig, tar_urls_of_files, thumbnail_jpeg
 from shards.calls import ShardCalls, ShardKeys
-from shards.staging import StageConfig, stage_shard
+from shards.staging import StageConfig, read_delete_set_of, stage_shard
 
 if TYPE_CHECKING:
     from index.locals import LocalStore
@@ -111,7 +111,8 @@ class ShardActor(ShardCalls):
         self.replica = replica
         self.node = node or socket.gethostname()
         self.staged = stage_shard(source, name, stage, self.node, entry)
-        self.shard = open_shard(self.staged.directory.parent, name)
+        deletes = read_delete_set_of(source, entry or {}, stage.endpoint_url)
+        self.shard = open_shard(self.staged.directory.parent, name, deletes=deletes)
         # One search before reporting ready: the first loads what it needs (torch for re-scoring:
         # seconds), which would otherwise count against the first request's timeout.
         self.shard.search(np.zeros((1, self.shard.index.d), np.float32), 1, None, True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import tempfile
@@ -26,9 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from core.atomic import atomic_path, write_json_atomic
 from core.hashing import file_sha256
 from core.storage import StorageError, copy_file_under, is_s3, read_file_under
+from index.deletes import DeleteSet
 from index.errors import IndexFileError
 from index.layout import INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE
 
@@ -74,11 +78,17 @@ def read_json(source: str, relative: str, endpoint_url: str | None) -> dict[str,
     return value
 
 
-def read_index_infos(source: str | Path, endpoint_url: str | None = None) -> dict[str, Any]:
-    """The top-level ``index_infos.json`` of an index of shard directories (all a coordinator
-    reads), checked to list its shards with their rows, vectors and bytes."""
+def read_index_infos(
+    source: str | Path, endpoint_url: str | None = None, generation: int | None = None
+) -> dict[str, Any]:
+    """A generation (default: the newest) of an index of shard directories as the top-level infos
+    (index.generations.view_infos: all a coordinator reads), checked to list its shards (segments)
+    with their rows, vectors and bytes."""
+    from index.generations import read_view
+
     url = source_url(source)
-    infos = read_json(url, INFOS_FILE, endpoint_url)
+    read_json(url, INFOS_FILE, endpoint_url)  # an IndexFileError naming the file where it is missing
+    infos = read_view(url, endpoint_url, generation)
     if infos.get("layout") != LAYOUT_SHARDS:
         raise IndexFileError(
             f"index {url} was built before shard directories: serving it across nodes needs an index of "
@@ -90,6 +100,20 @@ def read_index_infos(source: str | Path, endpoint_url: str | None = None) -> dic
     if sum(e["rows"] for e in entries) != infos.get("rows") or sum(e["ntotal"] for e in entries) != infos.get("ntotal"):
         raise IndexFileError(f"index {url}: its shards' rows and vectors do not add up to those of {INFOS_FILE}")
     return infos
+
+
+def read_delete_set_of(source: str, entry: dict[str, Any], endpoint_url: str | None) -> DeleteSet:
+    """The delete set a generation records for shard (segment) ``entry`` (empty where none), read
+    from the index location: a small file, never staged."""
+    recorded = entry.get("deleted")
+    if not recorded:
+        return DeleteSet.empty()
+    data = read_source_bytes(source_url(source), recorded["file"], endpoint_url)
+    try:
+        rows = np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as exc:
+        raise IndexFileError(f"{source}/{recorded['file']}: not a delete set: {exc}") from exc
+    return DeleteSet(rows, int(recorded["indexed"]))
 
 
 def cache_root(cache_dir: str | None, node: str) -> Path:

@@ -104,7 +104,7 @@ def test_flat_answers_equal_brute_force_after_every_change(flat):
     assert_exact(index_dir, live, xq)
     rng = np.random.default_rng(0)
     doomed = sorted(rng.choice(sorted(live.rows), 50, replace=False).tolist())
-    change = delete(DeleteConfig(), doomed + ["no/such-key"], index_dir)
+    change = delete(DeleteConfig(), [*doomed, "no/such-key"], index_dir)
     assert change["deleted"] == 50 and change["unknown"] == 1 and change["unknown_keys"] == ["no/such-key"]
     for key in doomed:
         del live.rows[key]
@@ -139,14 +139,14 @@ def test_deleted_keys_are_unknown_and_k_results_remain(flat):
     with pytest.raises(UnknownKeyError):
         index.position_of(keys[0])
     xq = clustered_unit_vectors(3, D, seed=5).astype(np.float32)
-    D_, I = index.search(xq, 10)
+    _, I = index.search(xq, 10)
     assert (I >= 0).all() and set(I.ravel()) <= {live.rows[k][0] for k in keys[150:]}
     again = delete(DeleteConfig(), keys[:3], index_dir)  # already deleted: unknown, nothing published
     assert again["generation"] is None and again["unknown"] == 3
 
 
 def test_adding_the_same_files_again_adds_nothing(flat):
-    index_dir, live, tmp = flat
+    index_dir, _, tmp = flat
     change = add(AddConfig(), tmp / "desc", index_dir)
     assert change["generation"] is None and len(change["skipped_files"]) == 4
     assert latest_number(location_of(index_dir)) == 0
@@ -188,12 +188,9 @@ def test_compact_removes_deleted_bytes_and_old_generations(flat):
 def test_two_writers_the_second_fails_and_nothing_is_lost(flat):
     index_dir, live, tmp = flat
     keys = sorted(live.rows)
-    with writing(index_dir):
-        with pytest.raises(WriterBusy, match="another writer"):
-            delete(DeleteConfig(), keys[:1], index_dir)
+    with writing(index_dir), pytest.raises(WriterBusy, match="another writer"):
+        delete(DeleteConfig(), keys[:1], index_dir)
     # two writers on S3-like terms (no lock): both start from generation 0, the second to publish loses
-    first = writing(index_dir)
-    first.lock = None
     from index.live_writer import Writer, next_shards
 
     location = location_of(index_dir)

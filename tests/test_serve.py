@@ -79,7 +79,13 @@ def test_http_search_by_key_and_vector(client, built):
     assert status == 200 and out[0]["results"][0]["key"] == "000001/00007"
     assert out[0]["results"][0]["score"] == pytest.approx(1.0, abs=1e-2)
     response = client.get("/health")
-    assert response.status_code == 200 and response.json() == {"ntotal": 480, "d": 32, "shards": 1, "kind": "ivfpq"}
+    assert response.status_code == 200 and response.json() == {
+        "ntotal": 480,
+        "d": 32,
+        "shards": 1,
+        "kind": "ivfpq",
+        "generation": 0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -233,7 +239,10 @@ def test_ray_serve_deployment_answers_through_the_proxy(built, ray_local):
     try:
         serve.run(ray_app(str(built / "single")), name="needle", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        assert urlopen_json(f"{url}/health") == (200, {"ntotal": 480, "d": 32, "shards": 1, "kind": "ivfpq"})
+        assert urlopen_json(f"{url}/health") == (
+            200,
+            {"ntotal": 480, "d": 32, "shards": 1, "kind": "ivfpq", "generation": 0},
+        )
         status, out = urlopen_json(f"{url}/search", {"keys": ["000002/00005"], "k": 3})
         assert status == 200 and out[0]["results"][0]["key"] == "000002/00005" and len(out[0]["results"]) == 3
         status, out = urlopen_json(f"{url}/search", {"k": 2})

@@ -16,6 +16,7 @@ them, for ``queue_timeout`` s, holding no body beyond the bytes they sent) or ge
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,15 +151,16 @@ def short_repr(value: Any, width: int = 60) -> str:
 class RequestChecks:
     """The checks of one service's requests against its limits and its index's size."""
 
-    def __init__(self, limits: ServiceLimits, ntotal: int):
+    def __init__(self, limits: ServiceLimits, ntotal: Callable[[], int]):
         self.limits = limits
-        self.ntotal = ntotal
+        self.ntotal = ntotal  # the served index's size now (it grows and shrinks with its generations)
 
     def k(self, value: Any) -> int:
         """k: a positive int, at most the index's size and ``max_k_total``."""
         k = positive_int(value, "k")
-        if k > self.ntotal:
-            raise FieldError("k", f"k={k} is larger than the index ({self.ntotal} vectors)")
+        ntotal = self.ntotal()
+        if k > ntotal:
+            raise FieldError("k", f"k={k} is larger than the index ({ntotal} vectors)")
         return positive_int(k, "k", self.limits.max_k_total, "max_k_total")
 
     def nprobe(self, value: Any) -> int | None:

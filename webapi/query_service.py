@@ -50,7 +50,7 @@ class QueryService:
         self.device = device
         self.reranker = make_reranker(rerank, index, self.token_kind, device, self.files) if rerank else None
         self.limits = (limits or ServiceLimits()).check()  # what one request may ask (webapi.limits)
-        self.checks = RequestChecks(self.limits, index.ntotal)
+        self.checks = RequestChecks(self.limits, lambda: index.ntotal)
         self._lock = threading.Lock()
         self._extractor = None
         self._adapter: Any = False  # the index's adapter, loaded (and verified) once; False: not yet

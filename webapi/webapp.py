@@ -57,6 +57,7 @@ from shards.coordinator import ShardsUnavailable
 from webapi.guard import Guard, Route, allowed_hosts, read_limited
 from webapi.http_errors import error_response, json_response, request_id, server_locations
 from webapi.limits import FieldError, ServiceLimits, parse_json
+from webapi.live_index import pinned
 from webapi.query_service import QueryService
 
 if TYPE_CHECKING:
@@ -162,8 +163,10 @@ def add_error_handlers(app: FastAPI, locations: tuple[str, ...] = ()) -> None:
 def health_answer(index: Index) -> tuple[int, dict[str, Any]]:
     """(status, body) of /health: the index's size, dimension, shards and kind, and the replicas'
     state where the shards are served elsewhere (503 when a shard has no live replica)."""
-    shards = len(shard_names(index.infos))
-    out: dict[str, Any] = {"ntotal": index.ntotal, "d": index.d, "shards": shards, "kind": index.infos.get("kind")}
+    infos = index.infos
+    shards = len(infos.get("shard_segments") or shard_names(infos))
+    out: dict[str, Any] = {"ntotal": index.ntotal, "d": index.d, "shards": shards, "kind": infos.get("kind")}
+    out["generation"] = int(infos.get("generation", 0))  # the generation served (docs/live_index.md)
     replicas = index.health()  # {} in one process: every shard is here
     out.update(replicas)
     return (200 if replicas.get("ok", True) else 503), out
@@ -172,7 +175,8 @@ def health_answer(index: Index) -> tuple[int, dict[str, Any]]:
 def add_health(app: FastAPI, service: QueryService) -> None:
     @app.get("/health", summary="index size, dimension, shards and kind (and each shard replica's state)")
     def health() -> Response:
-        return json_response(*health_answer(service.index))
+        with pinned(service.index):  # one generation's figures
+            return json_response(*health_answer(service.index))
 
 
 def add_search(app: FastAPI, service: QueryService, locations: tuple[str, ...] = ()) -> None:

@@ -38,6 +38,7 @@ from core.errors import NeedleInputError
 from shards.coordinator import ShardsUnavailable
 from webapi.http_errors import error_response, is_server_side, request_id, scrub, server_locations
 from webapi.limits import FieldError, parse_json, short_repr
+from webapi.live_index import pinned
 
 if TYPE_CHECKING:
     from query.index_protocol import Index
@@ -247,8 +248,12 @@ async def guarded(request: Request, search: PageSearch, fn: Any, *args: Any) -> 
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
 
+    def run() -> Any:
+        with pinned(search.service.index):  # every index call of the request: one generation
+            return fn(*args)
+
     try:
-        return JSONResponse(await run_in_threadpool(fn, *args))
+        return JSONResponse(await run_in_threadpool(run))
     except Exception as exc:  # keep serving
         return error_response(exc, request_id(request.scope), search.locations)
 

@@ -1,0 +1,116 @@
+"""``needle index add``, ``delete`` and ``compact``: changing an index as generations
+(docs/live_index.md). Each prints what changed as JSON (the new generation's ``change``: its
+``"generation"`` is null where nothing changed). ``--wait-for URL`` returns only once the server
+at URL answers ``/health`` with that generation or a newer one: then the change is visible there."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from cli.flags import add_config_flags, config_from_args
+from core.errors import NeedleInputError
+
+log = logging.getLogger("needle")
+
+
+class WaitTimeout(NeedleInputError):
+    """The server given to ``--wait-for`` did not serve the new generation in time."""
+
+
+def served_generation(url: str, timeout: float = 5.0) -> int | None:
+    """The generation ``url``'s ``/health`` reports, or None where it cannot be asked."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as answer:
+            body = json.loads(answer.read())
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+    generation = body.get("generation") if isinstance(body, dict) else None
+    return int(generation) if isinstance(generation, int) else None
+
+
+def wait_for(url: str, generation: int, timeout: float, poll: float = 0.1) -> float:
+    """Seconds until the server at ``url`` serves ``generation`` (or a newer one), or WaitTimeout."""
+    start = time.monotonic()
+    seen = None
+    while time.monotonic() - start < timeout:
+        seen = served_generation(url)
+        if seen is not None and seen >= generation:
+            return time.monotonic() - start
+        time.sleep(poll)
+    raise WaitTimeout(
+        f"--wait-for {url}: it serves generation {seen} after {timeout:g} s, not {generation} "
+        "(is it serving this index, with --reload-interval?)"
+    )
+
+
+def report(change: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print ``change`` as JSON after waiting for ``--wait-for`` where a generation was published."""
+    if args.wait_for and change.get("generation") is not None:
+        change["visible_after_s"] = round(wait_for(args.wait_for, int(change["generation"]), args.wait_timeout), 3)
+    json.dump(change, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _add(args: argparse.Namespace) -> int:
+    from index.add_rows import AddConfig, main
+
+    conf = config_from_args(AddConfig, args)
+    run_parts = None
+    if args.ray:
+        from cluster.index_job import ray_part_runner
+        from cluster.ingest_job import connect_ray
+
+        connect_ray(args.address)
+        run_parts = ray_part_runner()
+    change = (
+        main(conf, args.descriptors, args.index, run_parts) if run_parts else main(conf, args.descriptors, args.index)
+    )
+    return report(change, args)
+
+
+def _delete(args: argparse.Namespace) -> int:
+    from index.delete_rows import DeleteConfig, main, read_keys
+
+    return report(main(config_from_args(DeleteConfig, args), read_keys(args.keys), args.index), args)
+
+
+def _compact(args: argparse.Namespace) -> int:
+    from index.compact import CompactConfig, main
+
+    return report(main(config_from_args(CompactConfig, args), args.index), args)
+
+
+def add_wait_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--index", required=True, help="the index directory or s3:// prefix to change")
+    p.add_argument("--wait-for", metavar="URL", help="return once the server at URL serves the new generation")
+    p.add_argument("--wait-timeout", type=float, default=60.0, help="seconds --wait-for waits before failing")
+
+
+def add_live_parsers(isub: argparse._SubParsersAction) -> None:
+    """``index add``, ``index delete``, ``index compact``."""
+    p = isub.add_parser("add", help="add the rows of descriptor Parquet files the index does not hold yet")
+    add_wait_flags(p)
+    p.add_argument("--descriptors", required=True, nargs="+", help="directories, files or s3:// prefixes of Parquet")
+    add_config_flags(p, "index.add_rows:AddConfig")
+    p.add_argument("--ray", action="store_true", help="encode the new segments as Ray tasks")
+    p.add_argument("--address", help="Ray cluster for --ray (default: $RAY_ADDRESS, else a local instance)")
+    p.set_defaults(func=_add)
+
+    p = isub.add_parser("delete", help="delete keys (one per line) from the index")
+    add_wait_flags(p)
+    p.add_argument("--keys", required=True, help="file of keys, one per line; - reads standard input")
+    add_config_flags(p, "index.delete_rows:DeleteConfig")
+    p.set_defaults(func=_delete)
+
+    p = isub.add_parser("compact", help="rewrite segments without deleted rows, merge small ones, drop old generations")
+    add_wait_flags(p)
+    add_config_flags(p, "index.compact:CompactConfig")
+    p.set_defaults(func=_compact)
