@@ -46,6 +46,9 @@ class ShardPlacement:
     reserve_memory: bool = True  # reserve the shards' bytes (their files) as the actor's Ray memory resource
     stage_timeout: float = 1800.0  # seconds to wait for every actor to stage its shards and report ready
     shards_per_actor: int = 1  # consecutive shards served by one actor (one Ray call per group and request)
+    # sets of shard actors alive at once: 2 while serving follows the index's generations (the next
+    # generation's set starts before the last one stops), so the default CPU share leaves room for both
+    sets: int = 1
 
 
 def shard_groups(n_shards: int, shards_per_actor: int) -> list[list[int]]:
@@ -396,7 +399,7 @@ def start_shard_actors(
     groups = actor_groups(infos, placement.shards_per_actor)
     cpus = placement.cpus
     if cpus is None:
-        cpus = min(1.0, ray.cluster_resources().get("CPU", 1) / (len(groups) * placement.replicas))
+        cpus = min(1.0, ray.cluster_resources().get("CPU", 1) / (len(groups) * placement.replicas * placement.sets))
     threads = max(1, int(cpus))  # members searching at once: no more than the CPUs reserved
     actor_cls = ray.remote(RayShardGroup)
     actors = []

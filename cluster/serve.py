@@ -18,6 +18,7 @@ input are webapi.webapp's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,12 +99,20 @@ def open_index(
         connect_ray(address)
     if reload_interval <= 0:
         return serve_sharded(path, serving) if ray_shards else load_index(path)
+    return follow_index(path, reload_interval, serving if ray_shards else None)
+
+
+def follow_index(path: str | Path, reload_interval: float, serving: ShardServing | None = None) -> Any:
+    """The index at ``path`` following its newest generation (webapi.live_index.LiveIndex), checked
+    every ``reload_interval`` seconds: loaded in this process, or with ``serving`` in Ray shard
+    actors (Ray initialised), a set per generation, stopped once no request uses it."""
     from index.generations import latest_number, location_of
     from webapi.live_index import LiveIndex
 
-    endpoint = serving.stage.endpoint_url if serving is not None else None
-    location = location_of(path, endpoint)
-    if ray_shards:
+    location = location_of(path, serving.stage.endpoint_url if serving is not None else None)
+    if serving is not None:
+        placement = dataclasses.replace(serving.placement, sets=2)  # the next set starts before the last stops
+        serving = dataclasses.replace(serving, placement=placement)
         return LiveIndex(
             lambda n: serve_sharded(path, serving, generation=n),
             lambda: latest_number(location),
