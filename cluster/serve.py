@@ -139,6 +139,7 @@ def ray_app(
     serving: Any = None,
     device: str = "cpu",
     limits: Any = None,
+    reload_interval: float = 0.0,
 ):
     """The app as a bound Ray Serve deployment (``serve.run(ray_app(...))``; Ray must be initialised).
 
@@ -148,6 +149,8 @@ def ray_app(
     a shard has no live replica. ``device``: where each replica re-ranks; "cuda" reserves a GPU
     per replica (Ray hides the GPUs from actors that reserve none, so "auto" there is the CPU).
     ``limits``: each replica's webapi.limits.ServiceLimits (request sizes, Host, the concurrency gate).
+    ``reload_interval``: each replica loading the index itself follows its generations (seconds
+    between checks; 0: never); replicas in front of shared shard actors serve the generation those hold.
     """
     from fastapi import FastAPI
     from ray import serve
@@ -170,11 +173,17 @@ def ray_app(
             serving: Any,
             device: str,
             limits: Any = None,
+            reload_interval: float = 0.0,
         ):
-            from cluster.serve import serve_sharded
+            from cluster.serve import follow_index, serve_sharded
             from index.search import load_index
 
-            index = serve_sharded(index_path, serving, actors=shard_actors) if shard_actors else load_index(index_path)
+            if shard_actors:
+                index = serve_sharded(index_path, serving, actors=shard_actors)
+            elif reload_interval > 0:
+                index = follow_index(index_path, reload_interval)
+            else:
+                index = load_index(index_path)
             self.service = QueryService(index, files, rerank, device, limits)
             self.page = page
 
@@ -185,4 +194,6 @@ def ray_app(
             """Serve's health probe: raises while a shard has no live replica."""
             check_shards(self.service)
 
-    return NeedleDeployment.bind(str(index_path), files, rerank, page, shard_actors, serving, device, limits)
+    return NeedleDeployment.bind(
+        str(index_path), files, rerank, page, shard_actors, serving, device, limits, reload_interval
+    )

@@ -172,10 +172,26 @@ def run_ray_serve(
 
         serving = shard_serving(conf, tuple(page.shard_dirs) if page is not None else ())
         actors = serve_sharded(index, serving).backend.actors
+        if conf.reload_interval > 0:
+            log.warning(
+                "--ray with --ray-shards: the replicas share one set of shard actors and serve the generation "
+                "it holds; restart to serve a newer one (without --ray, --ray-shards follows the index)"
+            )
     serve.start(http_options={"host": conf.host, "port": conf.port})
     location = str(index) if str(index).startswith("s3://") else str(Path(index).resolve())
     serve.run(
-        ray_app(location, files, rerank, page, actors, conf.replicas, serving=serving, device=device, limits=limits),
+        ray_app(
+            location,
+            files,
+            rerank,
+            page,
+            actors,
+            conf.replicas,
+            serving=serving,
+            device=device,
+            limits=limits,
+            reload_interval=conf.reload_interval,
+        ),
         name="needle",
         route_prefix="/",
     )
