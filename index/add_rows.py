@@ -39,6 +39,7 @@ from ingest.descriptors import DescriptorFileError, has_locals
 log = logging.getLogger(__name__)
 TRAINED_SAMPLE_FILE = f"{GENERATIONS_DIR}/trained_sample.npy"  # the drift report's baseline rows
 TRAINED_SAMPLE_ROWS = 2000
+SAMPLE_RUN = 100  # consecutive rows read at a time for the sample (one ranged read on S3)
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,10 @@ def added_drift(writer: Writer, conf: AddConfig, trained: Path, segments: list[P
     import faiss
 
     index = faiss.read_index(str(trained))
+    try:
+        faiss.extract_index_ivf(index)
+    except RuntimeError:
+        return None  # a flat index: no quantizer to drift from
     baseline = trained_sample(writer)
     new = [np.asarray(np.load(d / VECTORS_FILE, mmap_mode="r"), np.float32) for d in segments]
     xb = np.concatenate(new) if new else np.zeros((0, int(writer.infos["dim"])), np.float32)
@@ -208,11 +213,16 @@ def trained_sample(writer: Writer) -> np.ndarray:
     data = writer.location.read_bytes(TRAINED_SAMPLE_FILE)
     if data is not None:
         return np.load(io.BytesIO(data), allow_pickle=False)
-    rows = []
-    for entry in segments_of(writer.parent):
-        for position in sample_positions(int(entry["rows"]), TRAINED_SAMPLE_ROWS // len(writer.parent["shards"])):
-            rows.append(np.asarray(writer.row_vector(entry["name"], int(position)), np.float32))
-    sample = np.stack(rows) if rows else np.zeros((0, int(writer.infos["dim"])), np.float32)
+    blocks = []
+    segments = segments_of(writer.parent)
+    per_segment = TRAINED_SAMPLE_ROWS // len(segments)
+    for entry in segments:  # runs of SAMPLE_RUN consecutive rows at random places: a few reads each
+        starts = sample_positions(max(1, int(entry["rows"]) // SAMPLE_RUN), max(1, per_segment // SAMPLE_RUN))
+        for start in starts:
+            blocks.append(
+                np.asarray(writer.row_vectors(entry["name"], int(start) * SAMPLE_RUN, SAMPLE_RUN), np.float32)
+            )
+    sample = np.concatenate(blocks) if blocks else np.zeros((0, int(writer.infos["dim"])), np.float32)
     sample = sample[np.abs(sample).sum(1) > 0]
     buffer = io.BytesIO()
     np.save(buffer, sample)

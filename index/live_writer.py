@@ -154,8 +154,13 @@ class Writer:
 
     def row_vector(self, segment: str, position: int) -> np.ndarray:
         """The float16 vector of one row of a published segment (S3: one ranged read)."""
+        return self.row_vectors(segment, position, 1)[0]
+
+    def row_vectors(self, segment: str, start: int, count: int) -> np.ndarray:
+        """The float16 vectors of rows ``start:start + count`` of a published segment (S3: one
+        ranged read after the ``.npy`` header's)."""
         if self.local:
-            return np.load(self.segment_file(segment, VECTORS_FILE), mmap_mode="r")[position]
+            return np.asarray(np.load(self.segment_file(segment, VECTORS_FILE), mmap_mode="r")[start : start + count])
         from core.storage import read_range
 
         url = f"{self.location.url}/{segment}/{VECTORS_FILE}"
@@ -163,9 +168,10 @@ class Writer:
         head = io.BytesIO(read_range(url, 0, 128, endpoint))  # np.save pads its header to 128 bytes
         np.lib.format.read_magic(head)
         shape, _, dtype = np.lib.format.read_array_header_1_0(head)
+        count = max(0, min(count, shape[0] - start))
         size = shape[1] * dtype.itemsize
-        data = read_range(url, head.tell() + position * size, size, endpoint)
-        return np.frombuffer(data, dtype)
+        data = read_range(url, head.tell() + start * size, size * count, endpoint)
+        return np.frombuffer(data, dtype).reshape(count, shape[1])
 
     def trained_empty(self) -> Path:
         """The build's trained index with no vectors (its coarse quantizer and PQ): written once
