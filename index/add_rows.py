@@ -152,7 +152,8 @@ def replaced_rows(writer: Writer, files: list[FileInfo], replace_keys: bool) -> 
     if twice:
         raise DuplicateKeyError(f"key {twice[0]!r} is in more than one added row ({len(twice)} such keys)")
     parent = ParentKeys(writer)
-    present = [(key, at) for key in keys if (at := parent.find(key)) is not None]
+    found = parent.find_many(keys)
+    present = [(key, found[key]) for key in keys if key in found]
     if present and not replace_keys:
         raise DuplicateKeyError(
             f"key {present[0][0]!r} is already in the index ({len(present)} of the added keys are): "
@@ -204,6 +205,8 @@ def added_drift(writer: Writer, conf: AddConfig, trained: Path, segments: list[P
     new = [np.asarray(np.load(d / VECTORS_FILE, mmap_mode="r"), np.float32) for d in segments]
     xb = np.concatenate(new) if new else np.zeros((0, int(writer.infos["dim"])), np.float32)
     xb = xb[np.abs(xb).sum(1) > 0]  # rows whose image failed hold zeros and are not indexed
+    # as many new rows as the baseline holds: the fullest lists' share depends on the rows counted
+    xb = xb[sample_positions(len(xb), len(baseline), seed=1)]
     return drift_report(index, xb, baseline, conf.drift_error_ratio, conf.drift_top_share_ratio)
 
 

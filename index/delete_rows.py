@@ -43,9 +43,9 @@ def main(conf: DeleteConfig, keys: list[str], index: Path | str) -> dict[str, An
     ``change``: ``"generation"`` None where no key was found)."""
     with writing(index, conf.s3_endpoint_url) as writer:
         parent = ParentKeys(writer)
-        found = {key: parent.find(key) for key in keys}
-        unknown = [key for key, at in found.items() if at is None]
-        deletes = parent.deletes_of(writer, [at for at in found.values() if at is not None])
+        found = parent.find_many(keys)
+        unknown = [key for key in keys if key not in found]
+        deletes = parent.deletes_of(writer, list(found.values()))
         change: dict[str, Any] = {
             "command": "delete",
             "deleted": sum(len(rows) for rows, _ in deletes.values()),

@@ -27,6 +27,7 @@ KEYS_FILE = "keys.bin"
 KEY_OFFSETS_FILE = "key_offsets.npy"
 KEY_ORDER_FILE = "key_order.npy"
 KEY_FILES = (KEYS_FILE, KEY_OFFSETS_FILE, KEY_ORDER_FILE)
+BATCH_LOOKUP_RATIO = 64  # ``positions_of``: binary searches while keys x this < rows, else one pass
 
 
 class KeyFileError(NeedleInputError):
@@ -130,6 +131,25 @@ class KeyStore:
             str(self.view[a:b], "utf-8") if ok else None
             for a, b, ok in zip(starts.tolist(), stops.tolist(), valid.tolist())
         ]
+
+    def positions_of(self, keys: list[str]) -> dict[str, list[int]]:
+        """Every position of each of ``keys`` that is there (absent keys are left out). Few keys: a
+        binary search each (O(log n) pages); many (a writer's batch): one pass of Arrow's hash
+        lookup over the key files, zero copy (a Python binary search per key cost ~0.15 ms per
+        segment, 12 s for 20k keys in 4 segments; the pass reads the key bytes once, in C)."""
+        if len(keys) * BATCH_LOOKUP_RATIO < len(self):
+            found = {key: self.position_of(key) for key in keys}
+            return {key: [position] for key, position in found.items() if position >= 0}
+        column = pa.LargeStringArray.from_buffers(
+            len(self), pa.py_buffer(np.ascontiguousarray(self.offsets)), pa.py_buffer(self.data)
+        )
+        hits = np.flatnonzero(
+            pc.is_in(column, value_set=pa.array(keys, pa.large_string())).to_numpy(zero_copy_only=False)
+        )
+        out: dict[str, list[int]] = {}
+        for position, key in zip(hits.tolist(), self.keys_at(hits)):
+            out.setdefault(str(key), []).append(position)
+        return out
 
     def position_of(self, key: str) -> int:
         """The position of ``key``, or -1 where it is not there."""

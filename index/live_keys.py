@@ -39,14 +39,18 @@ class ParentKeys:
 
     def find(self, key: str) -> KeyRow | None:
         """The live row of ``key`` in the parent, or None."""
+        return self.find_many([key]).get(key)
+
+    def find_many(self, keys: list[str]) -> dict[str, KeyRow]:
+        """The live row of each of ``keys`` the parent holds (absent and deleted keys left out)."""
+        found: dict[str, KeyRow] = {}
         for number, store in enumerate(self.stores):
-            position = store.position_of(key)
-            if position < 0:
-                continue
-            row = int(self.ids[number]["row"][position].as_py())
-            if not self.deletes[number].contains(np.int64(row)):
-                return KeyRow(number, position, row)
-        return None
+            for key, positions in store.positions_of(keys).items():
+                for position in positions:
+                    row = int(self.ids[number]["row"][position].as_py())
+                    if key not in found and not self.deletes[number].contains(np.int64(row)):
+                        found[key] = KeyRow(number, position, row)
+        return found
 
     def deletes_of(self, writer: Writer, found: list[KeyRow]) -> dict[int, tuple[np.ndarray, int]]:
         """Segment number -> (the rows of ``found`` in it, how many of them have a vector in its

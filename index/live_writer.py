@@ -67,6 +67,7 @@ class Writer:
     scratch: Path  # this session's scratch directory (removed at the end)
     token: str = field(default_factory=lambda: secrets.token_hex(4))  # in every name this writer writes
     created: list[str] = field(default_factory=list)  # names under the index it wrote (removed on failure)
+    maps: dict[str, np.ndarray] = field(default_factory=dict)  # published segments' vectors, memory-mapped
 
     @property
     def local(self) -> bool:
@@ -160,7 +161,9 @@ class Writer:
         """The float16 vectors of rows ``start:start + count`` of a published segment (S3: one
         ranged read after the ``.npy`` header's)."""
         if self.local:
-            return np.asarray(np.load(self.segment_file(segment, VECTORS_FILE), mmap_mode="r")[start : start + count])
+            if segment not in self.maps:
+                self.maps[segment] = np.load(self.segment_file(segment, VECTORS_FILE), mmap_mode="r")
+            return np.asarray(self.maps[segment][start : start + count])
         from core.storage import read_range
 
         url = f"{self.location.url}/{segment}/{VECTORS_FILE}"

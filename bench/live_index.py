@@ -1,0 +1,339 @@
+"""A living index under load (issue 43): IVF-PQ in shards, served by ``needle serve``, while rounds of
+``needle index add`` and ``needle index delete`` change it, then ``needle index compact``.
+
+Writes synthetic clustered descriptors (one distribution: the base files, each round's added files
+and the held-out queries), builds the index (``needle index build --kind ivfpq --shards S``), starts
+``needle serve --reload-interval R`` on 127.0.0.1 and a client thread that sends a steady stream of
+``POST /search`` (vectors, k=100). Then: an idle phase; ``--rounds`` rounds of adding
+``--round-rows`` rows (without --wait-for: the time from the command's return to ``/health``
+reporting its generation is measured) and deleting as many live keys (with ``--wait-for``: a delete
+is visible when the command returns, and from then on no answer may hold a deleted key); then
+``compact --keep 1``. Last, recall@1000 of the served index and of a fresh build over the same
+live rows against a brute-force search, and the memory (RSS) of a process that opened each and
+answered the queries. Every process runs with ``--threads`` threads (OMP_NUM_THREADS): the build's
+add rate and the live add rate are per core alike.
+
+Prints JSON lines (one per phase) and a last line with ``n``, ``deleted_returned``,
+``add_rate_vs_build``, ``visible_after_return_s``, ``p99_ratio_during_changes``,
+``recall_gap_vs_fresh`` and ``compact_rss_vs_fresh``.
+
+    python bench/live_index.py --n 1000000 --dim 512 --shards 4 --rounds 5 --round-rows 20000 --out R.json
+    python bench/live_index.py --dry-run     # tiny sizes: every step, in about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+FILE_ROWS = 10_000  # rows per descriptor file (a tar's worth)
+
+
+def log(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def env_for(threads: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "OPENBLAS_NUM_THREADS": str(threads),
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def needle(args: list[str], threads: int, stdin: str | None = None) -> tuple[dict | None, float]:
+    """Run ``needle ARGS``; (its JSON output where it prints one, wall seconds)."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env_for(threads), input=stdin,
+        capture_output=True, text=True,
+    )  # fmt: skip
+    seconds = time.monotonic() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"needle {' '.join(args[:2])} failed ({done.returncode}): {done.stderr[-3000:]}")
+    out = done.stdout.strip()
+    return (json.loads(out) if out.startswith("{") else None), seconds
+
+
+def make_vectors(n: int, d: int, seed: int, clusters: int) -> np.ndarray:
+    """``n`` unit vectors around ``clusters`` fixed centres (the same centres for every seed)."""
+    centres = np.random.default_rng(12345).normal(size=(clusters, d)).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    x = centres[rng.integers(0, clusters, n)] + 0.6 * rng.normal(size=(n, d)).astype(np.float32)
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float16)
+
+
+def write_files(directory: Path, first_id: int, vectors: np.ndarray) -> list[str]:
+    """Descriptor files of FILE_ROWS rows from Parquet shard id ``first_id`` on; returns the keys."""
+    from tests.test_live_index import write_rows
+
+    keys = []
+    for start in range(0, len(vectors), FILE_ROWS):
+        shard_id = first_id + start // FILE_ROWS
+        block = vectors[start : start + FILE_ROWS]
+        names = [f"f{shard_id:06d}/{i:05d}" for i in range(len(block))]
+        write_rows(directory, f"f{shard_id:06d}", shard_id, block, names)
+        keys.extend(names)
+    return keys
+
+
+def get_json(url: str, body: dict | None = None, timeout: float = 60) -> dict | list:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return json.loads(answer.read())
+
+
+class Load:
+    """A client thread sending one query at a time: (start, seconds, keys) of every answer."""
+
+    def __init__(self, url: str, xq: np.ndarray, k: int):
+        self.url, self.xq, self.k = url, xq, k
+        self.records: list[tuple[float, float, list[str]]] = []
+        self.errors = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            body = {"vectors": [self.xq[i % len(self.xq)].tolist()], "k": self.k}
+            start = time.monotonic()
+            try:
+                out = get_json(f"{self.url}/search", body)
+                self.records.append((start, time.monotonic() - start, [r["key"] for r in out[0]["results"]]))
+            except (OSError, urllib.error.HTTPError, ValueError):
+                self.errors += 1
+            i += 1
+
+    def latencies(self, since: float, until: float) -> np.ndarray:
+        return np.array([s for t, s, _ in self.records if since <= t < until])
+
+
+def wait_generation(url: str, generation: int, timeout: float = 600) -> float:
+    """Monotonic time at which the server first reports ``generation`` (polled every 20 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if get_json(f"{url}/health", timeout=5)["generation"] >= generation:
+                return time.monotonic()
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"{url} did not serve generation {generation} in {timeout} s")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def memory_of(index: Path, queries: Path, threads: int) -> dict:
+    """RSS of a fresh process that opened ``index`` and answered ``queries`` at k=1000."""
+    code = (
+        "import json, sys, numpy as np; from index.search import load_index; from index.memory import process_memory;"
+        f"i = load_index({str(index)!r}); xq = np.load({str(queries)!r}).astype(np.float32);"
+        "i.search(xq, 1000); m = process_memory(); print(json.dumps({'rss': m.get('rss', 0)}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_for(threads), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def recall(found: list[list[str | None]], truth: list[list[str]]) -> float:
+    return float(np.mean([len(set(f) & set(t)) / len(t) for f, t in zip(found, truth)]))
+
+
+def brute_force_keys(vectors: dict[str, np.ndarray], xq: np.ndarray, k: int) -> list[list[str]]:
+    keys = sorted(vectors)
+    scores = np.zeros((len(xq), len(keys)), np.float32)
+    for start in range(0, len(keys), 100_000):
+        block = np.stack([vectors[key] for key in keys[start : start + 100_000]]).astype(np.float32)
+        scores[:, start : start + len(block)] = xq @ block.T
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return [[keys[i] for i in row] for row in order]
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="needle-live-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    base = make_vectors(args.n, args.dim, 1, args.clusters)
+    base_keys = write_files(work / "desc", 0, base)
+    live = dict(zip(base_keys, base))
+    del base
+    xq = make_vectors(args.queries, args.dim, 2, args.clusters).astype(np.float32)
+    np.save(work / "queries.npy", xq)
+    log({"phase": "descriptors", "n": args.n, "dim": args.dim, "files": len(base_keys) // FILE_ROWS + 1})
+
+    build_args = ["index", "build", "--descriptors", str(work / "desc"), "--out", str(work / "index"),
+                  "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe)]  # fmt: skip
+    _, build_s = needle(build_args, args.threads)
+    infos = json.loads((work / "index" / "index_infos.json").read_text())
+    build_rate = infos["ntotal"] / infos["timings"]["add_s"]
+    log(
+        {
+            "phase": "build",
+            "seconds": round(build_s, 1),
+            "factory": infos["factory"],
+            "add_rows_per_s": round(build_rate),
+        }
+    )
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve_cmd = [sys.executable, "-m", "cli.main", "serve", "--index", str(work / "index"), "--port", str(port),
+                 "--reload-interval", str(args.reload_interval), "--max-k-total", "100000"]  # fmt: skip
+    server = subprocess.Popen(serve_cmd, cwd=ROOT, env=env_for(args.threads), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_generation(url, 0, timeout=300)
+        load = Load(url, xq, 100)
+        load.thread.start()
+        idle_start = time.monotonic()
+        time.sleep(args.idle_s)
+        idle_end = time.monotonic()
+        add_rates, visible, deleted_all, delete_visible = [], [], set(), []
+        next_id = len(base_keys) // FILE_ROWS + 1
+        for round_number in range(args.rounds):
+            new = make_vectors(args.round_rows, args.dim, 100 + round_number, args.clusters)
+            shutil.rmtree(work / "round", ignore_errors=True)
+            new_keys = write_files(work / "round", next_id, new)
+            next_id += (args.round_rows + FILE_ROWS - 1) // FILE_ROWS
+            change, seconds = needle(["index", "add", "--index", str(work / "index"), "--descriptors",
+                                      str(work / "round")], args.threads)  # fmt: skip
+            returned = time.monotonic()
+            visible.append(wait_generation(url, change["generation"]) - returned)
+            add_rates.append(args.round_rows / seconds)
+            live.update(zip(new_keys, new))
+            doomed = [str(k) for k in rng.choice(sorted(live), args.round_rows, replace=False)]
+            change, _ = needle(["index", "delete", "--index", str(work / "index"), "--keys", "-", "--wait-for", url],
+                               args.threads, stdin="\n".join(doomed) + "\n")  # fmt: skip
+            delete_visible.append((time.monotonic(), set(doomed)))
+            for key in doomed:
+                del live[key]
+            deleted_all.update(doomed)
+            log({"phase": "round", "round": round_number, "add_s": round(seconds, 2),
+                 "add_rows_per_s": round(add_rates[-1]), "visible_after_return_s": round(visible[-1], 3),
+                 "deleted": change["deleted"]})  # fmt: skip
+        changes_end = time.monotonic()
+        change, compact_s = needle(["index", "compact", "--index", str(work / "index"), "--keep", "1", "--wait-for",
+                                    url], args.threads)  # fmt: skip
+        time.sleep(1.0)
+        load.stop.set()
+        load.thread.join(60)
+        log({"phase": "compact", "seconds": round(compact_s, 1), "generation": change["generation"]})
+        # a deleted key in an answer that started after its delete returned (with --wait-for: visible)
+        deleted_returned = 0
+        for started, _, keys in load.records:
+            gone = set().union(*[keys_ for at, keys_ in delete_visible if at <= started]) if delete_visible else set()
+            deleted_returned += len(gone & set(keys))
+        idle = load.latencies(idle_start, idle_end)
+        during = load.latencies(idle_end, changes_end)
+        search = get_json(f"{url}/search", {"vectors": xq.tolist(), "k": 1000}, timeout=600)
+        served = [[r["key"] for r in q["results"]] for q in search]
+    finally:
+        server.terminate()
+        server.wait(60)
+
+    truth = brute_force_keys(live, xq, 1000)
+    fresh_keys = sorted(live)
+    fresh_vectors = np.stack([live[k] for k in fresh_keys])
+    shutil.rmtree(work / "fresh_desc", ignore_errors=True)
+    from tests.test_live_index import write_rows
+
+    for number, start in enumerate(range(0, len(fresh_keys), FILE_ROWS)):
+        write_rows(work / "fresh_desc", f"g{number:06d}", number, fresh_vectors[start : start + FILE_ROWS],
+                   fresh_keys[start : start + FILE_ROWS])  # fmt: skip
+    needle(["index", "build", "--descriptors", str(work / "fresh_desc"), "--out", str(work / "fresh"),
+            "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe)], args.threads)  # fmt: skip
+    from index.search import load_index
+
+    fresh = load_index(work / "fresh")
+    _, I = fresh.search(xq, 1000)
+    recall_fresh = recall(fresh.keys_of(I), truth)
+    recall_served = recall(served, truth)
+    rss_live = memory_of(work / "index", work / "queries.npy", args.threads)["rss"]
+    rss_fresh = memory_of(work / "fresh", work / "queries.npy", args.threads)["rss"]
+    record = {
+        "n": args.n,
+        "dim": args.dim,
+        "shards": args.shards,
+        "rounds": args.rounds,
+        "round_rows": args.round_rows,
+        "threads": args.threads,
+        "live_rows": len(live),
+        "queries_during_run": len(load.records),
+        "query_errors": load.errors,
+        "deleted_returned": deleted_returned,
+        "build_add_rows_per_s": round(build_rate),
+        "live_add_rows_per_s": round(float(np.median(add_rates))),
+        "add_rate_vs_build": round(float(np.median(add_rates)) / build_rate, 3),
+        "visible_after_return_s": round(max(visible), 3),
+        "reload_interval_s": args.reload_interval,
+        "p50_idle_ms": round(float(np.percentile(idle, 50)) * 1000, 2),
+        "p99_idle_ms": round(float(np.percentile(idle, 99)) * 1000, 2),
+        "p50_during_changes_ms": round(float(np.percentile(during, 50)) * 1000, 2),
+        "p99_during_changes_ms": round(float(np.percentile(during, 99)) * 1000, 2),
+        "p99_ratio_during_changes": round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 3),
+        "recall_at_1000_served": round(recall_served, 4),
+        "recall_at_1000_fresh": round(recall_fresh, 4),
+        "recall_gap_vs_fresh": round(recall_fresh - recall_served, 4),
+        "compact_rss_bytes": rss_live,
+        "fresh_rss_bytes": rss_fresh,
+        "compact_rss_vs_fresh": round(rss_live / rss_fresh, 3),
+        "nprobe": args.nprobe,
+    }
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=1_000_000, help="rows of the first build")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--round-rows", type=int, default=20_000, help="rows added, then deleted, per round")
+    parser.add_argument("--queries", type=int, default=100, help="held-out queries (load and recall)")
+    parser.add_argument("--clusters", type=int, default=1000)
+    parser.add_argument("--nprobe", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="OMP threads of every process")
+    parser.add_argument("--reload-interval", type=float, default=2.0)
+    parser.add_argument("--idle-s", type=float, default=20.0, help="seconds of load before any change")
+    parser.add_argument("--workdir", help="keep the data and indexes here (default: a temporary directory)")
+    parser.add_argument("--out", help="also write the last record to this JSON file")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes: every step, quickly")
+    args = parser.parse_args()
+    if args.dry_run:
+        args.n, args.dim, args.shards, args.rounds, args.round_rows = 24_000, 32, 2, 2, 2_000
+        args.queries, args.clusters, args.nprobe, args.idle_s, args.reload_interval = 10, 50, 8, 2.0, 0.5
+    record = run(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    log(record)
+
+
+if __name__ == "__main__":
+    main()
