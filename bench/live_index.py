@@ -24,6 +24,7 @@ Prints JSON lines (one per phase) and a last line with ``n``, ``deleted_returned
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import shutil
@@ -245,9 +246,14 @@ def run(args: argparse.Namespace) -> dict:
         log({"phase": "compact", "seconds": round(compact_s, 1), "generation": change["generation"]})
         # a deleted key in an answer that started after its delete returned (with --wait-for: visible)
         deleted_returned = 0
+        gone_by: list[set[str]] = []  # the keys deleted by the end of each delete, cumulated
+        for _, keys_ in delete_visible:
+            gone_by.append((gone_by[-1] if gone_by else set()) | keys_)
+        times = [at for at, _ in delete_visible]
         for started, _, keys in load.records:
-            gone = set().union(*[keys_ for at, keys_ in delete_visible if at <= started]) if delete_visible else set()
-            deleted_returned += len(gone & set(keys))
+            done = bisect.bisect_right(times, started)  # deletes that had returned when it started
+            if done:
+                deleted_returned += len(gone_by[done - 1].intersection(keys))
         idle = load.latencies(idle_start, idle_end)
         during = load.latencies(idle_end, changes_end)
         search = get_json(f"{url}/search", {"vectors": xq.tolist(), "k": 1000}, timeout=600)

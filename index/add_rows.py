@@ -33,7 +33,7 @@ from index.drift import drift_report, sample_positions
 from index.generations import GENERATIONS_DIR, segments_of
 from index.layout import VECTORS_FILE
 from index.live_keys import ParentKeys
-from index.live_writer import Writer, next_shards, parent_files, writing
+from index.live_writer import Writer, build_fields, next_shards, parent_files, writing
 from ingest.descriptors import DescriptorFileError, has_locals
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def main(
             tasks.append(part_task(trained, directory, 0, files, sources.dim, with_locals, adapt))
         stats = run_parts(tasks)
         kill_point("parts_added")
-        common = segment_common(writer)
+        common = build_fields(writer.segment_infos(segments_of(writer.parent)[0]["name"]))
         extractor = local_extractor(sources.ingest)
         entries = {}
         for (shard, files), task, stat in zip(assignment.items(), tasks, stats):
@@ -182,14 +182,6 @@ def balance(writer: Writer, files: list[FileInfo]) -> dict[int, list[FileInfo]]:
             offset += f.rows
         out[shard] = placed
     return out
-
-
-def segment_common(writer: Writer) -> dict[str, Any]:
-    """What every segment's ``shard_infos.json`` records of the build (from the parent's first segment)."""
-    first = writer.segment_infos(segments_of(writer.parent)[0]["name"])
-    names = ("kind", "factory", "metric", "dim", "nprobe", "refine_factor", "quantizer_ef", "adapt")
-    return {**{name: first.get(name) for name in names}, "faiss_version": first.get("faiss_version"),
-            "trained_sha256": first.get("trained_sha256")}  # fmt: skip
 
 
 def added_drift(writer: Writer, conf: AddConfig, trained: Path, segments: list[Path]) -> dict[str, Any] | None:

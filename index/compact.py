@@ -38,7 +38,7 @@ from index.generations import (
 )
 from index.keys import KEY_FILES
 from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
-from index.live_writer import Writer, writing
+from index.live_writer import Writer, build_fields, writing
 from index.locals import TOKEN_DTYPE, SegmentInfo, _save_npy, locals_infos, open_local_store
 from index.shard import is_valid_descriptor
 from index.shard_files import ShardFiles, open_shard_files
@@ -116,11 +116,8 @@ def rewrite(writer: Writer, segments: list[dict[str, Any]], name: str, shard: in
         local = write_tokens(opened, live, directory)
         names += [local.tokens, local.offsets]
     files, offsets = file_entries(opened, live)
-    common = ("kind", "factory", "metric", "dim", "nprobe", "refine_factor", "quantizer_ef", "adapt")
     infos = {
-        **{key: first_infos.get(key) for key in common},
-        "faiss_version": first_infos.get("faiss_version"),
-        "trained_sha256": first_infos.get("trained_sha256"),
+        **build_fields(first_infos),
         "shard": shard,
         "name": name,
         "rows": len(live[0]),

@@ -37,7 +37,7 @@ class DeleteSet:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def contains(self, I: np.ndarray) -> np.ndarray:
+    def contains(self, I: np.ndarray | np.integer | int) -> np.ndarray:
         """Whether each row id (any shape) is deleted; -1 padding is not."""
         I = np.asarray(I, np.int64)
         if not len(self.rows):
@@ -54,7 +54,7 @@ class DeleteSet:
         import faiss
 
         batch = faiss.IDSelectorBatch(self.rows)
-        selector = faiss.IDSelectorNot(batch)
+        selector: Any = faiss.IDSelectorNot(batch)
         selector.referenced_objects = [batch]
         return selector
 

@@ -32,10 +32,11 @@ def coarse_assign(index: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | 
     except RuntimeError:
         return None
     x = np.ascontiguousarray(x, np.float32)
-    outer = faiss.downcast_index(index)
+    outer: Any = faiss.downcast_index(index)
     if isinstance(outer, faiss.IndexPreTransform):
-        for i in range(outer.chain.size()):
-            x = outer.chain.at(i).apply(x)
+        chain: Any = outer.chain  # a SWIG vector (its stub says list)
+        for i in range(chain.size()):
+            x = chain.at(i).apply(x)
     _, lists = ivf.quantizer.search(x, 1)
     lists = lists[:, 0]
     centroids = ivf.quantizer.reconstruct_batch(lists)

@@ -172,7 +172,7 @@ class S3Location:
         self.client.download_file(self.bucket, self._key(name), str(target))
 
     def remove(self, names: list[str]) -> None:
-        keys = []
+        keys: list[str] = []
         for name in names:
             keys.extend(self._list_keys(name + "/"))
             keys.append(self._key(name))
@@ -181,7 +181,7 @@ class S3Location:
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True})
 
     def _list_keys(self, prefix: str) -> list[str]:
-        keys = []
+        keys: list[str] = []
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
             keys.extend(item["Key"] for item in page.get("Contents", []))
         return keys

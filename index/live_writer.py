@@ -280,6 +280,18 @@ def take_lock(path: Path) -> Any:
     return handle
 
 
+BUILD_FIELDS = (
+    "kind", "factory", "metric", "dim", "nprobe", "refine_factor", "quantizer_ef", "adapt", "faiss_version",
+    "trained_sha256",
+)  # fmt: skip
+
+
+def build_fields(shard_infos: dict[str, Any]) -> dict[str, Any]:
+    """What every segment's ``shard_infos.json`` records of the build, from one segment's: a new
+    segment is encoded with the same trained index and searched alike."""
+    return {name: shard_infos.get(name) for name in BUILD_FIELDS}
+
+
 def parent_files(writer: Writer) -> dict[int, dict[str, Any]]:
     """Parquet shard id -> {"segment", "shard", "path", "rows"} of every Parquet file the parent holds."""
     held = {}

@@ -223,11 +223,10 @@ def with_selector(params: Any | None, deletes: DeleteSet) -> Any | None:
         return params
     import faiss
 
-    if params is None:  # a flat index
-        params = faiss.SearchParameters()
-    params.sel = deletes.selector
-    params.referenced_objects = [*(getattr(params, "referenced_objects", None) or []), deletes.selector]
-    return params
+    out: Any = params if params is not None else faiss.SearchParameters()  # None: a flat index
+    out.sel = deletes.selector
+    out.referenced_objects = [*(getattr(out, "referenced_objects", None) or []), deletes.selector]
+    return out
 
 
 def make_shard(

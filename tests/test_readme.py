@@ -343,7 +343,7 @@ def test_readme_user_path_runs(tmp_path):
         for command in commands:
             tokens = words(command)
             step = tokens[1] if tokens[0] == "needle" else tokens[0]
-            if step in ("serve", "curl"):
+            if step in ("serve", "curl") or "--wait-for" in tokens:
                 command = re.sub(r"\b8000\b", str(port), command)
             if step == "serve":
                 with log.open("w") as out:  # exec: the server is the process whose PID we hold
@@ -363,8 +363,12 @@ def test_readme_user_path_runs(tmp_path):
                 assert json.loads((tmp_path / "tars" / "pack_info.json").read_text())["images"] == 7
             elif step == "ingest":
                 assert sorted(p.name for p in (tmp_path / "desc").glob("*.parquet")) == ["000000.parquet"]
-            elif step == "index":
+            elif step == "index" and tokens[2] == "build":
                 assert json.loads((tmp_path / "idx" / "index_infos.json").read_text())
+            elif step == "index" and tokens[2] == "delete":  # visible on the server when it returns
+                assert json.loads(run.stdout)["deleted"] == 1
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as answer:
+                    assert json.loads(answer.read())["generation"] == json.loads(run.stdout)["generation"]
             elif step == "query":
                 results = json.loads(run.stdout)["results"]
                 assert results[0]["key"] in (truth["key"], *truth["positives"]), results
