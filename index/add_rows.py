@@ -13,7 +13,7 @@ how far the new rows drift from what the quantizer was trained on (index/drift.p
 from __future__ import annotations
 
 import contextlib
-import io
+import json
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -29,7 +29,7 @@ from core.kill_points import kill_point
 from index.build_add import PartRunner, run_parts_sequentially
 from index.build_plan import FileInfo, load_adapter, local_extractor, part_task, read_sources
 from index.build_shard import finish_shard
-from index.drift import drift_report, sample_positions
+from index.drift import coarse_stats, drift_report, sample_positions
 from index.generations import GENERATIONS_DIR, segments_of
 from index.layout import VECTORS_FILE
 from index.live_keys import ParentKeys
@@ -37,7 +37,7 @@ from index.live_writer import Writer, build_fields, next_shards, parent_files, w
 from ingest.descriptors import DescriptorFileError, has_locals
 
 log = logging.getLogger(__name__)
-TRAINED_SAMPLE_FILE = f"{GENERATIONS_DIR}/trained_sample.npy"  # the drift report's baseline rows
+TRAINED_STATS_FILE = f"{GENERATIONS_DIR}/trained_drift.json"  # the drift report's baseline
 TRAINED_SAMPLE_ROWS = 2000
 SAMPLE_RUN = 100  # consecutive rows read at a time for the sample (one ranged read on S3)
 
@@ -185,7 +185,7 @@ def balance(writer: Writer, files: list[FileInfo]) -> dict[int, list[FileInfo]]:
 
 
 def added_drift(writer: Writer, conf: AddConfig, trained: Path, segments: list[Path]) -> dict[str, Any] | None:
-    """The drift report of the rows just added (index/drift.py), against the baseline sample."""
+    """The drift report of the rows just added (index/drift.py), against the build's rows."""
     import faiss
 
     index = faiss.read_index(str(trained))
@@ -193,34 +193,32 @@ def added_drift(writer: Writer, conf: AddConfig, trained: Path, segments: list[P
         faiss.extract_index_ivf(index)
     except RuntimeError:
         return None  # a flat index: no quantizer to drift from
-    baseline = trained_sample(writer)
+    baseline = trained_stats(writer, index)
     new = [np.asarray(np.load(d / VECTORS_FILE, mmap_mode="r"), np.float32) for d in segments]
     xb = np.concatenate(new) if new else np.zeros((0, int(writer.infos["dim"])), np.float32)
     xb = xb[np.abs(xb).sum(1) > 0]  # rows whose image failed hold zeros and are not indexed
-    # as many new rows as the baseline holds: the fullest lists' share depends on the rows counted
-    xb = xb[sample_positions(len(xb), len(baseline), seed=1)]
-    return drift_report(index, xb, baseline, conf.drift_error_ratio, conf.drift_top_share_ratio)
+    # as many new rows as the baseline counted: the fullest lists' share depends on the rows counted
+    xb = xb[sample_positions(len(xb), int(baseline["rows"]) if baseline else 0, seed=1)]
+    return drift_report(coarse_stats(index, xb), baseline, conf.drift_error_ratio, conf.drift_top_share_ratio)
 
 
-def trained_sample(writer: Writer) -> np.ndarray:
-    """The baseline rows of the drift report: a sample of the index's rows taken at its first
-    change (the build's rows), kept beside the generations and reused by later adds."""
-    data = writer.location.read_bytes(TRAINED_SAMPLE_FILE)
+def trained_stats(writer: Writer, index: Any) -> dict[str, Any] | None:
+    """The drift report's baseline: ``coarse_stats`` of a sample of the index's rows taken at its
+    first add (the build's rows), kept beside the generations and reused by later adds."""
+    data = writer.location.read_bytes(TRAINED_STATS_FILE)
     if data is not None:
-        return np.load(io.BytesIO(data), allow_pickle=False)
+        return dict(json.loads(data))
     blocks = []
     segments = segments_of(writer.parent)
     per_segment = TRAINED_SAMPLE_ROWS // len(segments)
     for entry in segments:  # runs of SAMPLE_RUN consecutive rows at random places: a few reads each
         starts = sample_positions(max(1, int(entry["rows"]) // SAMPLE_RUN), max(1, per_segment // SAMPLE_RUN))
         for start in starts:
-            blocks.append(
-                np.asarray(writer.row_vectors(entry["name"], int(start) * SAMPLE_RUN, SAMPLE_RUN), np.float32)
-            )
+            rows = writer.row_vectors(entry["name"], int(start) * SAMPLE_RUN, SAMPLE_RUN)
+            blocks.append(np.asarray(rows, np.float32))
     sample = np.concatenate(blocks) if blocks else np.zeros((0, int(writer.infos["dim"])), np.float32)
-    sample = sample[np.abs(sample).sum(1) > 0]
-    buffer = io.BytesIO()
-    np.save(buffer, sample)
-    with contextlib.suppress(FileExistsError):
-        writer.location.create_exclusive(TRAINED_SAMPLE_FILE, buffer.getvalue())
-    return sample
+    stats = coarse_stats(index, sample[np.abs(sample).sum(1) > 0])
+    if stats is not None:
+        with contextlib.suppress(FileExistsError):
+            writer.location.create_exclusive(TRAINED_STATS_FILE, json.dumps(stats).encode())
+    return stats

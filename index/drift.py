@@ -50,29 +50,38 @@ def top_share(lists: np.ndarray, nlist: int) -> float:
     return float(counts[:top].sum() / max(1, len(lists)))
 
 
-def drift_report(
-    index: Any, new: np.ndarray, trained: np.ndarray, error_limit: float, share_limit: float
-) -> dict[str, Any] | None:
-    """The drift of rows ``new`` against a sample ``trained`` of the build's rows (None: a flat index)."""
+def coarse_stats(index: Any, x: np.ndarray) -> dict[str, Any] | None:
+    """Rows ``x`` under ``index``'s coarse quantizer: ``rows``, ``mean_error`` (mean squared
+    distance to the nearest centroid) and ``top_share`` (their share in their fullest 1 % of
+    lists); None for a flat index or no rows."""
     import faiss
 
-    got_new, got_old = coarse_assign(index, new), coarse_assign(index, trained)
-    if got_new is None or got_old is None or not len(new) or not len(trained):
+    assigned = coarse_assign(index, x)
+    if assigned is None or not len(x):
         return None
     nlist = int(faiss.extract_index_ivf(index).nlist)
-    error_new, error_old = float(got_new[1].mean()), float(got_old[1].mean())
-    share_new, share_old = top_share(got_new[0], nlist), top_share(got_old[0], nlist)
-    error_ratio = error_new / max(error_old, 1e-12)
-    share_ratio = share_new / max(share_old, 1e-12)
+    return {"rows": len(x), "mean_error": float(assigned[1].mean()), "top_share": top_share(assigned[0], nlist),
+            "top_lists": max(1, round(nlist * TOP_LISTS))}  # fmt: skip
+
+
+def drift_report(
+    new: dict[str, Any] | None, trained: dict[str, Any] | None, error_limit: float, share_limit: float
+) -> dict[str, Any] | None:
+    """The drift of the new rows' ``coarse_stats`` against those of a sample of the build's rows
+    (None: a flat index)."""
+    if new is None or trained is None:
+        return None
+    error_ratio = new["mean_error"] / max(trained["mean_error"], 1e-12)
+    share_ratio = new["top_share"] / max(trained["top_share"], 1e-12)
     report = {
-        "rows": len(new),
-        "trained_sample": len(trained),
-        "mean_error_new": round(error_new, 6),
-        "mean_error_trained": round(error_old, 6),
+        "rows": new["rows"],
+        "trained_sample": trained["rows"],
+        "mean_error_new": round(new["mean_error"], 6),
+        "mean_error_trained": round(trained["mean_error"], 6),
         "error_ratio": round(error_ratio, 4),
-        "top_lists": max(1, round(nlist * TOP_LISTS)),
-        "top_share_new": round(share_new, 4),
-        "top_share_trained": round(share_old, 4),
+        "top_lists": new["top_lists"],
+        "top_share_new": round(new["top_share"], 4),
+        "top_share_trained": round(trained["top_share"], 4),
         "top_share_ratio": round(share_ratio, 4),
         "limits": {"error_ratio": error_limit, "top_share_ratio": share_limit},
     }

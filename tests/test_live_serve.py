@@ -92,8 +92,8 @@ def get_json(url, body=None):
         return exc.code, json.loads(exc.read())
 
 
-def needle(*args, **kwargs):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+def needle(*args, env_extra=None, **kwargs):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env, **kwargs)
 
 
@@ -123,6 +123,18 @@ def test_serve_follows_a_delete_and_wait_for_returns_once_it_is_visible(flat_ind
         status, out = get_json(f"{url}/search", {"keys": [victim], "k": 5})
         assert status == 200 and out[0]["results"][0]["key"] == victim
         vector = load_index(flat_index).vector_of(victim).tolist()
+        # a writer killed before it publishes: the server keeps answering from what it serves
+        write_rows(tmp_path / "more", "t5", 5, clustered_unit_vectors(20, D, seed=5))
+        killed = needle(
+            "index", "add", "--index", str(flat_index), "--descriptors", str(tmp_path / "more"),
+            env_extra={"NEEDLE_KILL_AT": "before_publish"}, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert killed.returncode == -9, killed.stderr
+        time.sleep(1.0)  # two reload intervals
+        status, health = get_json(f"{url}/health")
+        assert status == 200 and health["generation"] == 0
+        status, out = get_json(f"{url}/search", {"keys": [victim], "k": 5})
+        assert status == 200 and out[0]["results"][0]["key"] == victim
         done = needle(
             "index", "delete", "--index", str(flat_index), "--keys", "-", "--wait-for", url,
             input=f"{victim}\nnot/there\n", capture_output=True, text=True, timeout=120,
@@ -158,6 +170,7 @@ def test_a_deleted_key_has_no_thumbnail_and_no_tokens(flat_index):
 def test_ray_shards_switch_generations_together(flat_index, ray_local):
     """--ray-shards with --reload-interval: after an add and a delete the coordinator answers from
     the new generation's actors like the index loaded in one process; the old actors stop."""
+    from cluster.index_job import ray_part_runner
     from cluster.serve import ShardServing, follow_index
     from index.add_rows import AddConfig
     from index.add_rows import main as add
@@ -169,7 +182,7 @@ def test_ray_shards_switch_generations_together(flat_index, ray_local):
         first = live._current
         more = flat_index.parent / "more"
         write_rows(more, "t7", 7, clustered_unit_vectors(30, D, seed=7))
-        add(AddConfig(), more, flat_index)
+        add(AddConfig(), more, flat_index, run_parts=ray_part_runner())  # needle index add --ray
         delete(DeleteConfig(), ["t0/00000", "t7/00002"], flat_index)
         deadline = time.monotonic() + 120
         while live.generation < 2:
