@@ -41,6 +41,7 @@ from index.generations import (
     LocalLocation,
     Location,
     base_infos,
+    generation_zero,
     location_of,
     manifest_totals,
     publish,
@@ -231,6 +232,7 @@ class writing:
         self.writer: Writer | None = None
 
     def __enter__(self) -> Writer:
+        generation_zero(base_infos(self.location))  # an index of another layout: refused before any file is made
         if isinstance(self.location, LocalLocation):
             self.lock = take_lock(self.location.root / LOCK_FILE)
         try:

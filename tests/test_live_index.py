@@ -265,3 +265,14 @@ def test_ivfpq_recall_after_churn_matches_a_fresh_build_and_compaction_changes_n
     D_after, I_after = load_index(index_dir).search(xq, 1000)
     np.testing.assert_array_equal(I_after, I_live)
     np.testing.assert_array_equal(D_after, D_live)
+
+
+def test_an_index_built_before_shard_directories_stays_one_generation(flat, tmp_path):
+    from tests.helpers_index import to_old_layout
+
+    index_dir, live, _ = flat
+    old = to_old_layout(index_dir, tmp_path / "old")
+    assert load_index(old).generation == 0 and load_index(old).ntotal == len(live.rows)
+    with pytest.raises(NeedleInputError, match="rebuild it"):
+        delete(DeleteConfig(), [sorted(live.rows)[0]], old)
+    assert not (old / "generations").exists()  # nothing written
