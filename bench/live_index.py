@@ -27,6 +27,7 @@ import argparse
 import bisect
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -58,18 +59,25 @@ def env_for(threads: int) -> dict[str, str]:
     }
 
 
-def needle(args: list[str], threads: int, stdin: str | None = None) -> tuple[dict | None, float]:
-    """Run ``needle ARGS``; (its JSON output where it prints one, wall seconds)."""
-    start = time.monotonic()
+def needle(args: list[str], threads: int, stdin: str | None = None, nice: int = 0) -> tuple[dict | None, float, float]:
+    """Run ``needle ARGS`` (at ``nice``); (its JSON output where it prints one, wall seconds, its
+    CPU seconds: user + system, what it took of the cores whatever else ran)."""
+    start, used = time.monotonic(), cpu_of_children()
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env_for(threads), input=stdin,
-        capture_output=True, text=True,
+        ["nice", "-n", str(nice), sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env_for(threads),
+        input=stdin, capture_output=True, text=True,
     )  # fmt: skip
-    seconds = time.monotonic() - start
+    seconds, cpu = time.monotonic() - start, cpu_of_children() - used
     if done.returncode != 0:
         raise RuntimeError(f"needle {' '.join(args[:2])} failed ({done.returncode}): {done.stderr[-3000:]}")
     out = done.stdout.strip()
-    return (json.loads(out) if out.startswith("{") else None), seconds
+    return (json.loads(out) if out.startswith("{") else None), seconds, cpu
+
+
+def cpu_of_children() -> float:
+    """User + system seconds of this process's finished children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def make_vectors(n: int, d: int, seed: int, clusters: int) -> np.ndarray:
@@ -189,7 +197,7 @@ def run(args: argparse.Namespace) -> dict:
 
     build_args = ["index", "build", "--descriptors", str(work / "desc"), "--out", str(work / "index"),
                   "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe)]  # fmt: skip
-    _, build_s = needle(build_args, args.threads)
+    _, build_s, _ = needle(build_args, args.threads)
     infos = json.loads((work / "index" / "index_infos.json").read_text())
     build_rate = infos["ntotal"] / infos["timings"]["add_s"]
     log(
@@ -214,31 +222,34 @@ def run(args: argparse.Namespace) -> dict:
         idle_start = time.monotonic()
         time.sleep(args.idle_s)
         idle_end = time.monotonic()
-        add_rates, visible, deleted_all, delete_visible = [], [], set(), []
+        add_rates, add_cpu_rates, visible, deleted_all, delete_visible = [], [], [], set(), []
         next_id = len(base_keys) // FILE_ROWS + 1
         for round_number in range(args.rounds):
             new = make_vectors(args.round_rows, args.dim, 100 + round_number, args.clusters)
             shutil.rmtree(work / "round", ignore_errors=True)
             new_keys = write_files(work / "round", next_id, new)
             next_id += (args.round_rows + FILE_ROWS - 1) // FILE_ROWS
-            change, seconds = needle(["index", "add", "--index", str(work / "index"), "--descriptors",
-                                      str(work / "round")], args.threads)  # fmt: skip
+            change, seconds, cpu = needle(["index", "add", "--index", str(work / "index"), "--descriptors",
+                                           str(work / "round")], args.threads, nice=args.writer_nice)  # fmt: skip
             returned = time.monotonic()
             visible.append(wait_generation(url, change["generation"]) - returned)
             add_rates.append(args.round_rows / seconds)
+            add_cpu_rates.append(args.round_rows / cpu)
             live.update(zip(new_keys, new))
             doomed = [str(k) for k in rng.choice(sorted(live), args.round_rows, replace=False)]
-            change, _ = needle(["index", "delete", "--index", str(work / "index"), "--keys", "-", "--wait-for", url],
-                               args.threads, stdin="\n".join(doomed) + "\n")  # fmt: skip
+            delete_args = ["index", "delete", "--index", str(work / "index"), "--keys", "-", "--wait-for", url]
+            keys_text = "\n".join(doomed) + "\n"
+            change, _, _ = needle(delete_args, args.threads, stdin=keys_text, nice=args.writer_nice)
             delete_visible.append((time.monotonic(), set(doomed)))
             for key in doomed:
                 del live[key]
             deleted_all.update(doomed)
             log({"phase": "round", "round": round_number, "add_s": round(seconds, 2),
-                 "add_rows_per_s": round(add_rates[-1]), "visible_after_return_s": round(visible[-1], 3),
+                 "add_rows_per_s": round(add_rates[-1]), "add_rows_per_cpu_s": round(add_cpu_rates[-1]),
+                 "visible_after_return_s": round(visible[-1], 3),
                  "deleted": change["deleted"]})  # fmt: skip
         changes_end = time.monotonic()
-        change, compact_s = needle(["index", "compact", "--index", str(work / "index"), "--keep", "1", "--wait-for",
+        change, compact_s, _ = needle(["index", "compact", "--index", str(work / "index"), "--keep", "1", "--wait-for",
                                     url], args.threads)  # fmt: skip
         time.sleep(1.0)
         load.stop.set()
@@ -294,7 +305,13 @@ def run(args: argparse.Namespace) -> dict:
         "deleted_returned": deleted_returned,
         "build_add_rows_per_s": round(build_rate),
         "live_add_rows_per_s": round(float(np.median(add_rates))),
-        "add_rate_vs_build": round(float(np.median(add_rates)) / build_rate, 3),
+        "live_add_rows_per_cpu_s": round(float(np.median(add_cpu_rates))),
+        # per core: the add command's rows per CPU second (its whole process: start, key checks,
+        # encoding, files, drift) against the build's add phase on one thread, alone on the machine
+        "add_rate_vs_build": round(float(np.median(add_cpu_rates)) / build_rate, 3),
+        # per wall second, while sharing the cores with the loaded server
+        "add_rate_vs_build_wall": round(float(np.median(add_rates)) / build_rate, 3),
+        "writer_nice": args.writer_nice,
         "visible_after_return_s": round(max(visible), 3),
         "reload_interval_s": args.reload_interval,
         "p50_idle_ms": round(float(np.percentile(idle, 50)) * 1000, 2),
@@ -327,6 +344,7 @@ def main() -> None:
     parser.add_argument("--nprobe", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="OMP threads of every process")
     parser.add_argument("--reload-interval", type=float, default=2.0)
+    parser.add_argument("--writer-nice", type=int, default=0, help="nice value of the add/delete/compact commands")
     parser.add_argument("--idle-s", type=float, default=20.0, help="seconds of load before any change")
     parser.add_argument("--workdir", help="keep the data and indexes here (default: a temporary directory)")
     parser.add_argument("--out", help="also write the last record to this JSON file")
