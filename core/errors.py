@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from core.quoting import short_repr
+
 
 class NeedleInputError(ValueError):
     """Base class for bad user input (a path, a key, a shape) in any needle stage."""
@@ -38,6 +40,6 @@ class ImageDecodeError(ValueError):
     """A sample whose image bytes cannot be decoded."""
 
     def __init__(self, key: str, reason: str):
-        super().__init__(f"cannot decode image of sample {key!r}: {reason}")
+        super().__init__(f"cannot decode image of sample {short_repr(key)}: {reason}")
         self.key = key
         self.reason = reason

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from core.errors import NeedleInputError
 from core.kill_points import kill_point
+from core.quoting import short_repr
 from index.build_add import PartRunner, run_parts_sequentially
 from index.build_plan import FileInfo, load_adapter, local_extractor, part_task, read_sources
 from index.build_shard import finish_shard
@@ -150,13 +151,13 @@ def replaced_rows(writer: Writer, files: list[FileInfo], replace_keys: bool) -> 
         keys.extend(pq.read_table(f.path, columns=["key"])["key"].to_pylist())
     twice = [key for key, count in Counter(keys).items() if count > 1]
     if twice:
-        raise DuplicateKeyError(f"key {twice[0]!r} is in more than one added row ({len(twice)} such keys)")
+        raise DuplicateKeyError(f"key {short_repr(twice[0])} is in more than one added row ({len(twice)} such keys)")
     parent = ParentKeys(writer)
     found = parent.find_many(keys)
     present = [(key, found[key]) for key in keys if key in found]
     if present and not replace_keys:
         raise DuplicateKeyError(
-            f"key {present[0][0]!r} is already in the index ({len(present)} of the added keys are): "
+            f"key {short_repr(present[0][0])} is already in the index ({len(present)} of the added keys are): "
             "delete them first, or add with --replace"
         )
     return parent.deletes_of(writer, [at for _, at in present])

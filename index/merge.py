@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from core.errors import NeedleInputError
+from core.quoting import short_repr
 from index.build_train import DEFAULT_QUANTIZER_EF, hnsw_quantizer
 
 
@@ -45,7 +46,7 @@ def shortlist_size(
     if refine_factor is not None and (
         not isinstance(refine_factor, int) or isinstance(refine_factor, bool) or refine_factor < 1
     ):
-        raise NeedleInputError(f"refine_factor must be an integer >= 1, got {refine_factor!r}")
+        raise NeedleInputError(f"refine_factor must be an integer >= 1, got {short_repr(refine_factor)}")
     exact = infos.get("kind") == "flat"
     factor = 1 if exact or not refine else (refine_factor or max(1, int(infos.get("refine_factor", 2))))
     return min(k * factor, ntotal)

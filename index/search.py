@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from core.errors import NeedleInputError
+from core.quoting import short_repr
 from core.tokens import LocalTokens
 from index.deletes import DeleteSet, read_delete_set
 from index.errors import IndexFileError, UnknownKeyError
@@ -161,7 +162,7 @@ class SearchIndex:
         # column (~0.1 s per 10M keys).
         position = self.keys.position_of(key) if self.keys is not None else pc.index(self.ids["key"], key).as_py()
         if position < 0:
-            raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
+            raise UnknownKeyError(f"key {short_repr(key)} is not in the index at {self.path}")
         return position
 
     def vector_of(self, key: str) -> np.ndarray:
@@ -169,7 +170,7 @@ class SearchIndex:
         vector = np.asarray(self.vectors[position], dtype=np.float32)
         if not is_valid_descriptor(vector, self.ids["status"][position].as_py()):
             raise UnknownKeyError(
-                f"key {key!r} has no valid descriptor in {self.path} (its image failed or was rejected)"
+                f"key {short_repr(key)} has no valid descriptor in {self.path} (its image failed or was rejected)"
             )
         return vector
 

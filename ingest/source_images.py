@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.quoting import short_repr
 from core.storage import is_s3, open_url, read_range
 from ingest.shards import shard_name
 
@@ -134,14 +135,15 @@ class SourceImages:
         url = self.url_of(shard)
         if url is None:
             raise FileNotFoundError(
-                f"no source recorded for shard {shard!r} (key {key!r}): give the directory of its tar (--shard-dir)"
+                f"no source recorded for shard {short_repr(shard)} (key {short_repr(key)}): "
+                "give the directory of its tar (--shard-dir)"
             )
         if not is_s3(url) and Path(url).is_dir():  # a directory of image files
             for suffix in image_suffixes():
                 path = Path(url) / f"{member_key}.{suffix}"
                 if path.is_file():
                     return path.read_bytes()
-            raise FileNotFoundError(f"no image file for {member_key!r} in {url}")
+            raise FileNotFoundError(f"no image file for {short_repr(member_key)} in {url}")
         members = self.members(url)
         if member_key not in members:
             raise FileNotFoundError(f"{url} holds no image member for {member_key!r} (key {key!r})")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from core.quoting import short_repr
 from index.errors import UnknownKeyError
 from index.merge import checked_queries, merge_shortlists, shortlist_size
 from ingest.descriptors import ROW_SHARD_SHIFT
@@ -310,8 +311,8 @@ class ShardedIndex:
         found = self.find_keys([key], with_tokens)
         if key not in found:
             if self.state().missing:  # a partial request: the key may be on a missing shard
-                raise ShardsUnavailable(sorted(self.state().missing), f"the lookup of key {key!r}")
-            raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
+                raise ShardsUnavailable(sorted(self.state().missing), f"the lookup of key {short_repr(key)}")
+            raise UnknownKeyError(f"key {short_repr(key)} is not in the index at {self.path}")
         return found[key]
 
     def prefetch_keys(self, keys: list[str], with_tokens: bool = False) -> None:
@@ -326,7 +327,7 @@ class ShardedIndex:
         _, out = self.find_key(key)
         if out["vector"] is None:
             raise UnknownKeyError(
-                f"key {key!r} has no valid descriptor in {self.path} (its image failed or was rejected)"
+                f"key {short_repr(key)} has no valid descriptor in {self.path} (its image failed or was rejected)"
             )
         return out["vector"]
 
@@ -353,8 +354,8 @@ class ShardedIndex:
             if answers[s] is not None:
                 return answers[s]
         if state.missing:
-            raise ShardsUnavailable(sorted(state.missing), f"the thumbnail of key {key!r}")
-        raise UnknownKeyError(f"key {key!r} is not in the index at {self.path}")
+            raise ShardsUnavailable(sorted(state.missing), f"the thumbnail of key {short_repr(key)}")
+        raise UnknownKeyError(f"key {short_repr(key)} is not in the index at {self.path}")
 
     def vectors_of_rows(self, I: np.ndarray) -> np.ndarray:
         I = np.atleast_2d(I)

@@ -369,3 +369,21 @@ def test_a_decompression_bomb_png_is_refused_by_the_default_limit(index):
     with app_client(index) as c:
         response = c.post("/search/image", content=png_header(20_000, 20_000), headers={"Content-Type": "image/png"})
         assert response.status_code == 413 and response.json()["max"] == 25_000_000
+
+
+def test_user_values_are_quoted_short_in_every_error(client, index):
+    """Issue 44, item 3: a 2.5M-character unknown key came back whole as a 12.5 MB 400 body; an
+    unknown field's name too. Every message quotes user values in at most 80 characters."""
+    from core.quoting import SHORT_REPR_WIDTH, short_repr
+    from index.errors import UnknownKeyError
+
+    huge = "k" * 2_500_000
+    response = client.post("/search", json={"keys": [huge], "k": 3}, headers=JSON)
+    assert response.status_code == 400 and len(response.content) < 1_000, len(response.content)
+    response = client.post("/search", json={huge: 1, "keys": ["x"]}, headers=JSON)
+    assert response.status_code == 400 and len(response.content) < 1_000 and len(response.json()["field"]) <= 80
+    with pytest.raises(UnknownKeyError) as caught:
+        index.position_of(huge)
+    assert len(str(caught.value)) < 300
+    assert len(short_repr(huge)) == SHORT_REPR_WIDTH and len(short_repr("é" * 10**6)) <= SHORT_REPR_WIDTH
+    assert short_repr([1] * 10**6) == "a list of 1000000" and short_repr("ok") == "'ok'"

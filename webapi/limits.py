@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.errors import NeedleInputError
+from core.quoting import short_repr
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")  # always answered: this machine's own names
 ANY_HOST = "*"  # --allow-host '*': answer any Host (no DNS-rebinding protection: behind a proxy that checks it)
@@ -140,12 +141,6 @@ def boolean(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
         raise FieldError(field, f"'{field}' must be true or false, got {short_repr(value)}")
     return value
-
-
-def short_repr(value: Any, width: int = 60) -> str:
-    """``repr(value)`` cut to ``width`` characters: error bodies echo the bad input, not megabytes of it."""
-    text = repr(value) if not isinstance(value, (list, dict)) else f"a {type(value).__name__} of {len(value)}"
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 class RequestChecks:

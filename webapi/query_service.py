@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from core.quoting import short_repr, short_text
 from query.index_protocol import Index
 from webapi.limits import FieldError, RequestChecks, ServiceLimits, boolean
 
@@ -145,7 +146,10 @@ class QueryService:
         """Answer a parsed /search body, every field checked (type, range, limits) before any work."""
         unknown = sorted(set(body) - set(SEARCH_FIELDS))
         if unknown:
-            raise FieldError(unknown[0], f"unknown field {unknown[0]!r}: a /search body has {', '.join(SEARCH_FIELDS)}")
+            fields = ", ".join(SEARCH_FIELDS)  # the field named short: never megabytes of it
+            raise FieldError(
+                short_text(unknown[0]), f"unknown field {short_repr(unknown[0])}: a /search body has {fields}"
+            )
         given = [name for name in ("keys", "vectors", "text") if name in body]
         if len(given) != 1:
             raise FieldError("keys", "give exactly one of 'keys', 'vectors' or 'text'")

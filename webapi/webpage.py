@@ -35,6 +35,7 @@ import numpy as np
 from fastapi import Request  # module level: the routes' annotations are resolved in this module's globals
 
 from core.errors import NeedleInputError
+from core.quoting import short_text
 from shards.coordinator import ShardsUnavailable
 from webapi.http_errors import error_response, is_server_side, request_id, scrub, server_locations
 from webapi.limits import FieldError, parse_json, short_repr
@@ -299,7 +300,8 @@ def add_page_search(app: Any, search: PageSearch) -> None:
         unknown = sorted(set(body) - set(PAGE_FIELDS))
         if unknown:
             fields = ", ".join(PAGE_FIELDS)
-            raise FieldError(unknown[0], f"unknown field {unknown[0]!r}: a /page/search body has {fields}")
+            named = short_repr(unknown[0])  # the field named short: never megabytes of it
+            raise FieldError(short_text(unknown[0]), f"unknown field {named}: a /page/search body has {fields}")
         k, nprobe = body.get("k", 10), body.get("nprobe")
         given = [name for name in ("key", "text") if name in body]
         if len(given) != 1:
