@@ -371,3 +371,24 @@ def test_serve_flags_make_the_page_config(tmp_path):
         report="r.json", scaling_plot="s.png", shard_dirs=("a", "b"), max_upload_bytes=2 << 20
     )
     assert _page_config(build_parser().parse_args(["serve", "--index", str(tmp_path)])) == PageConfig()
+
+
+def test_report_and_plot_bodies_name_no_server_path(web_index, tmp_path):
+    """Issue 44, item 9: ``/report`` and a missing plot's 404 named server paths."""
+    from fastapi.testclient import TestClient
+
+    from index.search import load_index
+    from webapi.query_service import QueryService
+    from webapi.webapp import create_app
+    from webapi.webpage import PageConfig
+
+    service = QueryService(load_index(web_index["index"]))
+    good = TestClient(create_app(service, PageConfig(report=str(web_index["report"]))), base_url="http://localhost")
+    body = good.get("/report").text
+    assert str(web_index["root"]) not in body and good.get("/report").json()["path"] == "report.json"
+    missing = tmp_path / "secret-dir" / "nope.json"
+    conf = PageConfig(report=str(missing), scaling_plot=str(tmp_path / "secret-dir" / "plot.png"))
+    bad = TestClient(create_app(service, conf), base_url="http://localhost")
+    for path in ("/report", "/report/scaling.png"):
+        response = bad.get(path)
+        assert response.status_code == 404 and "secret-dir" not in response.text, response.text

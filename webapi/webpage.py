@@ -162,8 +162,10 @@ def page_report(conf: PageConfig, search: PageSearch) -> dict[str, Any]:
         raise NeedleInputError(f"the report {conf.report} is not a JSON object")
     k = int(report.get("k") or (report.get("config") or {}).get("k") or 10)
     per_query = [q for q in report.get("per_query", []) or [] if isinstance(q, dict)]
-    summary = {
-        name: value for name, value in report.items() if name != "per_query" and not isinstance(value, (dict, list))
+    summary = {  # the report's scalars, any server path in them scrubbed (the index, the ground truth ...)
+        name: scrub(value, server_locations(search.index)) if isinstance(value, str) else value
+        for name, value in report.items()
+        if name != "per_query" and not isinstance(value, (dict, list))
     }
     positives = _truth_positives(report.get("ground_truth"))
     notes = []
@@ -190,7 +192,7 @@ def page_report(conf: PageConfig, search: PageSearch) -> dict[str, Any]:
             f"(searched to depth {conf.report_depth}; re-ranking, if the report used it, not applied)"
         )
     return {
-        "path": str(conf.report),
+        "path": Path(conf.report).name,  # its file name: a body never names a server path
         "k": k,
         "summary": summary,
         "breakdowns": report.get("breakdowns"),
@@ -379,13 +381,15 @@ def add_report(app: Any, search: PageSearch, conf: PageConfig) -> None:
             try:
                 report_cache["report"] = page_report(conf, search)
             except NeedleInputError as exc:
-                return _error(404, scrub(str(exc)), request)
+                log.warning("the configured report cannot be shown: %s", exc)
+                return _error(404, "the configured report cannot be read (the server's log says why)", request)
         return report_cache["report"]
 
     @app.get("/report/scaling.png")
     def scaling_png():
         if not conf.scaling_plot or not Path(conf.scaling_plot).is_file():
-            return _error(
-                404, "no scaling plot configured" if not conf.scaling_plot else f"{conf.scaling_plot} does not exist"
+            missing = (
+                "no scaling plot configured" if not conf.scaling_plot else "the configured scaling plot does not exist"
             )
+            return _error(404, missing)
         return FileResponse(conf.scaling_plot, media_type="image/png")
