@@ -387,3 +387,17 @@ def test_user_values_are_quoted_short_in_every_error(client, index):
     assert len(str(caught.value)) < 300
     assert len(short_repr(huge)) == SHORT_REPR_WIDTH and len(short_repr("é" * 10**6)) <= SHORT_REPR_WIDTH
     assert short_repr([1] * 10**6) == "a list of 1000000" and short_repr("ok") == "'ok'"
+
+
+def test_the_scrubber_reads_the_index_location_from_the_index_protocol(index, index_dir):
+    """Issue 44, item 9: ``server_locations`` read ``getattr(index, "path", "")``, so an index object
+    without the protocol's ``path`` had nothing scrubbed, silently; a following index (LiveIndex)
+    passes its generation's path on."""
+    from webapi.http_errors import server_locations
+    from webapi.live_index import LiveIndex
+
+    assert str(index_dir.resolve()) in server_locations(index)
+    live = LiveIndex(lambda n: index, lambda: 0, reload_interval=0)
+    assert server_locations(live) == server_locations(index)
+    with pytest.raises(AttributeError):
+        server_locations(object())

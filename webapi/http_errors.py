@@ -30,6 +30,7 @@ from fastapi.responses import Response
 
 from core.errors import ImageDecodeError, NeedleDataError, NeedleInputError
 from core.storage import StorageError
+from query.index_protocol import Index
 from shards.coordinator import ShardsUnavailable
 from webapi.limits import FieldError
 
@@ -78,9 +79,11 @@ def json_response(status: int, payload: Any, headers: Mapping[str, str] | None =
     return Response(json.dumps(payload), status_code=status, media_type="application/json", headers=headers)
 
 
-def server_locations(index: Any) -> tuple[str, ...]:
-    """The strings that name where the server's index is (as given and resolved): never sent to a client."""
-    given = str(getattr(index, "path", "") or "")
+def server_locations(index: Index) -> tuple[str, ...]:
+    """The strings that name where the server's index is (as given and resolved): never sent to a
+    client. Read from the ``Index`` protocol's ``path``: an index that does not say where it is is
+    an error here, not an index whose location goes unscrubbed."""
+    given = str(index.path or "")
     if not given:
         return ()
     names = {given, given.rstrip("/")}
