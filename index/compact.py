@@ -199,12 +199,13 @@ def write_vectors_and_index(
     index = faiss.read_index(str(writer.trained_empty()))
     dim = int(opened[0].infos["dim"])
     indexed = 0
+    statuses = [f.ids["status"].to_numpy(zero_copy_only=False) for f in opened]  # once, not per chunk
     with atomic_path(directory / VECTORS_FILE) as tmp, open(tmp, "wb") as out:
         write_float16_npy_header(out, len(live[0]), dim)
         for start, stop, which, positions in chunks(live):
             block = gather([f.vectors for f in opened], which, positions).reshape(-1, dim)
             out.write(np.ascontiguousarray(block, np.float16).tobytes())
-            status = gather([f.ids["status"].to_numpy(zero_copy_only=False) for f in opened], which, positions)
+            status = gather(statuses, which, positions)
             ok = np.array([is_valid_descriptor(v, s) for v, s in zip(block, status)], bool)
             if ok.any():
                 index.add_with_ids(np.ascontiguousarray(block[ok], np.float32), live[0][start:stop][ok])

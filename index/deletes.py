@@ -59,15 +59,15 @@ class DeleteSet:
         return selector
 
 
-def read_delete_set(path: Any, indexed: int, label: str) -> DeleteSet:
-    """The delete set at ``path`` (a local ``.npy``), checked sorted and unique; ``label`` names it
-    in errors (its segment and generation)."""
+def read_delete_set(source: Any, indexed: int, label: str) -> DeleteSet:
+    """The delete set in ``source`` (a local ``.npy`` path, or its bytes as a file object), checked
+    sorted and unique; ``label`` names it in errors (its file and segment)."""
     try:
-        rows = np.load(path, allow_pickle=False)
+        rows = np.load(source, allow_pickle=False)
     except (OSError, ValueError) as exc:
-        raise DeleteSetError(f"cannot read the delete set of {label} ({path}): {exc}") from exc
+        raise DeleteSetError(f"cannot read the delete set {label}: {exc}") from exc
     if rows.dtype != np.int64 or rows.ndim != 1 or (len(rows) > 1 and not (np.diff(rows) > 0).all()):
-        raise DeleteSetError(f"the delete set of {label} ({path}) is not a sorted set of int64 row ids")
+        raise DeleteSetError(f"the delete set {label} is not a sorted set of int64 row ids")
     return DeleteSet(rows, indexed)
 
 

@@ -37,10 +37,6 @@ class ParentKeys:
             self.ids.append(read_ids(directory / IDS_FILE))
             self.deletes.append(DeleteSet(writer.deleted_rows(entry), 0))
 
-    def find(self, key: str) -> KeyRow | None:
-        """The live row of ``key`` in the parent, or None."""
-        return self.find_many([key]).get(key)
-
     def find_many(self, keys: list[str]) -> dict[str, KeyRow]:
         """The live row of each of ``keys`` the parent holds (absent and deleted keys left out)."""
         found: dict[str, KeyRow] = {}

@@ -31,7 +31,7 @@ import numpy as np
 
 from core.errors import NeedleInputError
 from core.kill_points import kill_point
-from index.deletes import merge_rows
+from index.deletes import merge_rows, read_delete_set
 from index.errors import IndexFileError
 from index.generations import (
     DELETES_DIR,
@@ -48,6 +48,7 @@ from index.generations import (
     read_manifest,
     segments_of,
 )
+from index.keys import KEY_FILES
 from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,8 @@ class Writer:
         recorded = entry.get("deleted")
         if not recorded:
             return np.zeros(0, np.int64)
-        return np.load(self.fetch_top(recorded["file"]), allow_pickle=False)
+        file = self.fetch_top(recorded["file"])
+        return read_delete_set(file, int(recorded["indexed"]), f"{file} (segment {entry['name']})").rows
 
     def fetch_top(self, name: str) -> Path:
         """A local path of a file at the top of the index (S3: fetched into the scratch)."""
@@ -337,4 +339,4 @@ def grown_deletes(writer: Writer, segment: dict[str, Any], rows: np.ndarray, ind
     return {**segment, "deleted": writer.write_deletes(segment["name"], merged, before + indexed)}
 
 
-ID_FILES = [IDS_FILE, "keys.bin", "key_offsets.npy", "key_order.npy"]
+ID_FILES = [IDS_FILE, *KEY_FILES]  # what key lookups in a segment read

@@ -356,4 +356,5 @@ def entry_deletes(path: Path, entry: dict[str, Any]) -> DeleteSet:
     recorded = entry.get("deleted")
     if not recorded:
         return DeleteSet.empty()
-    return read_delete_set(path / recorded["file"], int(recorded["indexed"]), f"segment {entry['name']} of {path}")
+    file = path / recorded["file"]
+    return read_delete_set(file, int(recorded["indexed"]), f"{file} (segment {entry['name']})")

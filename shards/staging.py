@@ -27,12 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from core.atomic import atomic_path, write_json_atomic
 from core.hashing import file_sha256
 from core.storage import StorageError, copy_file_under, is_s3, read_file_under
-from index.deletes import DeleteSet
+from index.deletes import DeleteSet, read_delete_set
 from index.errors import IndexFileError
 from index.layout import INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE
 
@@ -109,11 +107,8 @@ def read_delete_set_of(source: str, entry: dict[str, Any], endpoint_url: str | N
     if not recorded:
         return DeleteSet.empty()
     data = read_source_bytes(source_url(source), recorded["file"], endpoint_url)
-    try:
-        rows = np.load(io.BytesIO(data), allow_pickle=False)
-    except ValueError as exc:
-        raise IndexFileError(f"{source}/{recorded['file']}: not a delete set: {exc}") from exc
-    return DeleteSet(rows, int(recorded["indexed"]))
+    label = f"{source}/{recorded['file']} (segment {entry['name']})"
+    return read_delete_set(io.BytesIO(data), int(recorded["indexed"]), label)
 
 
 def cache_root(cache_dir: str | None, node: str) -> Path:
