@@ -90,14 +90,14 @@ def make_vectors(n: int, d: int, seed: int, clusters: int) -> np.ndarray:
 
 def write_files(directory: Path, first_id: int, vectors: np.ndarray) -> list[str]:
     """Descriptor files of FILE_ROWS rows from Parquet shard id ``first_id`` on; returns the keys."""
-    from tests.test_live_index import write_rows
+    from tests.helpers_index import write_descriptor_file
 
     keys = []
     for start in range(0, len(vectors), FILE_ROWS):
         shard_id = first_id + start // FILE_ROWS
         block = vectors[start : start + FILE_ROWS]
         names = [f"f{shard_id:06d}/{i:05d}" for i in range(len(block))]
-        write_rows(directory, f"f{shard_id:06d}", shard_id, block, names)
+        write_descriptor_file(directory, f"f{shard_id:06d}", shard_id, block, names)
         keys.extend(names)
     return keys
 
@@ -277,10 +277,10 @@ def run(args: argparse.Namespace) -> dict:
     fresh_keys = sorted(live)
     fresh_vectors = np.stack([live[k] for k in fresh_keys])
     shutil.rmtree(work / "fresh_desc", ignore_errors=True)
-    from tests.test_live_index import write_rows
+    from tests.helpers_index import write_descriptor_file
 
     for number, start in enumerate(range(0, len(fresh_keys), FILE_ROWS)):
-        write_rows(work / "fresh_desc", f"g{number:06d}", number, fresh_vectors[start : start + FILE_ROWS],
+        write_descriptor_file(work / "fresh_desc", f"g{number:06d}", number, fresh_vectors[start : start + FILE_ROWS],
                    fresh_keys[start : start + FILE_ROWS])  # fmt: skip
     needle(["index", "build", "--descriptors", str(work / "fresh_desc"), "--out", str(work / "fresh"),
             "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe)], args.threads)  # fmt: skip

@@ -22,11 +22,14 @@ def clustered_unit_vectors(n: int, d: int, seed: int = 0, clusters: int = 20) ->
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float16)
 
 
-def write_descriptor_file(directory: Path, shard: str, shard_id: int, xb: np.ndarray) -> Path:
+def write_descriptor_file(
+    directory: Path, shard: str, shard_id: int, xb: np.ndarray, keys: list[str] | None = None
+) -> Path:
+    """Descriptor Parquet ``<shard>.parquet`` of Parquet shard ``shard_id`` (keys ``<shard>/i`` unless given)."""
     n, d = xb.shape
     table = pa.table(
         {
-            "key": [f"{shard}/{i:05d}" for i in range(n)],
+            "key": keys or [f"{shard}/{i:05d}" for i in range(n)],
             "shard": [shard] * n,
             "row": pa.array([make_row_id(shard_id, i) for i in range(n)], pa.int64()),
             "global": fixed_size_list(xb, pa.float16()),

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from core.errors import NeedleInputError
@@ -24,30 +23,10 @@ from index.errors import UnknownKeyError
 from index.generations import GenerationConflict, latest_number, location_of, read_manifest
 from index.live_writer import WriterBusy, writing
 from index.search import load_index
-from ingest.descriptors import descriptor_schema, fixed_size_list, make_row_id, write_parquet_atomic
-from tests.helpers_index import clustered_unit_vectors
+from ingest.descriptors import make_row_id
+from tests.helpers_index import clustered_unit_vectors, write_descriptor_file
 
 D = 16
-
-
-def write_rows(directory: Path, name: str, shard_id: int, xb: np.ndarray, keys: list[str] | None = None) -> Path:
-    """A descriptor Parquet file ``name`` of Parquet shard ``shard_id`` (keys ``name/i`` unless given)."""
-    n = len(xb)
-    keys = keys or [f"{name}/{i:05d}" for i in range(n)]
-    table = pa.table(
-        {
-            "key": keys,
-            "shard": [name] * n,
-            "row": pa.array([make_row_id(shard_id, i) for i in range(n)], pa.int64()),
-            "global": fixed_size_list(xb, pa.float16()),
-            "width": pa.array([100] * n, pa.int32()),
-            "height": pa.array([80] * n, pa.int32()),
-            "status": ["ok"] * n,
-            "error": [""] * n,
-        },
-        schema=descriptor_schema(xb.shape[1]),
-    )
-    return write_parquet_atomic(table, Path(directory) / f"{name}.parquet")
 
 
 class Live:
@@ -84,7 +63,7 @@ def flat(tmp_path):
     live = Live()
     for i in range(4):
         xb = clustered_unit_vectors(40, D, seed=i)
-        write_rows(desc, f"t{i}", i, xb)
+        write_descriptor_file(desc, f"t{i}", i, xb)
         live.add_file(f"t{i}", i, xb)
     out = build(IndexConfig(kind="flat", shards=2), desc, tmp_path / "index")
     return out, live, tmp_path
@@ -97,7 +76,7 @@ def test_flat_answers_equal_brute_force_after_every_change(flat):
     more = tmp / "more"
     for i in (4, 5):
         xb = clustered_unit_vectors(30, D, seed=10 + i)
-        write_rows(more, f"t{i}", i, xb)
+        write_descriptor_file(more, f"t{i}", i, xb)
         live.add_file(f"t{i}", i, xb)
     change = add(AddConfig(), more, index_dir)
     assert change["generation"] == 1 and change["rows"] == 60
@@ -117,7 +96,7 @@ def test_flat_answers_equal_brute_force_after_every_change(flat):
     # --replace: a new file re-adds two live keys (new vectors) and a deleted one
     replaced = [sorted(live.rows)[0], sorted(live.rows)[1], doomed[0]]
     xb = clustered_unit_vectors(3, D, seed=77)
-    write_rows(tmp / "again", "t9", 9, xb, keys=replaced)
+    write_descriptor_file(tmp / "again", "t9", 9, xb, keys=replaced)
     with pytest.raises(DuplicateKeyError, match="already in the index"):
         add(AddConfig(), tmp / "again", index_dir)
     add(AddConfig(replace=True), tmp / "again", index_dir)
@@ -151,7 +130,7 @@ def test_adding_the_same_files_again_adds_nothing(flat):
     assert change["generation"] is None and len(change["skipped_files"]) == 4
     assert latest_number(location_of(index_dir)) == 0
     xb = clustered_unit_vectors(5, D, seed=3)
-    write_rows(tmp / "clash", "other", 2, xb)  # Parquet shard id 2 from another file
+    write_descriptor_file(tmp / "clash", "other", 2, xb)  # Parquet shard id 2 from another file
     with pytest.raises(NeedleInputError, match="shard id 2"):
         add(AddConfig(), tmp / "clash", index_dir)
 
@@ -225,17 +204,17 @@ def test_ivfpq_recall_after_churn_matches_a_fresh_build_and_compaction_changes_n
     pool = clustered_unit_vectors(per_file * files + 2 * extra + 20, d, seed=0, clusters=40)  # one distribution
     for i in range(files):
         xb = pool[i * per_file : (i + 1) * per_file]
-        write_rows(tmp_path / "desc", f"t{i}", i, xb)
+        write_descriptor_file(tmp_path / "desc", f"t{i}", i, xb)
         live.add_file(f"t{i}", i, xb)
     index_dir = build(conf, tmp_path / "desc", tmp_path / "index")
     for j, i in enumerate((files, files + 1)):  # 10 % added
         xb = pool[per_file * files + j * extra : per_file * files + (j + 1) * extra]
-        write_rows(tmp_path / "more", f"t{i}", i, xb)
+        write_descriptor_file(tmp_path / "more", f"t{i}", i, xb)
         live.add_file(f"t{i}", i, xb)
     change = add(AddConfig(), tmp_path / "more", index_dir)
     assert change["drift"]["error_ratio"] < 1.1 and not change["drift"]["rebuild_recommended"]
     # rows of other clusters: the report says to rebuild
-    write_rows(tmp_path / "other", "t20", 20, clustered_unit_vectors(300, d, seed=77, clusters=40))
+    write_descriptor_file(tmp_path / "other", "t20", 20, clustered_unit_vectors(300, d, seed=77, clusters=40))
     drifted = add(AddConfig(), tmp_path / "other", index_dir)
     assert drifted["drift"]["rebuild_recommended"] and drifted["drift"]["error_ratio"] > 1.25
     delete(DeleteConfig(), [f"t20/{i:05d}" for i in range(300)], index_dir)
@@ -247,8 +226,8 @@ def test_ivfpq_recall_after_churn_matches_a_fresh_build_and_compaction_changes_n
     keys = sorted(live.rows)
     vectors = np.stack([live.rows[k][1] for k in keys])
     half = len(keys) // 2
-    write_rows(tmp_path / "fresh_desc", "f0", 0, vectors[:half], keys[:half])
-    write_rows(tmp_path / "fresh_desc", "f1", 1, vectors[half:], keys[half:])
+    write_descriptor_file(tmp_path / "fresh_desc", "f0", 0, vectors[:half], keys[:half])
+    write_descriptor_file(tmp_path / "fresh_desc", "f1", 1, vectors[half:], keys[half:])
     fresh = load_index(build(conf, tmp_path / "fresh_desc", tmp_path / "fresh"))
     xq = pool[-20:].astype(np.float32)  # held out of every file
     _, truth_rows = live.brute_force(xq, 1000)

@@ -22,8 +22,8 @@ from index.build import IndexConfig
 from index.build import main as build
 from index.generations import latest_number, location_of
 from index.search import load_index
-from tests.helpers_index import clustered_unit_vectors
-from tests.test_live_index import D, Live, assert_exact, write_rows
+from tests.helpers_index import clustered_unit_vectors, write_descriptor_file
+from tests.test_live_index import D, Live, assert_exact
 
 ROOT = Path(__file__).resolve().parents[1]
 POINTS = {
@@ -53,10 +53,10 @@ def made(tmp_path_factory):
     live = Live()
     for i in range(3):
         xb = clustered_unit_vectors(40, D, seed=i)
-        write_rows(tmp / "desc", f"t{i}", i, xb)
+        write_descriptor_file(tmp / "desc", f"t{i}", i, xb)
         live.add_file(f"t{i}", i, xb)
     xb = clustered_unit_vectors(30, D, seed=5)
-    write_rows(tmp / "more", "t5", 5, xb)
+    write_descriptor_file(tmp / "more", "t5", 5, xb)
     index = build(IndexConfig(kind="flat", shards=2), tmp / "desc", tmp / "index")
     (tmp / "first.txt").write_text("t0/00001\nt2/00007\n")
     assert needle(["index", "delete", "--index", str(index), "--keys", str(tmp / "first.txt")]).returncode == 0

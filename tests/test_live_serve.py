@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +19,8 @@ from index.delete_rows import DeleteConfig
 from index.delete_rows import main as delete
 from index.errors import UnknownKeyError
 from index.search import load_index
-from tests.helpers_index import clustered_unit_vectors
-from tests.test_live_index import D, write_rows
+from tests.helpers_index import clustered_unit_vectors, write_descriptor_file
+from tests.test_live_index import D
 from webapi.live_index import LiveIndex
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,18 +77,8 @@ def test_a_failing_open_keeps_serving_the_generation_it_has():
 def flat_index(tmp_path):
     desc = tmp_path / "desc"
     for i in range(3):
-        write_rows(desc, f"t{i}", i, clustered_unit_vectors(40, D, seed=i))
+        write_descriptor_file(desc, f"t{i}", i, clustered_unit_vectors(40, D, seed=i))
     return build(IndexConfig(kind="flat", shards=2), desc, tmp_path / "index")
-
-
-def get_json(url, body=None):
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def needle(*args, env_extra=None, **kwargs):
@@ -99,7 +88,7 @@ def needle(*args, env_extra=None, **kwargs):
 
 @pytest.mark.slow
 def test_serve_follows_a_delete_and_wait_for_returns_once_it_is_visible(flat_index, tmp_path):
-    from tests.test_serve import free_port
+    from tests.test_serve import free_port, urlopen_json
 
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -113,27 +102,27 @@ def test_serve_follows_a_delete_and_wait_for_returns_once_it_is_visible(flat_ind
         deadline = time.monotonic() + 60
         while True:
             try:
-                status, health = get_json(f"{url}/health")
+                status, health = urlopen_json(f"{url}/health")
                 break
             except OSError:
                 assert server.poll() is None and time.monotonic() < deadline, "needle serve did not start"
                 time.sleep(0.2)
         assert status == 200 and health["generation"] == 0 and health["ntotal"] == 120
         victim = "t1/00003"
-        status, out = get_json(f"{url}/search", {"keys": [victim], "k": 5})
+        status, out = urlopen_json(f"{url}/search", {"keys": [victim], "k": 5})
         assert status == 200 and out[0]["results"][0]["key"] == victim
         vector = load_index(flat_index).vector_of(victim).tolist()
         # a writer killed before it publishes: the server keeps answering from what it serves
-        write_rows(tmp_path / "more", "t5", 5, clustered_unit_vectors(20, D, seed=5))
+        write_descriptor_file(tmp_path / "more", "t5", 5, clustered_unit_vectors(20, D, seed=5))
         killed = needle(
             "index", "add", "--index", str(flat_index), "--descriptors", str(tmp_path / "more"),
             env_extra={"NEEDLE_KILL_AT": "before_publish"}, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert killed.returncode == -9, killed.stderr
         time.sleep(1.0)  # two reload intervals
-        status, health = get_json(f"{url}/health")
+        status, health = urlopen_json(f"{url}/health")
         assert status == 200 and health["generation"] == 0
-        status, out = get_json(f"{url}/search", {"keys": [victim], "k": 5})
+        status, out = urlopen_json(f"{url}/search", {"keys": [victim], "k": 5})
         assert status == 200 and out[0]["results"][0]["key"] == victim
         done = needle(
             "index", "delete", "--index", str(flat_index), "--keys", "-", "--wait-for", url,
@@ -144,12 +133,12 @@ def test_serve_follows_a_delete_and_wait_for_returns_once_it_is_visible(flat_ind
         assert change["generation"] == 1 and change["deleted"] == 1 and change["unknown_keys"] == ["not/there"]
         assert change["visible_after_s"] <= 0.5 + 1.0
         # visible when the command returns: never the deleted key, and the key itself unknown
-        status, health = get_json(f"{url}/health")
+        status, health = urlopen_json(f"{url}/health")
         assert health["generation"] == 1 and health["ntotal"] == 119
-        status, out = get_json(f"{url}/search", {"vectors": [vector], "k": 119})
+        status, out = urlopen_json(f"{url}/search", {"vectors": [vector], "k": 119})
         assert status == 200 and victim not in {r["key"] for r in out[0]["results"]}
         assert len(out[0]["results"]) == 119
-        status, out = get_json(f"{url}/search", {"keys": [victim], "k": 5})
+        status, out = urlopen_json(f"{url}/search", {"keys": [victim], "k": 5})
         assert status == 400 and "not in the index" in out["error"]
     finally:
         server.terminate()
@@ -181,7 +170,7 @@ def test_ray_shards_switch_generations_together(flat_index, ray_local):
     try:
         first = live._current
         more = flat_index.parent / "more"
-        write_rows(more, "t7", 7, clustered_unit_vectors(30, D, seed=7))
+        write_descriptor_file(more, "t7", 7, clustered_unit_vectors(30, D, seed=7))
         add(AddConfig(), more, flat_index, run_parts=ray_part_runner())  # needle index add --ray
         delete(DeleteConfig(), ["t0/00000", "t7/00002"], flat_index)
         deadline = time.monotonic() + 120
