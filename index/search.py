@@ -41,7 +41,7 @@ from index.layout import IDS_FILE, INFOS_FILE, LAYOUT_SHARDS, VECTORS_FILE
 from index.locals import LocalStore, open_local_store
 from index.merge import checked_queries, inner_products_at, merge_shortlists, shortlist_size, trim_to_shortlist
 from index.row_map import DenseRows, RowMap, row_map_of
-from index.shard import Shard, is_valid_descriptor, make_shard
+from index.shard import Shard, candidates_of, is_valid_descriptor, make_shard
 from index.shard_files import (
     ShardedKeys,
     ShardedVectors,
@@ -117,7 +117,7 @@ class SearchIndex:
         """Every shard's ``(D_index, I, D_exact)`` members of the ``kk`` best candidates among all
         shards: only those are re-scored (kk rows per query, not kk per shard). cluster/serve.py
         asks its Ray actors instead."""
-        found = [shard.candidates(xq, kk, nprobe) for shard in self.shards]
+        found = candidates_of(self.shards, xq, kk, nprobe)
         if len(found) > 1:
             found = trim_to_shortlist(found, kk)
         return [(D, I, shard.exact_scores(xq, D, I, refine)) for shard, (D, I) in zip(self.shards, found)]

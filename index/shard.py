@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_fingerprint, coarse_stage, search_assigned
 from index.deletes import DeleteSet
 from index.errors import IndexFileError
 from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
@@ -166,13 +167,34 @@ class Shard:
                 self.resident = False if kept is None else kept
         return self.resident if isinstance(self.resident, ResidentDatabase) else None
 
-    def candidates(self, xq: np.ndarray, kk: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def candidates(
+        self, xq: np.ndarray, kk: int, nprobe: int | None = None, assigned: CoarseAssignment | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """This shard's best ``kk`` candidates for (nq, d) float32 queries by index score:
-        ``(D_index, I)``, ties to the lower row id, -inf/-1 padding last."""
+        ``(D_index, I)``, ties to the lower row id, -inf/-1 padding last. ``assigned``: the
+        queries' lists from ``coarse_key``'s shared stage (``shared_assignments``), not searched again."""
         if self.scans_on_gpu(len(xq)):
             return sort_by_score(*self.scan(xq, kk), kk)  # -inf for the -1 padding, as below
-        D, I = self.index.search(xq, min(kk + tie_margin(kk), max(1, self.ntotal)), params=self.params(nprobe))
+        wanted, params = min(kk + tie_margin(kk), max(1, self.ntotal)), self.params(nprobe)
+        if assigned is not None and self.coarse is not None:
+            D, I = search_assigned(self.coarse[1], assigned, wanted, params)
+        else:
+            D, I = self.index.search(xq, wanted, params=params)
         return sort_by_score(D, I, kk)  # a cut that does not depend on FAISS's order among ties
+
+    @cached_property
+    def coarse(self) -> tuple[str, CoarseStage] | None:
+        """(fingerprint, stage) of an IVF shard's coarse stage (index/coarse.py), None for a flat one."""
+        stage = coarse_stage(self.index)
+        return None if stage is None else (coarse_fingerprint(stage), stage)
+
+    def coarse_key(self, nq: int, nprobe: int | None) -> tuple[str, int] | None:
+        """What decides the lists this shard scans for ``nq`` queries at ``nprobe``: shards of one
+        key can share one assignment. None: a flat shard, or one scanning on a GPU."""
+        params = self.params(nprobe)
+        if self.coarse is None or params is None or self.scans_on_gpu(nq):
+            return None
+        return self.coarse[0], int(params.nprobe)
 
     def params(self, nprobe: int | None) -> Any | None:
         """``search_params`` for ``nprobe`` (None: this shard's default), made once per value: a
@@ -209,6 +231,33 @@ class Shard:
     def rescore(self, xq: np.ndarray, I: np.ndarray) -> np.ndarray:
         """Exact inner products of the candidates against their float16 vectors (-inf for -1)."""
         return inner_products_at(self.vector_rows, self.positions_of_rows(I), xq)
+
+
+def shared_assignments(shards: list[Shard], xq: np.ndarray, nprobe: int | None) -> list[CoarseAssignment | None]:
+    """Per shard, the coarse assignment of ``xq`` it shares with other shards of its coarse key
+    (a living index's segments: one quantizer), made once per key; None for a shard that shares
+    with none (it assigns in its own search, which costs the same)."""
+    members: dict[tuple[str, int], list[int]] = {}
+    for i, shard in enumerate(shards):
+        key = shard.coarse_key(len(xq), nprobe)
+        if key is not None:
+            members.setdefault(key, []).append(i)
+    out: list[CoarseAssignment | None] = [None] * len(shards)
+    for same in members.values():
+        first = shards[same[0]]
+        if len(same) > 1 and first.coarse is not None:
+            assigned = assign(first.coarse[1], xq, first.params(nprobe))
+            for i in same:
+                out[i] = assigned
+    return out
+
+
+def candidates_of(
+    shards: list[Shard], xq: np.ndarray, kk: int, nprobe: int | None
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every shard's ``candidates``, the shards of one coarse stage assigning the queries once."""
+    assigned = shared_assignments(shards, xq, nprobe)
+    return [shard.candidates(xq, kk, nprobe, a) for shard, a in zip(shards, assigned)]
 
 
 def is_valid_descriptor(vector: np.ndarray, status: str | None) -> bool:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.tokens import LocalTokens, TokenBatch
+from index.coarse import CoarseAssignment
 from index.shard import open_shard
 from ingest.source_images import SourceImages, SourceImagesConfig, tar_urls_of_files, thumbnail_jpeg
 from shards.calls import ShardCalls, ShardKeys
@@ -139,9 +140,12 @@ class ShardActor(ShardCalls):
         D, I = self.candidates(xq, kk, nprobe)
         return self.completed(xq, D, I, refine)
 
-    def candidates(self, xq: np.ndarray, kk: int, nprobe: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """(index scores, row ids) of this shard's best ``kk`` candidates (``Shard.candidates``)."""
-        return self.shard.candidates(writable(xq), kk, nprobe)
+    def candidates(
+        self, xq: np.ndarray, kk: int, nprobe: int | None, assigned: CoarseAssignment | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(index scores, row ids) of this shard's best ``kk`` candidates (``Shard.candidates``;
+        ``assigned``: the queries' lists, shared with the other segments of its group)."""
+        return self.shard.candidates(writable(xq), kk, nprobe, assigned)
 
     def completed(
         self, xq: np.ndarray, D: np.ndarray, I: np.ndarray, refine: bool

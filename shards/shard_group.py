@@ -37,6 +37,7 @@ import numpy as np
 
 from core.tokens import TokenBatch
 from index.merge import trim_to_shortlist
+from index.shard import shared_assignments
 from ingest.source_images import SourceImagesConfig
 from shards.calls import ShardCalls
 from shards.direct import DirectServer, Endpoint
@@ -151,7 +152,13 @@ class ShardGroup:
         out: list[tuple[str, Any]] = [("error", RuntimeError("not answered"))] * len(calls)
         for slots in batches_of(calls, search_key):
             xq, kk, nprobe, refine = calls[slots[0]][1]
-            found = self.each([(calls[s][0], "candidates", (xq, kk, nprobe)) for s in slots])
+            try:  # a shard's segments assign the queries to lists once (index/coarse.py)
+                assigned = shared_assignments([self.members[calls[s][0]].shard for s in slots], xq, nprobe)
+            except Exception as exc:  # FAISS refused the queries: every member's answer
+                for slot in slots:
+                    out[slot] = ("error", exc)
+                continue
+            found = self.each([(calls[s][0], "candidates", (xq, kk, nprobe, a)) for s, a in zip(slots, assigned)])
             ok = [slot for slot, (status, _) in zip(slots, found) if status == "ok"]
             for slot, answer in zip(slots, found):
                 if answer[0] != "ok":
