@@ -25,6 +25,11 @@ from core.errors import NeedleInputError
 from core.quoting import short_repr
 from index.build_train import DEFAULT_QUANTIZER_EF, hnsw_quantizer
 
+# Rows re-scored in one product: a query's shortlist of 640k rows at d=768 was two float32 copies of
+# ~2 GB each; in chunks of 16k rows the copies take ~100 MB whatever the shortlist (each row's
+# score is independent of the others in its block: float16_inner_products).
+RESCORE_CHUNK = 16_384
+
 
 def checked_queries(xq: np.ndarray, k: int, d: int) -> np.ndarray:
     """(nq, d) float32 C-contiguous queries, or NeedleInputError naming what is wrong with ``xq`` or ``k``."""
@@ -84,7 +89,9 @@ def inner_products_at(vectors: Any, positions: np.ndarray, xq: np.ndarray) -> np
     for q in range(len(xq)):
         valid = np.flatnonzero(positions[q] >= 0)
         reads = valid[np.argsort(positions[q, valid])]
-        D[q, reads] = float16_inner_products(np.asarray(vectors[positions[q, reads]]), xq[q])
+        for start in range(0, len(reads), RESCORE_CHUNK):  # memory bounded by the chunk, not the shortlist
+            chunk = reads[start : start + RESCORE_CHUNK]
+            D[q, chunk] = float16_inner_products(np.asarray(vectors[positions[q, chunk]]), xq[q])
     return D
 
 

@@ -310,3 +310,19 @@ def test_a_rows_exact_score_does_not_depend_on_the_rows_beside_it(d):
     for size in (1, 2, 5, 8, 9, 31, 200):
         picks = rng.choice(len(block), size, replace=False)
         np.testing.assert_array_equal(float16_inner_products(block[picks], x), whole[picks])
+
+
+def test_long_shortlists_are_re_scored_in_chunks_with_the_same_scores(monkeypatch):
+    """inner_products_at reads a query's rows in chunks of RESCORE_CHUNK (memory bounded however
+    long the shortlist a request asks): every score as in one block, padding still -inf."""
+    import index.merge as merge
+
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(500, 16)).astype(np.float16)
+    xq = rng.normal(size=(3, 16)).astype(np.float32)
+    positions = rng.integers(0, 500, size=(3, 250))
+    positions[:, ::7] = -1
+    whole = merge.inner_products_at(vectors, positions, xq)
+    monkeypatch.setattr(merge, "RESCORE_CHUNK", 33)
+    np.testing.assert_array_equal(merge.inner_products_at(vectors, positions, xq), whole)
+    assert np.isneginf(whole[:, ::7]).all() and np.isfinite(whole[positions >= 0]).all()

@@ -401,3 +401,44 @@ def test_the_scrubber_reads_the_index_location_from_the_index_protocol(index, in
     assert server_locations(live) == server_locations(index)
     with pytest.raises(AttributeError):
         server_locations(object())
+
+
+@pytest.mark.parametrize(
+    "body,limit,product,got",
+    [
+        ({"keys": [KEY] * 30, "k": 1, "nprobe": 8}, "max_probes", "nprobe x queries", 240),
+        ({"keys": [KEY] * 13, "k": 1, "nprobe": 64}, "max_probes", "nprobe x queries", 104),  # 64 of 8 lists: 8
+        ({"keys": [KEY] * 26, "k": 1}, "max_probes", "nprobe x queries", 104),  # the index's nprobe, 4
+        ({"keys": [KEY], "k": 20, "refine_factor": 30}, "max_rescored", "k x refine_factor x queries", 600),
+        ({"vectors": [[0.1] * 32] * 10, "k": 20}, "max_rescored", "k x refine_factor x queries", 600),  # its factor, 3
+        ({"text": "cat", "k": 20, "refine_factor": 26}, "max_rescored", "k x refine_factor x queries", 520),
+    ],
+)
+def test_the_work_bound_counts_probed_lists_and_rescored_rows(index, body, limit, product, got):
+    """nprobe x queries and k x refine_factor x queries are bounded (413 naming the product, its
+    factors and the flag) before any work: one query of k=10000 at refine factor 64 re-scored 640k rows."""
+    with app_client(index, max_probes=100, max_rescored=500) as c:
+        response = c.post("/search", content=json.dumps(body), headers=JSON)
+        out = response.json()
+        assert response.status_code == 413, out
+        assert (out["limit"], out["product"], out["got"], out["max"]) == (
+            limit,
+            product,
+            got,
+            100 if "probes" in limit else 500,
+        )
+        assert f"--{limit.replace('_', '-')}" in out["error"] and product in out["error"]
+        assert c.post("/search", content=json.dumps({"keys": [KEY] * 12, "k": 10}), headers=JSON).status_code == 200
+
+
+def test_the_work_bound_of_the_defaults_and_of_re_ranking():
+    from webapi.limits import ProductLimitError, RequestChecks, ServiceLimits
+
+    ivf = RequestChecks(ServiceLimits(), lambda: 10**6, lambda: {"kind": "ivfpq", "nlist": 4096, "refine_factor": 2})
+    with pytest.raises(ProductLimitError, match=r"k x refine_factor x queries.*--max-rescored"):
+        ivf.work("keys", 1, 10_000, refine_factor=64)  # the issue's 640k rows
+    ivf.work("keys", 1, 10_000)  # the default factor: 20k rows
+    with pytest.raises(ProductLimitError, match=r"shortlist x queries in 'keys' \(300 x 40\).*--max-k-total"):
+        ivf.work("keys", 40, 10, shortlist=300)
+    flat = RequestChecks(ServiceLimits(max_probes=1, max_rescored=1), lambda: 10**6, lambda: {"kind": "flat"})
+    flat.work("keys", 100, 100)  # an exact scan probes no lists and re-scores nothing

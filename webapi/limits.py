@@ -35,6 +35,9 @@ class ServiceLimits:
     # k x queries in one request (with re-ranking each query counts max(k, shortlist)); more: 413
     max_k_total: int = 10000
     max_nprobe: int = 4096  # largest nprobe a request may ask; more: 400
+    max_probes: int = 262_144  # IVF lists scanned by one request: nprobe x queries (IVF-PQ); more: 413
+    # rows one request re-scores exactly: k x refine_factor x queries (IVF-PQ; each row read as float32); more: 413
+    max_rescored: int = 200_000
     max_refine_factor: int = 64  # largest refine_factor a request may ask; more: 400
     max_image_pixels: int = 25_000_000  # query image width x height, read from its header before decoding; more: 413
     max_text_length: int = 1000  # characters of one text query; more: 413
@@ -57,6 +60,8 @@ class ServiceLimits:
             "max_queries",
             "max_k_total",
             "max_nprobe",
+            "max_probes",
+            "max_rescored",
             "max_refine_factor",
             "max_image_pixels",
             "max_text_length",
@@ -113,6 +118,21 @@ class LimitError(FieldError):
         return {**super().payload(), "limit": self.limit, "max": self.maximum, "got": self.got}
 
 
+class ProductLimitError(LimitError):
+    """A request whose work, a product of several fields, is past one of ServiceLimits: 413 naming
+    the product, its factors' values, the limit's flag and the request fields that make it."""
+
+    def __init__(self, field: str, limit: str, maximum: int, factors: list[tuple[str, int]]):
+        product = " x ".join(name for name, _ in factors)
+        values = " x ".join(str(value) for _, value in factors)
+        got = math.prod(value for _, value in factors)
+        super().__init__(field, limit, maximum, got, f"{product} in '{field}' ({values})")
+        self.product, self.factors = product, dict(factors)
+
+    def payload(self) -> dict[str, Any]:
+        return {**super().payload(), "product": self.product, "factors": self.factors}
+
+
 # --- fields ---------------------------------------------------------------------------------------
 def positive_int(value: Any, field: str, maximum: int | None = None, limit: str | None = None) -> int:
     """``value`` as a positive int (bools, floats and strings refused), at most ``maximum``: past
@@ -146,9 +166,12 @@ def boolean(value: Any, field: str) -> bool:
 class RequestChecks:
     """The checks of one service's requests against its limits and its index's size."""
 
-    def __init__(self, limits: ServiceLimits, ntotal: Callable[[], int]):
+    def __init__(
+        self, limits: ServiceLimits, ntotal: Callable[[], int], infos: Callable[[], dict[str, Any]] = lambda: {}
+    ):
         self.limits = limits
         self.ntotal = ntotal  # the served index's size now (it grows and shrinks with its generations)
+        self.infos = infos  # the served index's infos now: its kind, nlist and default nprobe and refine_factor
 
     def k(self, value: Any) -> int:
         """k: a positive int, at most the index's size and ``max_k_total``."""
@@ -173,14 +196,38 @@ class RequestChecks:
         """The page's re-ranking shortlist: None (the service's) or a positive int up to ``max_k_total``."""
         return optional_int(value, "shortlist", self.limits.max_k_total, "max_k_total")
 
-    def work(self, field: str, queries: int, k: int, shortlist: int | None = None) -> None:
-        """``queries`` queries of ``k`` results (re-ranking a ``shortlist`` each) within the limits."""
+    def work(
+        self,
+        field: str,
+        queries: int,
+        k: int,
+        shortlist: int | None = None,
+        nprobe: int | None = None,
+        refine_factor: int | None = None,
+    ) -> None:
+        """``queries`` queries of ``k`` results (re-ranking a ``shortlist`` each) within the limits,
+        and the rows they make the index touch: an IVF-PQ index scans ``nprobe`` lists per query
+        and re-scores ``refine_factor`` x k rows per query (None: the index's defaults)."""
         if queries > self.limits.max_queries:
             raise LimitError(field, "max_queries", self.limits.max_queries, queries, f"queries in '{field}'")
-        total = queries * max(k, shortlist or 0)
-        if total > self.limits.max_k_total:
-            what = f"k x queries in '{field}'" + (" (re-ranked: max(k, shortlist) x queries)" if shortlist else "")
-            raise LimitError(field, "max_k_total", self.limits.max_k_total, total, what)
+        if shortlist and shortlist > k:
+            self.product(field, "max_k_total", [("shortlist", shortlist), ("queries", queries)])
+        else:
+            self.product(field, "max_k_total", [("k", k), ("queries", queries)])
+        infos = self.infos()
+        if infos.get("kind", "ivfpq") == "flat":
+            return  # an exact scan: no lists, no re-scoring; k x queries is its work
+        nprobe = nprobe or int(infos.get("nprobe", 64))
+        nprobe = min(nprobe, int(infos.get("nlist", nprobe)))  # never more lists than there are
+        self.product(field, "max_probes", [("nprobe", nprobe), ("queries", queries)])
+        factor = refine_factor or max(1, int(infos.get("refine_factor", 2)))
+        self.product(field, "max_rescored", [("k", k), ("refine_factor", factor), ("queries", queries)])
+
+    def product(self, field: str, limit: str, factors: list[tuple[str, int]]) -> None:
+        """A ProductLimitError where the product of ``factors`` is past the limit ``limit``."""
+        maximum = getattr(self.limits, limit)
+        if math.prod(value for _, value in factors) > maximum:
+            raise ProductLimitError(field, limit, maximum, factors)
 
     def texts(self, value: Any, field: str = "text") -> list[str]:
         """A text query or a list of them: non-empty strings of at most ``max_text_length``."""

@@ -51,7 +51,7 @@ class QueryService:
         self.device = device
         self.reranker = make_reranker(rerank, index, self.token_kind, device, self.files) if rerank else None
         self.limits = (limits or ServiceLimits()).check()  # what one request may ask (webapi.limits)
-        self.checks = RequestChecks(self.limits, lambda: index.ntotal)
+        self.checks = RequestChecks(self.limits, lambda: index.ntotal, lambda: index.infos)
         self._lock = threading.Lock()
         self._extractor = None
         self._adapter: Any = False  # the index's adapter, loaded (and verified) once; False: not yet
@@ -159,17 +159,17 @@ class QueryService:
         if "keys" in body:
             return self.search_keys(self.checks.keys(body["keys"]), k, nprobe, factor)
         if "vectors" in body:
-            xq = self.query_vectors(body["vectors"], k)
+            xq = self.query_vectors(body["vectors"], k, nprobe, factor)
             return self.search(xq, k, nprobe, [{"vector": i} for i in range(len(xq))], factor)
         from query.retrieve import embed_texts
 
         texts = self.checks.texts(body["text"])
-        self.checks.work("text", len(texts), k)
+        self.checks.work("text", len(texts), k, nprobe=nprobe, refine_factor=factor)
         return self.search(embed_texts(self.index, texts, self.files), k, nprobe, [{"text": t} for t in texts], factor)
 
     def search_keys(self, keys: list[str], k: int, nprobe: Any, factor: Any) -> list[dict[str, Any]]:
         """Search with stored keys (re-ranked with the service's settings where it has them)."""
-        self.checks.work("keys", len(keys), k, self.shortlist_of(None))
+        self.checks.work("keys", len(keys), k, self.shortlist_of(None), nprobe, factor)
         self.index.prefetch_keys(keys, with_tokens=self.rerank is not None)  # shards elsewhere: one call to each
         tokens = None
         if self.rerank is not None:
@@ -179,11 +179,11 @@ class QueryService:
         xq = np.stack([self.index.vector_of(x) for x in keys])
         return self.search(xq, k, nprobe, [{"key": x} for x in keys], factor, tokens)
 
-    def query_vectors(self, value: Any, k: int) -> np.ndarray:
+    def query_vectors(self, value: Any, k: int, nprobe: int | None = None, factor: int | None = None) -> np.ndarray:
         """'vectors' as (n, d) finite float32 queries: a list of numbers, or a list of such lists."""
         if not isinstance(value, list) or not value:
             raise FieldError("vectors", "'vectors' must be a non-empty list of numbers (or list of such lists)")
-        self.checks.work("vectors", len(value) if isinstance(value[0], list) else 1, k)
+        self.checks.work("vectors", len(value) if isinstance(value[0], list) else 1, k, None, nprobe, factor)
         try:
             raw = np.asarray(value)
         except (TypeError, ValueError) as exc:  # ragged rows
@@ -207,8 +207,8 @@ class QueryService:
     def search_image_bytes(self, data: bytes, k: int, nprobe: int | None, rerank: Any = None) -> list[dict[str, Any]]:
         """Search with an image's bytes: k, nprobe and the image's header (its format and pixel
         count) checked before any model loads or any decoder runs."""
-        k, _ = self.check_k(k), self.checks.nprobe(nprobe)
-        self.checks.work("image", 1, k, self.shortlist_of(rerank))
+        k, nprobe = self.check_k(k), self.checks.nprobe(nprobe)
+        self.checks.work("image", 1, k, self.shortlist_of(rerank), nprobe)
         self.checks.image_size(data)
         rerank = rerank or self.rerank
         xq, tokens = self.embed_image(data, rerank, "request body")

@@ -107,8 +107,8 @@ class PageSearch:
 
     def check(self, field: str, k: Any, nprobe: Any, conf: Any = None) -> None:
         """k, nprobe and the work of one query (re-ranking ``conf``'s shortlist) within the limits."""
-        self.service.checks.work(field, 1, self.service.check_k(k), conf.shortlist if conf is not None else None)
-        self.service.checks.nprobe(nprobe)
+        shortlist = conf.shortlist if conf is not None else None
+        self.service.checks.work(field, 1, self.service.check_k(k), shortlist, self.service.checks.nprobe(nprobe))
 
     def run(self, xq: np.ndarray, k: Any, nprobe: Any, label: dict[str, Any], conf, tokens) -> dict[str, Any]:
         [out] = self.service.search(xq, k, nprobe, [label], tokens=tokens, rerank=conf)
