@@ -442,3 +442,65 @@ def test_the_work_bound_of_the_defaults_and_of_re_ranking():
         ivf.work("keys", 40, 10, shortlist=300)
     flat = RequestChecks(ServiceLimits(max_probes=1, max_rescored=1), lambda: 10**6, lambda: {"kind": "flat"})
     flat.work("keys", 100, 100)  # an exact scan probes no lists and re-scores nothing
+
+
+def json_reference_shape(value, depth=0):
+    """(items, depth) of a parsed JSON value, counted as webapi.json_budget counts them."""
+    if isinstance(value, dict | list):
+        children = list(value.values()) if isinstance(value, dict) else value
+        shapes = [json_reference_shape(child, depth + 1) for child in children]
+        return 2 + sum(i for i, _ in shapes), max([depth + 1] + [d for _, d in shapes])
+    return 1, depth
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"keys": ["a,b[", 'q"uo\\"te{', "x"], "k": 10, "nested": [[1, [2, {"a": [3]}]], {}]},
+        {"vectors": [[0.5, -1e-3, 2] for _ in range(5)], "text": "]]]]}}}},,,,"},
+        [],
+        "just a string, with [brackets]",
+    ],
+)
+def test_the_json_budget_counts_the_items_and_depth_the_parse_would_build(value):
+    from webapi.json_budget import json_shape
+
+    data = json.dumps(value).encode()
+    shape = json_shape(data)
+    items, depth = json_reference_shape(value)
+    assert shape.depth == depth
+    assert items <= shape.items <= items + 1  # an empty container's missing first value: over by one at most
+
+
+def test_a_json_body_of_millions_of_objects_is_refused_before_parsing(index, monkeypatch):
+    """The issue's 14 MiB of 5M empty objects (+374 MB of RSS to parse) is a 413 from its bytes:
+    json.loads never runs; too deep a body is a 400; within the budget, the parse of the costliest
+    bodies (empty objects, short strings, floats) takes at most ~70 bytes per counted item."""
+    import tracemalloc
+
+    from webapi.json_budget import json_shape
+
+    real_loads, parsed = json.loads, []
+    monkeypatch.setattr(json, "loads", lambda data, *a, **k: parsed.append(len(data)) or real_loads(data, *a, **k))
+    with app_client(index) as c:
+        body = b'{"keys": [' + b",".join([b"{}"] * 5_000_000) + b"]}"
+        response = c.post("/search", content=body, headers=JSON)
+        out = response.json()
+        assert response.status_code == 413 and out["limit"] == "max_json_items" and out["got"] > 10_000_000, out
+        deep = c.post("/search", content=b'{"keys": ' + b"[" * 40 + b"]" * 40 + b"}", headers=JSON)
+        assert (
+            deep.status_code == 400
+            and "too deep" in deep.json()["error"]
+            and "--max-json-depth" in deep.json()["error"]
+        )
+    assert max(parsed) < 1000  # only the answers' small bodies were parsed (by the test client)
+    monkeypatch.undo()
+    for element in (b"{}", b'"ab"', b"0.5", b"[1]"):
+        body = b"[" + b",".join([element] * 100_000) + b"]"
+        items = json_shape(body).items
+        tracemalloc.start()
+        value = json.loads(body)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        del value
+        assert peak / items < 70, (element, peak / items)

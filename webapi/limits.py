@@ -43,6 +43,9 @@ class ServiceLimits:
     max_text_length: int = 1000  # characters of one text query; more: 413
     max_body_mb: int = 64  # largest /search/image body (MiB); larger: 413
     max_json_mb: int = 16  # largest JSON body of /search and /page/search (MiB); larger: 413
+    # values in one JSON body, a container counting twice, counted before parsing (webapi/json_budget.py); more: 413
+    max_json_items: int = 2_000_000
+    max_json_depth: int = 32  # nesting of arrays and objects in one JSON body; deeper: 400
     max_buffered_mb: int = 256  # request bodies held in memory at once, all requests (MiB); past it: 503
     max_inflight: int = 4  # searches, image decodes and thumbnails running at once
     max_queue: int = 64  # requests waiting for one of max_inflight; more: 503 with Retry-After
@@ -67,6 +70,8 @@ class ServiceLimits:
             "max_text_length",
             "max_body_mb",
             "max_json_mb",
+            "max_json_items",
+            "max_json_depth",
             "max_buffered_mb",
             "max_inflight",
             "max_header_kb",
@@ -273,12 +278,21 @@ class RequestChecks:
         return width, height
 
 
-def parse_json(data: bytes) -> dict[str, Any]:
-    """A request body as a JSON object, or a FieldError: bytes that are not JSON (or not UTF-8, or an
-    integer of more digits than Python parses), JSON nested deeper than the parser recurses (100,000
-    ``[`` raise RecursionError in ``json.loads``: bad input, not a server fault), not an object."""
+def parse_json(data: bytes, limits: ServiceLimits) -> dict[str, Any]:
+    """A request body as a JSON object, or a FieldError: more items or nesting than ``limits``
+    allow (counted from the bytes before anything is parsed: webapi/json_budget.py), bytes that
+    are not JSON (or not UTF-8, or an integer of more digits than Python parses), not an object."""
     import json
 
+    from webapi.json_budget import json_shape
+
+    shape = json_shape(data or b"")
+    if shape.depth > limits.max_json_depth:
+        raise FieldError(
+            "body", f"request body nests JSON too deep: {shape.depth} levels (--max-json-depth {limits.max_json_depth})"
+        )
+    if shape.items > limits.max_json_items:
+        raise LimitError("body", "max_json_items", limits.max_json_items, shape.items, "JSON items in the request body")
     try:
         body = json.loads(data or b"null")
     except RecursionError:

@@ -194,7 +194,7 @@ def add_search(app: FastAPI, service: QueryService, locations: tuple[str, ...] =
         data = await read_limited(request, service.limits.max_json, "max_json_mb")
 
         def run() -> Any:
-            body = parse_json(data)  # in the thread pool: a large body parses off the event loop
+            body = parse_json(data, service.limits)  # in the thread pool: a large body parses off the event loop
             if partial:
                 body.setdefault("partial", True)
             return service.search_json(body)

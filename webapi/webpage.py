@@ -298,7 +298,7 @@ def add_page_search(app: Any, search: PageSearch) -> None:
     limit = search.service.limits.max_json
 
     def answer(data: bytes) -> dict[str, Any]:
-        body = parse_json(data)
+        body = parse_json(data, search.service.limits)
         unknown = sorted(set(body) - set(PAGE_FIELDS))
         if unknown:
             fields = ", ".join(PAGE_FIELDS)
