@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -152,6 +153,120 @@ def test_slow_search_is_not_cut_and_slow_body_is_408(index, monkeypatch):
             head = b"POST /search HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             sock.sendall(head + b"Content-Length: 100\r\n\r\n" + b'{"keys": ')
             assert answer_of(sock, 3)[0] == 408
+
+
+def search_request(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    head = f"POST /search HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+    return head.encode() + b"\r\n\r\n" + data
+
+
+def non_reader(port: int, requests: bytes) -> socket.socket:
+    """A client that sends ``requests`` and never reads (a small receive buffer: the answers wait in the server)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(requests)
+    return sock
+
+
+def health(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+BIG = {"keys": [KEY] * 60, "k": 300}  # an answer of ~1 MB
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_clients_that_never_read_are_closed_hard_and_free_their_slots(index, http, caplog):
+    """The issue's run: every slot of --max-connections held by clients that pipelined searches and
+    read nothing (75 s later /health got 503). Now their unsent answers must leave within
+    --send-timeout, else the connection is closed hard and its slot freed; the answers sent to
+    those closed connections are dropped quietly (no failed request in the log)."""
+    from webapi.limits import ServiceLimits
+
+    limits = ServiceLimits(max_connections=4, send_timeout=1.0, max_k_total=10**6, max_queries=100)
+    with serving(index, limits, http) as port:
+        size = len(json.dumps(search(port, BIG)[1]))
+        clients = [non_reader(port, search_request(BIG) * 8) for _ in range(4)]
+        try:
+            time.sleep(0.3)
+            assert health(port) in (0, 503)  # every slot held
+            start = time.monotonic()
+            while health(port) != 200:
+                assert time.monotonic() - start < 10, "the non-reading clients still hold every slot"
+                time.sleep(0.2)
+            while len([r for r in caplog.records if "(--send-timeout)" in r.getMessage()]) < 4:
+                assert time.monotonic() - start < 10, "not every non-reading client was closed"
+                time.sleep(0.2)
+        finally:
+            for sock in clients:
+                sock.close()
+    assert size > 500_000
+    dropped = [r for r in caplog.records if "not taken within 1 s (--send-timeout)" in r.getMessage()]
+    assert len(dropped) >= 4
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_unsent_answers_of_all_connections_are_capped(index, caplog):
+    """--max-unsent-mb: past it the connection whose answer passes the cap is closed at once
+    (long before --send-timeout), and the server answers others."""
+    from webapi.limits import ServiceLimits
+
+    limits = ServiceLimits(max_unsent_mb=1, send_timeout=60, max_k_total=10**6, max_queries=100)
+    with serving(index, limits) as port:
+        clients = [non_reader(port, search_request(BIG) * 10) for _ in range(6)]
+        try:
+            start = time.monotonic()
+            while not [r for r in caplog.records if "--max-unsent-mb" in r.getMessage()]:
+                assert time.monotonic() - start < 10, "no connection closed at the unsent cap"
+                time.sleep(0.1)
+            assert health(port) == 200 and time.monotonic() - start < 10
+        finally:
+            for sock in clients:
+                sock.close()
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_pipelined_headers_keep_the_cap_while_a_request_is_answered(index, http, monkeypatch):
+    """A request's headers sent behind a slow search: httptools parses them at once, so they are
+    counted there from their first byte (over --max-header-kb: closed hard, before the search's
+    answer, which cannot be cut by a 431); h11 reads nothing until the answer is sent, then its
+    own 16 KiB cap refuses them."""
+    from webapi.limits import ServiceLimits
+    from webapi.query_service import QueryService
+
+    original = QueryService.search_json
+
+    def slow(self, body, partial=False):
+        time.sleep(2.0)
+        return original(self, body, partial)
+
+    monkeypatch.setattr(QueryService, "search_json", slow)
+    with (
+        serving(index, ServiceLimits(max_header_kb=8), http) as port,
+        socket.create_connection(("127.0.0.1", port)) as sock,
+    ):
+        sock.sendall(search_request({"keys": [KEY], "k": 2}))
+        start = time.monotonic()
+        with contextlib.suppress(OSError):
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
+            for _ in range(20):
+                sock.sendall(b"X-Big: " + b"a" * 10_000 + b"\r\n")
+        sock.settimeout(5)
+        if http == "httptools":
+            with pytest.raises((ConnectionResetError, BrokenPipeError)):  # closed hard: RST, no answer
+                assert sock.recv(65536) == b""  # (or an orderly close without a byte)
+                raise ConnectionResetError
+            assert time.monotonic() - start < 1.5  # before the search's answer (2 s)
+        else:  # the search's answer, then h11's own 400 and a close (or a reset: unread bytes)
+            assert answer_of(sock, 5)[0] == 200
 
 
 # --- the issue's slowloris, against `needle serve` ------------------------------------------------

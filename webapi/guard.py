@@ -178,10 +178,21 @@ class Guard:
         state = scope.setdefault("state", {})
         state["request_id"] = rid
 
+        gone = False  # the client's connection closed: the rest of the answer goes nowhere
+
         async def send_with_id(message: Message) -> None:
+            nonlocal gone
+            if gone:
+                return
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
-            await send(message)
+            try:
+                await send(message)
+            except RuntimeError as exc:  # uvloop's transport, closed before uvicorn heard of it
+                if not connection_closed(exc):
+                    raise
+                gone = True
+                log.info("request %s: the client's connection closed; its answer is dropped", rid)
 
         try:
             await self.guarded(scope, receive, send_with_id)
@@ -266,6 +277,13 @@ class Guard:
                 {"Connection": "close"},
                 limit="body_timeout",
             ) from None
+
+
+def connection_closed(exc: RuntimeError) -> bool:
+    """Whether a send failed because the connection was closed (by the client, or hard by
+    webapi.connections): uvloop raises this until uvicorn's connection_lost marks the request
+    disconnected, after which uvicorn drops sends itself."""
+    return "handler is closed" in str(exc) or "closed=True" in str(exc)
 
 
 def check_same_origin(scope: Scope) -> None:

@@ -54,6 +54,9 @@ class ServiceLimits:
     header_timeout: float = 10.0  # seconds to receive a request's headers (each request of a connection), then 408
     max_header_kb: int = 64  # request line and headers of one request (KiB); more: 431
     max_connections: int = 512  # open HTTP connections; more are answered 503 and closed at once
+    # seconds a connection's unsent answer bytes may wait for the client to take them all; then closed hard
+    send_timeout: float = 30.0
+    max_unsent_mb: int = 256  # answer bytes waiting for their clients, all connections (MiB); past it the newest is closed
     # Host names answered besides localhost, 127.0.0.1, ::1 and --host (DNS rebinding: others are 421); '*': any
     allow_hosts: tuple[str, ...] = ()
 
@@ -76,10 +79,11 @@ class ServiceLimits:
             "max_inflight",
             "max_header_kb",
             "max_connections",
+            "max_unsent_mb",
         ):
             if getattr(self, name) < 1:
                 raise NeedleInputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("queue_timeout", "body_timeout", "header_timeout"):
+        for name in ("queue_timeout", "body_timeout", "header_timeout", "send_timeout"):
             if not getattr(self, name) > 0:
                 raise NeedleInputError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.max_queue < 0:
