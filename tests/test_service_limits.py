@@ -10,6 +10,7 @@ import asyncio
 import json
 import struct
 import threading
+import time
 import zlib
 
 import pytest
@@ -338,7 +339,9 @@ def test_gate_hands_slots_over_and_bounds_its_queue():
     asyncio.run(scenario())
 
 
-def test_busy_server_answers_503_and_health_still_answers(index, monkeypatch):
+def test_busy_server_answers_503_and_health_is_cached_and_gated(index, monkeypatch):
+    """A busy server refuses a search past its queue; /health answers from its one-second cache
+    (for the generation served) and makes a fresh answer only with a slot of the same gate."""
     from webapi.query_service import QueryService
 
     started, finish = threading.Event(), threading.Event()
@@ -350,6 +353,7 @@ def test_busy_server_answers_503_and_health_still_answers(index, monkeypatch):
 
     monkeypatch.setattr(QueryService, "search_json", slow)
     with app_client(index, max_inflight=1, max_queue=0) as c:
+        assert c.get("/health").status_code == 200  # a fresh answer, cached for a second
         first = threading.Thread(target=lambda: c.post("/search", json={"keys": [KEY]}, headers=JSON))
         first.start()
         try:
@@ -357,7 +361,11 @@ def test_busy_server_answers_503_and_health_still_answers(index, monkeypatch):
             response = c.post("/search", json={"keys": [KEY]}, headers=JSON)
             assert response.status_code == 503 and response.headers["retry-after"] == "1"
             assert response.json()["limit"] == "max_inflight"
-            assert c.get("/health").status_code == 200  # never gated
+            assert c.get("/health").status_code == 200  # from the cache: no slot needed
+            time.sleep(1.1)
+            stale = c.get("/health")  # a fresh answer needs a slot: busy, as a search
+            assert stale.status_code == 503 and stale.json()["limit"] == "max_inflight"
+            assert stale.headers["retry-after"] == "1"
         finally:
             finish.set()
             first.join(10)
@@ -504,3 +512,33 @@ def test_a_json_body_of_millions_of_objects_is_refused_before_parsing(index, mon
         tracemalloc.stop()
         del value
         assert peak / items < 70, (element, peak / items)
+
+
+def test_health_answers_are_shared_for_a_second_and_never_hide_a_new_generation(index):
+    """Many probes make one health answer (with shards in Ray each costs a call to every replica);
+    a changed generation is reported at once (``--wait-for`` polls /health for it)."""
+    import asyncio
+
+    from webapi.guard import Gate
+    from webapi.health import HealthCache
+
+    class Changing:
+        def __init__(self, inner):
+            self.inner, self.generation = inner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        @property
+        def infos(self):
+            return {**self.inner.infos, "generation": self.generation}
+
+    changing = Changing(index)
+    cache = HealthCache(changing, Gate(1, 0, 1.0))
+
+    async def probes(n):
+        return [json.loads((await cache.respond()).body)["generation"] for _ in range(n)]
+
+    assert asyncio.run(probes(50)) == [0] * 50 and cache.refreshes == 1
+    changing.generation = 3
+    assert asyncio.run(probes(5)) == [3] * 5 and cache.refreshes == 2

@@ -24,8 +24,8 @@ Why each step (the issue's findings on a server that faces a network):
    (503); counted as they arrive, so a client that trickles holds only what it sent.
 5. Searches, image decodes and thumbnails run at most ``max_inflight`` at once; at most
    ``max_queue`` more wait, each at most ``queue_timeout`` s; past that 503 with Retry-After.
-   ``/health``, the page and its static files are never gated (a health probe must answer while
-   the server is busy).
+   ``/health`` answers from a one-second cache, and makes a fresh answer under the same gate
+   (webapi/health.py); the page and its static files are never gated.
 
 Slow headers and many connections are the HTTP protocol's business: webapi.connections.
 """
@@ -70,6 +70,10 @@ class Refusal(Exception):
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, **fields: Any):
         super().__init__(message)
         self.status, self.headers, self.fields = status, headers or {}, fields
+
+
+def gate_of(limits: ServiceLimits) -> Gate:
+    return Gate(limits.max_inflight, limits.max_queue, limits.queue_timeout)
 
 
 class Gate:
@@ -165,9 +169,17 @@ class Guard:
     """The middleware (see the module doc): ``routes`` maps (method, path) to its Route; ``hosts``
     the Host names answered (None: any)."""
 
-    def __init__(self, app: Any, limits: ServiceLimits, routes: dict[tuple[str, str], Route], hosts: Any):
+    def __init__(
+        self,
+        app: Any,
+        limits: ServiceLimits,
+        routes: dict[tuple[str, str], Route],
+        hosts: Any,
+        gate: Gate | None = None,
+    ):
         self.app, self.limits, self.routes, self.hosts = app, limits, routes, hosts
-        self.gate = Gate(limits.max_inflight, limits.max_queue, limits.queue_timeout)
+        # shared with endpoints that gate part of their work themselves (webapi/health.py)
+        self.gate = gate or gate_of(limits)
         self.budget = Budget(limits.max_buffered_mb << 20)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

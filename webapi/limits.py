@@ -56,7 +56,8 @@ class ServiceLimits:
     max_connections: int = 512  # open HTTP connections; more are answered 503 and closed at once
     # seconds a connection's unsent answer bytes may wait for the client to take them all; then closed hard
     send_timeout: float = 30.0
-    max_unsent_mb: int = 256  # answer bytes waiting for their clients, all connections (MiB); past it the newest is closed
+    # answer bytes waiting for their clients, all connections (MiB); the connection passing it is closed hard
+    max_unsent_mb: int = 256
     # Host names answered besides localhost, 127.0.0.1, ::1 and --host (DNS rebinding: others are 421); '*': any
     allow_hosts: tuple[str, ...] = ()
 

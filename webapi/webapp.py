@@ -52,16 +52,14 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from index.shard_files import shard_names
 from shards.coordinator import ShardsUnavailable
-from webapi.guard import Guard, Route, allowed_hosts, read_limited
+from webapi.guard import Guard, Route, allowed_hosts, gate_of, read_limited
+from webapi.health import add_health
 from webapi.http_errors import error_response, json_response, request_id, server_locations
 from webapi.limits import FieldError, ServiceLimits, parse_json
-from webapi.live_index import pinned
 from webapi.query_service import QueryService
 
 if TYPE_CHECKING:
-    from query.index_protocol import Index
     from webapi.webpage import PageConfig
 
 log = logging.getLogger(__name__)
@@ -124,7 +122,8 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
     )
     locations = server_locations(service.index)
     add_error_handlers(app, locations)
-    add_health(app, service)
+    gate = gate_of(service.limits)  # searches, thumbnails and fresh health answers share it
+    add_health(app, service.index, gate)
     add_search(app, service, locations)
     add_search_image(app, service, locations)
     if page is not None:
@@ -132,7 +131,7 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
 
         register_page(app, service, page)
     limits = service.limits
-    app.add_middleware(Guard, limits=limits, routes=guard_routes(limits, page), hosts=allowed_hosts(limits))
+    app.add_middleware(Guard, limits=limits, routes=guard_routes(limits, page), hosts=allowed_hosts(limits), gate=gate)
     return app
 
 
@@ -158,25 +157,6 @@ def add_error_handlers(app: FastAPI, locations: tuple[str, ...] = ()) -> None:
     @app.exception_handler(Exception)
     def _unexpected(request: Request, exc: Exception) -> Response:
         return error_response(exc, request_id(request.scope), locations)
-
-
-def health_answer(index: Index) -> tuple[int, dict[str, Any]]:
-    """(status, body) of /health: the index's size, dimension, shards and kind, and the replicas'
-    state where the shards are served elsewhere (503 when a shard has no live replica)."""
-    infos = index.infos
-    shards = len(infos.get("shard_segments") or shard_names(infos))
-    out: dict[str, Any] = {"ntotal": index.ntotal, "d": index.d, "shards": shards, "kind": infos.get("kind")}
-    out["generation"] = int(infos.get("generation", 0))  # the generation served (docs/live_index.md)
-    replicas = index.health()  # {} in one process: every shard is here
-    out.update(replicas)
-    return (200 if replicas.get("ok", True) else 503), out
-
-
-def add_health(app: FastAPI, service: QueryService) -> None:
-    @app.get("/health", summary="index size, dimension, shards and kind (and each shard replica's state)")
-    def health() -> Response:
-        with pinned(service.index):  # one generation's figures
-            return json_response(*health_answer(service.index))
 
 
 def add_search(app: FastAPI, service: QueryService, locations: tuple[str, ...] = ()) -> None:
