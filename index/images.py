@@ -57,4 +57,4 @@ class ImageSource:
 
     def thumbnail(self, key: str, px: int) -> bytes:
         """A JPEG of ``key``'s image, longer side ``px``."""
-        return thumbnail_jpeg(self.image_bytes(key), px)
+        return thumbnail_jpeg(self.image_bytes(key), px, key)

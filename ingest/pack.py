@@ -42,7 +42,6 @@ not write are removed, each with a warning, and listed in ``pack_info.json``.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -52,11 +51,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
 from tqdm import tqdm
 
 from core.atomic import write_json_atomic
 from core.errors import PackInputError
+from ingest.images import open_image
 from ingest.reader import IMAGE_SUFFIXES
 from ingest.tar_writer import TarShardWriter
 
@@ -266,8 +265,8 @@ def read_image(path: Path, full_check: bool = False) -> tuple[bytes, dict[str, A
         raise _Unreadable(f"cannot read: {_os_reason(exc)}") from exc
     if not data:
         raise _Unreadable("empty file (0 bytes)")
-    try:
-        with Image.open(io.BytesIO(data)) as img:
+    try:  # the formats and scan cap ingestion decodes (ingest.images.open_image): what it would refuse, pack skips
+        with open_image(data, str(path)) as img:
             info = {"width": int(img.width), "height": int(img.height), "format": img.format}
             if full_check:
                 if img.format == "JPEG":

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.errors import ImageDecodeError
 from core.quoting import short_repr
 from core.storage import is_s3, open_url, read_range
 from ingest.shards import shard_name
@@ -179,11 +180,24 @@ def add_member(members: dict[str, tuple[int, int]], info: tarfile.TarInfo) -> No
         members.setdefault(match.group(1), (info.offset_data, info.size))
 
 
-def thumbnail_jpeg(data: bytes, px: int) -> bytes:
-    """A JPEG of the image ``data``, upright (EXIF), its longer side at most ``px``."""
-    from PIL import Image, ImageOps
+# Pixels of a source image a thumbnail decodes (a JPEG at a reduced scale; a PNG whole): an index's
+# own images may be larger than a query (--max-image-pixels), but not unbounded.
+THUMBNAIL_MAX_PIXELS = 100_000_000
 
-    with Image.open(io.BytesIO(data)) as source:
+
+def thumbnail_jpeg(data: bytes, px: int, key: str = "?", max_pixels: int = THUMBNAIL_MAX_PIXELS) -> bytes:
+    """A JPEG of the image ``data``, upright (EXIF), its longer side at most ``px``: opened as a
+    server opens images (ingest.images.open_image: SERVE_FORMATS, the scan cap), of at most
+    ``max_pixels`` (ImageDecodeError naming ``key`` otherwise), a JPEG decoded at a reduced scale."""
+    from PIL import ImageOps
+
+    from ingest.images import SERVE_FORMATS, open_image
+
+    with open_image(data, key, SERVE_FORMATS) as source:
+        if source.width * source.height > max_pixels:
+            raise ImageDecodeError(key, f"an image of {source.width}x{source.height}, over {max_pixels} pixels")
+        if source.format == "JPEG":
+            source.draft("RGB", (px, px))  # libjpeg scales by 1/2..1/8 while decoding
         image = ImageOps.exif_transpose(source).convert("RGB")
         image.thumbnail((px, px))
         out = io.BytesIO()

@@ -184,7 +184,7 @@ class ShardActor(ShardCalls):
         key is owned: only the thumbnail travels); None where this shard does not hold the key."""
         if self.shard.position_of(key) < 0:
             return None
-        return thumbnail_jpeg(self.images().image_bytes(key), px)
+        return thumbnail_jpeg(self.images().image_bytes(key), px, key)
 
     def images(self) -> SourceImages:
         """The source tars of this shard's rows (recorded per Parquet file in its infos)."""

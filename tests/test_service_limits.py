@@ -138,6 +138,81 @@ def test_image_is_refused_from_its_header_before_any_decoder(client, monkeypatch
         assert response.status_code in (400, 413) and response.json()["field"] in ("k", "nprobe"), query
 
 
+def many_scan_jpeg(scans: int) -> bytes:
+    """A small progressive JPEG whose last scan is repeated: ``scans`` start-of-scan markers in
+    ~20 KB that libjpeg decodes, each a pass over the image (1,010 scans of a 12 MP one took 34 s)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 255, (48, 64, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=90, progressive=True)
+    data = out.getvalue()
+    last = data[data.rindex(b"\xff\xda") : -2]
+    extra = scans - data.count(b"\xff\xda")
+    return data[:-2] + last * extra + b"\xff\xd9"
+
+
+def tiff_bytes() -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (32, 24), (9, 9, 9)).save(out, "TIFF")
+    return out.getvalue()
+
+
+def test_query_images_are_refused_past_the_scan_cap_and_as_tiff(client, monkeypatch):
+    """A JPEG of more scans than --max-jpeg-scans is a 413 from its bytes (each scan is a pass of
+    the decoder over the image: the pixel cap does not bound the time); TIFF is not a query format
+    (libtiff: ingest/images.py says why); within the cap, the same file decodes."""
+    from ingest.images import decode_resized_many, jpeg_scans
+    from webapi.query_service import QueryService
+
+    many = many_scan_jpeg(65)
+    assert jpeg_scans(many) == 65 and decode_resized_many(many, (32,), max_scans=65)[0][32].shape == (24, 32, 3)
+    monkeypatch.setattr(QueryService, "embed_image", lambda *a, **k: pytest.fail("decoded"))
+    response = client.post("/search/image?k=2", content=many, headers=OCTETS)
+    out = response.json()
+    assert response.status_code == 413 and (out["limit"], out["got"], out["max"]) == ("max_jpeg_scans", 65, 64)
+    response = client.post("/search/image?k=2", content=tiff_bytes(), headers=OCTETS)
+    assert response.status_code == 400 and "not an image of JPEG, PNG, WEBP, GIF, BMP, MPO" in response.json()["error"]
+
+
+def test_every_image_open_holds_the_allow_list_and_the_scan_cap():
+    """Ingestion decodes TIFF (tar members may be .tif) but no server path does: the query decode
+    and thumbnails open SERVE_FORMATS only, with the scan cap and (thumbnails) a pixel cap."""
+    import io
+
+    from PIL import Image
+
+    from core.errors import ImageDecodeError
+    from ingest.images import SERVE_FORMATS, TooManyScans, decode_resized_many
+    from ingest.source_images import thumbnail_jpeg
+    from webapi.limits import QUERY_FORMATS
+
+    assert QUERY_FORMATS == SERVE_FORMATS
+    assert decode_resized_many(tiff_bytes(), (16,))[0][16].shape == (12, 16, 3)  # ingestion
+    with pytest.raises(ImageDecodeError, match="not an image of"):
+        decode_resized_many(tiff_bytes(), (16,), "q", SERVE_FORMATS)
+    with pytest.raises(TooManyScans):
+        decode_resized_many(many_scan_jpeg(65), (16,), "q")
+    with pytest.raises(ImageDecodeError, match="not an image of"):
+        thumbnail_jpeg(tiff_bytes(), 16, "000000/00001")
+    with pytest.raises(TooManyScans, match="000000/00001"):
+        thumbnail_jpeg(many_scan_jpeg(100), 16, "000000/00001")
+    with pytest.raises(ImageDecodeError, match="over 100 pixels"):
+        thumbnail_jpeg(many_scan_jpeg(10), 16, "k", max_pixels=100)
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n"
+    with pytest.raises(ImageDecodeError, match="not an image of"):
+        thumbnail_jpeg(eps, 16)  # no plugin outside the list ever sees the bytes (EPS runs Ghostscript)
+    with Image.open(io.BytesIO(thumbnail_jpeg(many_scan_jpeg(10), 16))) as small:
+        assert small.format == "JPEG" and max(small.size) == 16
+
+
 def test_body_over_its_limit_is_refused_before_it_is_read(index):
     with app_client(index, max_json_mb=1, max_body_mb=1) as c:
         for path, headers, limit in (("/search", JSON, "max_json_mb"), ("/search/image", OCTETS, "max_body_mb")):

@@ -40,6 +40,7 @@ class ServiceLimits:
     max_rescored: int = 200_000
     max_refine_factor: int = 64  # largest refine_factor a request may ask; more: 400
     max_image_pixels: int = 25_000_000  # query image width x height, read from its header before decoding; more: 413
+    max_jpeg_scans: int = 64  # scans of a query JPEG (each a pass over the image), counted before decoding; more: 413
     max_text_length: int = 1000  # characters of one text query; more: 413
     max_body_mb: int = 64  # largest /search/image body (MiB); larger: 413
     max_json_mb: int = 16  # largest JSON body of /search and /page/search (MiB); larger: 413
@@ -71,6 +72,7 @@ class ServiceLimits:
             "max_rescored",
             "max_refine_factor",
             "max_image_pixels",
+            "max_jpeg_scans",
             "max_text_length",
             "max_body_mb",
             "max_json_mb",
@@ -258,21 +260,25 @@ class RequestChecks:
     def image_size(self, data: bytes, field: str = "image") -> tuple[int, int]:
         """(width, height) of an image from its header, without decoding it: a FieldError for bytes
         that are not an image of QUERY_FORMATS, a LimitError past ``max_image_pixels``."""
-        import io
+        from PIL import Image
 
-        from PIL import Image, UnidentifiedImageError
+        from core.errors import ImageDecodeError
+        from ingest.images import TooManyScans, open_image
 
         if not data:
             raise FieldError(field, "empty request body: send the image bytes")
-        Image.init()  # every plugin registered (Image.open with formats= looks only among those)
-        formats = [f for f in QUERY_FORMATS if f in Image.OPEN]
-        try:  # Image.open reads the header only; nothing is decoded before .load()
-            with Image.open(io.BytesIO(data), formats=formats) as image:
+        try:  # the header only; nothing is decoded before .load()
+            with open_image(data, field, QUERY_FORMATS, self.limits.max_jpeg_scans) as image:
                 width, height = image.size
-        except Image.DecompressionBombError as exc:  # PIL's own cap (2x its MAX_IMAGE_PIXELS), met at open
-            pixels = _pixels_in(str(exc))
-            raise LimitError(field, "max_image_pixels", self.limits.max_image_pixels, pixels, "image pixels") from exc
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        except TooManyScans as exc:  # each scan a pass over the image: a CPU bound the pixels do not give
+            raise LimitError(field, "max_jpeg_scans", exc.max_scans, exc.scans, "scans of the JPEG") from exc
+        except ImageDecodeError as exc:
+            bomb = exc.__cause__ if isinstance(exc.__cause__, Image.DecompressionBombError) else None
+            if bomb is not None:  # PIL's own cap (2x its MAX_IMAGE_PIXELS), met at open
+                pixels = _pixels_in(str(bomb))
+                raise LimitError(
+                    field, "max_image_pixels", self.limits.max_image_pixels, pixels, "image pixels"
+                ) from exc
             what = "request body" if field == "image" else field
             formats = ", ".join(QUERY_FORMATS)
             raise FieldError(field, f"cannot decode the {what}: not an image of {formats}") from exc
@@ -309,9 +315,10 @@ def parse_json(data: bytes, limits: ServiceLimits) -> dict[str, Any]:
     return body
 
 
-# Image formats a query may come in: the common photo formats. Others (EPS, which runs Ghostscript;
-# PSD, ICO, ...) are refused from the header, before any decoder runs.
-QUERY_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "MPO")
+# Image formats a query may come in: the common photo formats (ingest.images.SERVE_FORMATS: no TIFF,
+# see there). Others (EPS, which runs Ghostscript; PSD, ICO, TIFF ...) are refused from the header,
+# before any decoder runs.
+QUERY_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "MPO")
 
 
 def _pixels_in(message: str) -> int:

@@ -217,11 +217,11 @@ class QueryService:
     def embed_image(self, data: bytes, rerank: Any = None, name: str = "image") -> tuple[np.ndarray, list[Any] | None]:
         """(the image's global descriptor through the index's adapter, (1, d); its query-side local
         tokens when ``rerank`` is set, else None), from one decode resized for both extractors."""
-        from ingest.images import decode_resized_many
+        from ingest.images import SERVE_FORMATS, decode_resized_many
 
         extractor = self.extractor()
         local = self.local_extractor(rerank) if rerank is not None else None
         sides = (extractor.resolution,) + ((local.resolution,) if local is not None else ())
-        images = decode_resized_many(data, sides, name)[0]
+        images = decode_resized_many(data, sides, name, SERVE_FORMATS, self.limits.max_jpeg_scans)[0]
         xq = self.adapt(extractor([images[extractor.resolution]])["global"].astype(np.float32))
         return xq, (local.tokens([images[local.resolution]]) if local is not None else None)
