@@ -1,6 +1,7 @@
 """The source images of an index searched in this process: a key is ``<shard name>/<__key__>``;
 its image is read again from the tar ingestion read it from (ingest/source_images.py: the URL
-ingestion recorded beside the descriptors, else ``<shard name>.tar`` in one of ``tar_dirs``), and
+each index shard recorded for its Parquet files, else the one ingestion recorded beside the
+descriptors, else ``<shard name>.tar`` in one of ``tar_dirs``), and
 made into a JPEG thumbnail. Nothing is written to disk. (An index whose shards live elsewhere has
 the shard that owns a key make its thumbnail: shards/shard_actor.py.)
 """
@@ -11,7 +12,13 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from ingest.source_images import SourceImages, SourceImagesConfig, recorded_tar_urls, thumbnail_jpeg
+from ingest.source_images import (
+    SourceImages,
+    SourceImagesConfig,
+    recorded_tar_urls,
+    tar_urls_of_files,
+    thumbnail_jpeg,
+)
 
 
 class KeyedIndex(Protocol):
@@ -22,6 +29,8 @@ class KeyedIndex(Protocol):
     def infos(self) -> dict[str, Any]: ...
 
     def position_of(self, key: str) -> int: ...
+
+    def source_files(self) -> list[dict[str, Any]]: ...
 
 
 class ImageSource:
@@ -41,7 +50,9 @@ class ImageSource:
             return self._images
 
     def _open(self) -> SourceImages:
-        urls: dict[str, str] = {}
+        """Each Parquet file's tar as its shard recorded it (``shard_infos.json``: what a shard
+        actor reads too), else the ingestion record beside the descriptors the index was built from."""
+        urls = tar_urls_of_files(self.index.source_files())
         endpoint = None
         for source in self.index.infos.get("descriptors", []) or []:
             directory = Path(source)

@@ -250,6 +250,13 @@ class SearchIndex:
         """``Index.health``: no replicas to report on (the /health body adds nothing)."""
         return {}
 
+    def source_files(self) -> list[dict[str, Any]]:
+        """The Parquet files every shard (segment) recorded in its infos, with the tar each was
+        ingested from where recorded (empty for an index built before shard directories)."""
+        if self.layout is None:
+            return []
+        return [entry for infos in self.layout.shard_infos for entry in infos.get("files", []) or []]
+
     def thumbnail(self, key: str, px: int, tar_dirs: tuple[str, ...] = ()) -> bytes:
         """``Index.thumbnail``: read from the key's source tar here (``index.images.ImageSource``,
         one per ``tar_dirs``, kept: it holds the tars' member offsets)."""

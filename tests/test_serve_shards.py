@@ -161,6 +161,23 @@ def test_thumbnails_are_made_by_the_shard_that_owns_the_key(built, sharded):
         replicas.down.clear()
 
 
+def test_in_process_thumbnails_read_the_tars_each_shard_recorded(built, monkeypatch):
+    """An index searched in this process reads a key's tar from its shard's ``shard_infos.json`` (as a
+    shard actor does), so thumbnails work where the descriptors' ingestion record is gone."""
+    import io
+
+    from PIL import Image
+
+    import index.images
+    from index.images import ImageSource
+
+    _, out, _ = built
+    monkeypatch.setattr(index.images, "recorded_tar_urls", lambda *a, **k: ({}, None))  # no record beside them
+    single = ImageSource(load_index(out))
+    for key in ("000000/00003", "000007/00000"):
+        assert max(Image.open(io.BytesIO(single.thumbnail(key, 24))).size) == 24
+
+
 def run_typed(group, method: str, calls: list) -> list:
     """``group``'s answers to ``calls``, packed and unpacked as a Ray shard group's travel (over
     its channel or through Ray: cluster.ray_shards.RayShardGroup.run)."""
