@@ -25,7 +25,7 @@ from typing import Any
 
 from ingest.source_images import SourceImagesConfig
 from shards.calls import ReplicaFailed
-from shards.coordinator import ShardsUnavailable
+from shards.coordinator import ShardsUnavailable, Traffic
 from shards.direct import ChannelError, DirectCall, DirectChannel, readable
 from shards.messages import answer_request, pack_request, unpack_answers
 from shards.shard_group import ShardGroup
@@ -118,7 +118,9 @@ class GroupBatch:
                 return
             try:
                 timeout = None if deadline is None else deadline - time.monotonic()
-                self.answers = unpack_answers(self.direct.receive(timeout))
+                message = self.direct.receive(timeout)
+                self.shards.count_received(message)
+                self.answers = unpack_answers(message)
                 self.direct = None
             except (ChannelError, WireError) as exc:  # a reply that is not one: the channel is not trusted again
                 self.shards.channel_failed(self.group, self.replica, self.direct.channel, exc)
@@ -149,9 +151,11 @@ class GroupBatch:
         self.resend_if_abandoned()
         if self.answers is None:
             try:
-                self.answers = unpack_answers(ray.get(self.ref))
+                message = ray.get(self.ref)
             except (RayActorError, ActorDiedError, ActorUnavailableError) as exc:
                 raise ReplicaFailed(str(exc).splitlines()[0]) from exc
+            self.shards.count_received(message)
+            self.answers = unpack_answers(message)
         return self.answers
 
 
@@ -186,6 +190,7 @@ class RayShards:
         self._channels: dict[tuple[int, int], DirectChannel] = {}
         self._asked: dict[tuple[int, int], Any] = {}  # (group, replica) -> the Ray call for its endpoint
         self._failed: dict[tuple[int, int], float] = {}  # (group, replica) -> when its channel failed
+        self.traffic = Traffic()  # bytes of the messages sent and read, while its ``count`` is set
         self.calls = 0  # calls sent to actors (the calls of a wait to one actor count once)
         self.ray_calls = 0  # of which went through Ray (no channel, or again after the channel failed)
         if direct:
@@ -280,10 +285,16 @@ class RayShards:
             self.calls += len(batches)
             for (group, replica, method), calls in batches.items():
                 packed = pack_request(method, [(c.member, args) for c, args in calls])
+                if self.traffic.count:
+                    self.traffic.add(sent=len(packed), calls=1)
                 batch = GroupBatch(self, group, replica, packed)
                 for slot, (call, _) in enumerate(calls):
                     call.batch, call.slot = batch, slot
                 batch.start(self.channel(group, replica))
+
+    def count_received(self, message: bytes | bytearray | memoryview) -> None:
+        if self.traffic.count:
+            self.traffic.add(received=len(message))
 
     def wait(self, handles: list[GroupCall], timeout: float) -> list[GroupCall]:
         """The handles done within ``timeout`` seconds: direct replies read as they come, Ray calls

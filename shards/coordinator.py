@@ -29,7 +29,6 @@ import contextvars
 import dataclasses
 import itertools
 import logging
-import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +43,7 @@ from index.errors import UnknownKeyError
 from index.merge import checked_queries, merge_shortlists, shortlist_size
 from ingest.descriptors import ROW_SHARD_SHIFT
 from shards.calls import ReplicaFailed, ShardBackend, ShardCalls, replica_health
+from shards.messages import pack_answers, pack_request
 
 if TYPE_CHECKING:
     from core.tokens import LocalTokens
@@ -82,12 +82,23 @@ _REQUEST: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar("
 
 @dataclass
 class Traffic:
-    """Pickled bytes sent to and received from shards (counted only when ``count`` is set)."""
+    """Bytes of the typed messages (shards/messages.py) sent to and received from the shards:
+    what the wire carries, counted only while ``count`` is set. A backend with a wire counts them
+    as they are sent and read (cluster/ray_shards.py: a call to an actor carrying several shards'
+    calls counts once); for one without (shards/local_shards.py), the coordinator counts what
+    each call's message would be."""
 
     count: bool = False
     sent: int = 0
     received: int = 0
-    calls: int = 0
+    calls: int = 0  # messages sent
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, sent: int = 0, received: int = 0, calls: int = 0) -> None:
+        with self.lock:
+            self.sent += sent
+            self.received += received
+            self.calls += calls
 
 
 class ShardedIndex:
@@ -106,8 +117,9 @@ class ShardedIndex:
         self.parquet_owner = np.array([s for _, s in owner], np.int64)
         self._turn = [itertools.count() for _ in self.names]
         self.suspect: dict[tuple[int, int], float] = {}  # (shard, replica) -> when it failed or hung
-        self.traffic = Traffic()
-        self._traffic_lock = threading.Lock()
+        wire = getattr(backend, "traffic", None)  # a backend that counts its wire's bytes itself
+        self.counts_wire = isinstance(wire, Traffic)
+        self.traffic = wire if isinstance(wire, Traffic) else Traffic()
         self._max_tokens: int | None = None
 
     # --- what SearchIndex offers ------------------------------------------------------------
@@ -212,8 +224,8 @@ class ShardedIndex:
                         self.suspect[s, replica] = time.monotonic()
         if pending:  # hung past the timeout, or beaten by a hedged call: nobody waits for them
             self.backend.abandon(list(pending))
-        if self.traffic.count:
-            self.count_traffic(args, results)
+        if self.traffic.count and not self.counts_wire:
+            self.count_traffic(method, args, results)
         missing = [self.names[s] for s in args if s not in results]
         if missing:
             log.warning(
@@ -233,13 +245,12 @@ class ShardedIndex:
         since = self.suspect.get((shard, replica))
         return since is not None and time.monotonic() - since < SUSPECT_S
 
-    def count_traffic(self, args: dict[int, tuple], results: dict[int, Any]) -> None:
-        sent = sum(len(pickle.dumps(a, protocol=5)) for a in args.values())
-        received = sum(len(pickle.dumps(r, protocol=5)) for r in results.values())
-        with self._traffic_lock:
-            self.traffic.sent += sent
-            self.traffic.received += received
-            self.traffic.calls += len(args)
+    def count_traffic(self, method: str, args: dict[int, tuple], results: dict[int, Any]) -> None:
+        """The messages a backend without a wire would have sent and read: one request and one
+        answer per shard (shards/messages.py)."""
+        sent = sum(len(pack_request(method, [(0, a)])) for a in args.values())
+        received = sum(len(pack_answers([("ok", r)])) for r in results.values())
+        self.traffic.add(sent, received, len(args))
 
     def every_shard(self, *args: Any) -> dict[int, tuple]:
         return dict.fromkeys(range(len(self.names)), args)

@@ -190,7 +190,9 @@ def all_ready(coordinator) -> bool:
     return all(r["status"] == "ready" for r in coordinator.health()["replicas"])
 
 
-def test_shards_grouped_per_actor_answer_in_one_call_per_actor(cluster, index_on_s3, s3_endpoint, tmp_path):
+def test_shards_grouped_per_actor_answer_in_one_call_per_actor(
+    cluster, index_on_s3, s3_endpoint, tmp_path, monkeypatch
+):
     """--shards-per-actor 3: 4 shards in 2 actors (x2 replicas), one Ray call per actor and request,
     answers equal to the single index; a killed replica's group answers from its twin."""
     import ray
@@ -211,7 +213,18 @@ def test_shards_grouped_per_actor_answer_in_one_call_per_actor(cluster, index_on
         backend = coordinator.backend
         assert backend.channels_open() == 4  # every actor's direct channel open before the first request
         before, before_ray = backend.calls, backend.ray_calls
+        import cluster.ray_shards as ray_shards
+
+        wire = {"sent": [], "received": []}  # the messages as they are written and read
+        pack, unpack = ray_shards.pack_request, ray_shards.unpack_answers
+        monkeypatch.setattr(ray_shards, "pack_request", lambda *a: wire["sent"].append(len(m := pack(*a))) or m)
+        monkeypatch.setattr(ray_shards, "unpack_answers", lambda m: wire["received"].append(len(m)) or unpack(m))
+        coordinator.traffic.count = True
         D2, I2 = coordinator.search(xq, 50)
+        coordinator.traffic.count = False
+        monkeypatch.undo()
+        traffic = coordinator.traffic  # wire bytes: one message per actor each way, as written and read
+        assert (traffic.calls, traffic.sent, traffic.received) == (2, sum(wire["sent"]), sum(wire["received"]))
         assert backend.calls - before == 2  # one per actor, not one per shard
         assert backend.ray_calls == before_ray  # both over the direct channels
         D1, I1 = single.search(xq, 50)

@@ -178,6 +178,33 @@ def test_in_process_thumbnails_read_the_tars_each_shard_recorded(built, monkeypa
         assert max(Image.open(io.BytesIO(single.thumbnail(key, 24))).size) == 24
 
 
+def test_traffic_counts_the_typed_messages_not_pickles(built, sharded, monkeypatch):
+    """Without a wire (LocalShards) the coordinator counts the typed message each call and answer
+    would be (shards/messages.py: a request and an answer per shard), not a pickle of them."""
+    import pickle
+
+    import shards.coordinator as coordinator
+
+    _, _, xb = built
+    xq = queries(xb)[:2]
+    sizes = {"sent": [], "received": []}
+    pack, answers = coordinator.pack_request, coordinator.pack_answers
+    monkeypatch.setattr(coordinator, "pack_request", lambda *a: sizes["sent"].append(len(m := pack(*a))) or m)
+    monkeypatch.setattr(coordinator, "pack_answers", lambda a: sizes["received"].append(len(m := answers(a))) or m)
+    assert not sharded.counts_wire
+    before = (sharded.traffic.sent, sharded.traffic.received, sharded.traffic.calls)
+    sharded.traffic.count = True
+    try:
+        sharded.search(xq, 10)
+    finally:
+        sharded.traffic.count = False
+    traffic = sharded.traffic
+    got = (traffic.sent - before[0], traffic.received - before[1], traffic.calls - before[2])
+    assert got == (sum(sizes["sent"]), sum(sizes["received"]), len(sizes["sent"])) and got[2] >= len(sharded.names)
+    one = sharded.backend.actors[0][0].search(xq, 30, None, True)
+    assert len(answers([("ok", one)])) < len(pickle.dumps(one, protocol=5))  # not the pickle's size
+
+
 def run_typed(group, method: str, calls: list) -> list:
     """``group``'s answers to ``calls``, packed and unpacked as a Ray shard group's travel (over
     its channel or through Ray: cluster.ray_shards.RayShardGroup.run)."""
