@@ -126,20 +126,24 @@ def make_local_extractor(conf: IngestConfig, device: str = "cpu"):
 def connect_ray(address: str | None) -> None:
     """Join ``address`` or $RAY_ADDRESS; otherwise start a local instance listening on 127.0.0.1
     only (Ray alone would put the machine's external address in its place: see
-    cluster.local_ray; checked here, a RuntimeError where it did not hold).
+    cluster.local_ray; checked here, a RuntimeError where it did not hold), with token
+    authentication set explicitly and its token in a file only this user can read
+    (``cluster.local_ray.local_ray_with_token``).
 
     Never Ray's implicit auto-detection: a stale record of a dead cluster would make it hang.
     """
     import ray
 
-    from cluster.local_ray import local_ray_on_loopback
+    from cluster.local_ray import local_ray_on_loopback, local_ray_with_token
 
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
         return
     local_ray_on_loopback()
+    token = local_ray_with_token()  # explicit, and readable by this user only (not Ray's 0644 default)
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
+    log.info("started a local Ray instance; its auth token is in %s (mode 0600)", token)
     node_ip = ray.util.get_node_ip_address()
     if node_ip != "127.0.0.1":
         ray.shutdown()

@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -80,6 +81,35 @@ def free_ports(count: int) -> list[int]:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
         return ports
+
+
+def private_auth_token() -> Path:
+    """A fresh Ray token in a file only this user can read (0600, in a 0700 directory of its own).
+    Why not Ray's default: a ``ray.init()`` that starts a cluster writes ``~/.ray/auth_token`` with
+    the process's umask (0644 here: any local user could read it, then run code as this user)."""
+    directory = Path(tempfile.mkdtemp(prefix="needle-ray-auth-"))  # mode 0700
+    path = directory / "auth_token"
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(secrets.token_hex(32))
+    return path
+
+
+def local_ray_with_token() -> Path:
+    """Token authentication, set explicitly, for a Ray instance this process starts and its
+    processes (they inherit the environment): ``RAY_AUTH_MODE=token`` and a private token file
+    (``RAY_AUTH_TOKEN_PATH``); a token in ``RAY_AUTH_TOKEN`` would win over the file, so it is
+    dropped. Returns the file: a client joining the instance needs its token."""
+    path = private_auth_token()
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        log.warning("RAY_AUTH_MODE=%s ignored: a local Ray that needle starts uses token authentication",
+                    os.environ["RAY_AUTH_MODE"])  # fmt: skip
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(path))
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    from ray._raylet import Config
+
+    Config.initialize("")  # Ray read its settings at import: read them again (as Ray's own token setup does)
+    return path
 
 
 def local_ray_on_loopback() -> None:

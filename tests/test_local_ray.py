@@ -281,3 +281,68 @@ def test_a_local_ray_started_by_needle_listens_on_loopback_only(tmp_path):
     assert found["node_ip"] == "127.0.0.1" and found["channel"][0] == "127.0.0.1"
     assert found["channel"][1] in found["ports"]
     assert not found["beyond"], f"listening beyond loopback: {found['beyond']}"
+
+
+CONNECT_AND_WAIT = """
+import json, os, stat, sys
+import ray  # before connect_ray: Ray has read its settings already (connect_ray reads them again)
+from cluster.ingest_job import connect_ray
+
+connect_ray(None)
+path = os.environ["RAY_AUTH_TOKEN_PATH"]
+modes = [oct(stat.S_IMODE(os.stat(p).st_mode)) for p in (path, os.path.dirname(path))]
+print(json.dumps({"gcs": ray.get_runtime_context().gcs_address, "token": path, "modes": modes}), flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+JOIN = """
+import sys
+import ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+print("answer", ray.get(ray.remote(lambda: 41 + 1).remote()), flush=True)
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_local_ray_started_by_needle_refuses_clients_without_its_token(tmp_path):
+    """connect_ray's local instance uses token authentication set explicitly (not Ray's default,
+    which leaves ~/.ray/auth_token readable by every local user: mode 0644 here), its token in a
+    file only its owner can read; a client without the token is refused, one with it joins."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHONPATH=str(root), HOME=str(tmp_path), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    head = subprocess.Popen(
+        [sys.executable, "-c", CONNECT_AND_WAIT], env=env, cwd=tmp_path, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        found = json.loads(head.stdout.readline())
+        assert found["modes"] == ["0o600", "0o700"]
+        assert not (tmp_path / ".ray" / "auth_token").exists()  # Ray's default file was never written
+        stranger = subprocess.Popen(
+            [sys.executable, "-c", JOIN, found["gcs"]], env=env, cwd=tmp_path,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        refused, deadline = False, time.monotonic() + 60
+        while not refused and time.monotonic() < deadline and stranger.poll() is None:
+            refused = "Authentication token is missing or incorrect" in stranger.stderr.readline()
+        stranger.kill()
+        assert refused and "answer" not in stranger.communicate()[0]
+        member = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": found["token"]}
+        joined = subprocess.run(
+            [sys.executable, "-c", JOIN, found["gcs"]], env=member, cwd=tmp_path, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert "answer 42" in joined.stdout, joined.stderr[-2000:]
+    finally:
+        head.stdin.close()
+        head.wait(60)
