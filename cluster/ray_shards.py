@@ -27,7 +27,7 @@ from ingest.source_images import SourceImagesConfig
 from shards.calls import ReplicaFailed
 from shards.coordinator import ShardsUnavailable, Traffic
 from shards.direct import ChannelError, DirectCall, DirectChannel, readable
-from shards.messages import answer_request, pack_request, unpack_answers
+from shards.messages import pack_request, unpack_answers
 from shards.shard_group import ShardGroup
 from shards.staging import StageConfig
 from shards.wire import WireError
@@ -383,8 +383,9 @@ class RayShardGroup(ShardGroup):
         super().__init__(*args, node=current_node(), address=node_address(), **kwargs)
 
     def run(self, packed: bytes | memoryview) -> bytes:
-        """The answers to the request ``packed`` (``shards.wire.pack_request``), packed."""
-        return answer_request(self.answer, packed, len(self.members))
+        """The answers to the request ``packed`` (``shards.wire.pack_request``), packed: at most
+        ``--shard-concurrency`` at once over the channel and Ray together (``ShardGroup.run``)."""
+        return super().run(packed)
 
 
 def start_shard_actors(
@@ -427,7 +428,9 @@ def start_shard_actors(
             options["memory"] = max(1, sum(int(e["bytes"]) for e in members))
         actors.append(
             [
-                actor_cls.options(**options).remote(source, members, stage, replica, images, threads)
+                actor_cls.options(**options).remote(
+                    source, members, stage, replica, images, threads, concurrency=placement.concurrency
+                )
                 for replica in range(placement.replicas)
             ]
         )

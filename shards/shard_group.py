@@ -88,6 +88,7 @@ class ShardGroup:
         node: str | None = None,  # the node this runs on (a Ray node id; None: the host name)
         address: str = "127.0.0.1",  # the address other nodes reach this process at (its direct channel)
         device: str = "cpu",  # where the members re-rank (rerank.device): this process's
+        concurrency: int = 0,  # requests answered at once, over the channel and Ray together (0: no bound)
     ):
         self.members = [ShardActor(source, e["name"], stage, replica, e, images, node, device) for e in entries]
         self.address = address
@@ -95,6 +96,13 @@ class ShardGroup:
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard") if self.threads > 1 else None
         self._server: DirectServer | None = None
         self._server_lock = threading.Lock()
+        # A request holds a slot until its answer is made, also when its caller gave up on it
+        # (a closed channel connection, a Ray call nobody waits for): the work cannot be stopped
+        # (FAISS, numpy), so it counts until it ends, and abandoned calls never pile up beyond it.
+        self.slots = threading.BoundedSemaphore(concurrency) if concurrency > 0 else None
+        self.running = 0  # requests being answered now (tests, logs)
+        self.waited = 0  # requests that waited for a slot
+        self._count_lock = threading.Lock()
 
     def endpoint(self) -> Endpoint:
         """Where this group answers ``run`` over a direct channel (shards/direct.py), with its
@@ -121,8 +129,22 @@ class ShardGroup:
         """``packed``: a request (``shards.messages.pack_request``: a call of the allow-list and
         ``[(member, args), ...]``); returns the message of ``("ok", value)`` or ``("error",
         exception)``, in order: each member's ``method(*args)``. A request that is not one is
-        refused (WireError) before anything is called."""
-        return answer_request(self.answer, packed, len(self.members))
+        refused (WireError) before anything is called. At most ``concurrency`` are answered at
+        once (the others wait), however they came and whether or not their caller still waits."""
+        if self.slots is None:
+            return answer_request(self.answer, packed, len(self.members))
+        if not self.slots.acquire(blocking=False):
+            with self._count_lock:
+                self.waited += 1
+            self.slots.acquire()
+        with self._count_lock:
+            self.running += 1
+        try:
+            return answer_request(self.answer, packed, len(self.members))
+        finally:
+            with self._count_lock:
+                self.running -= 1
+            self.slots.release()
 
     def answer(self, method: str, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
         if method == ShardCalls.search.__name__ and len(calls) > 1:

@@ -205,6 +205,51 @@ def test_traffic_counts_the_typed_messages_not_pickles(built, sharded, monkeypat
     assert len(answers([("ok", one)])) < len(pickle.dumps(one, protocol=5))  # not the pickle's size
 
 
+def test_abandoned_channel_calls_count_against_the_concurrency_until_they_end(built, tmp_path):
+    """A call the coordinator gave up on (its connection closed) keeps running on the shard: it
+    holds its slot of --shard-concurrency until it ends, so repeated expensive calls wait instead
+    of piling up beyond it (before, each new connection got a thread and ran at once)."""
+    import itertools
+    import threading
+
+    from shards.direct import DirectChannel, readable
+    from shards.messages import pack_request, unpack_answers
+    from shards.shard_group import ShardGroup
+
+    _, out, xb = built
+    entries = read_index_infos(out)["shards"][:1]
+    group = ShardGroup(str(out), entries, StageConfig(str(tmp_path / "cache")), concurrency=1)
+    member = group.members[0]
+    search = member.search
+    spans, lock = [], threading.Lock()
+
+    def slow(*args):
+        start = time.monotonic()
+        time.sleep(0.6)
+        with lock:
+            spans.append((start, time.monotonic()))
+        return search(*args)
+
+    member.search = slow
+    channel = DirectChannel(group.endpoint())
+    request = pack_request("search", [(0, (queries(xb)[:1], 10, None, True))])
+    try:
+        for _ in range(3):  # three calls given up on at once: their connections closed
+            channel.send(request).close()
+        time.sleep(0.1)
+        call = channel.send(request)
+        assert readable([call], 10) == [call]
+        [(status, answer)] = unpack_answers(call.receive(10))
+        assert status == "ok" and answer[1].shape == (1, 10)
+        time.sleep(1.0)  # the abandoned ones end too
+        spans.sort()
+        assert len(spans) == 4 and group.waited >= 3
+        assert all(later[0] >= earlier[1] - 0.01 for earlier, later in itertools.pairwise(spans))  # one at a time
+    finally:
+        channel.close()
+        group._server.close()
+
+
 def run_typed(group, method: str, calls: list) -> list:
     """``group``'s answers to ``calls``, packed and unpacked as a Ray shard group's travel (over
     its channel or through Ray: cluster.ray_shards.RayShardGroup.run)."""
