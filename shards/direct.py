@@ -22,6 +22,9 @@ Security:
 - TLS where Ray's is on (``RAY_USE_TLS``), with Ray's own files (shards/tls.py); without them the
   channel refuses to run (``TlsSetupError``), never plaintext, and a client whose TLS setting
   differs from the server's is refused.
+- Without TLS, every message after the handshake carries an HMAC-SHA256 tag keyed per connection
+  from the handshake (``Session``): a message changed, cut, replayed or moved between connections
+  or directions is refused before it is decoded.
 - The server binds its node's address (the coordinator may be on another node, as Ray's own worker
   ports are reached): on a local Ray started by needle that is 127.0.0.1 (cluster/local_ray.py).
 ``--shard-transport ray`` turns the channel off.
@@ -118,6 +121,51 @@ def receive_message(sock: socket.socket) -> memoryview:
     return view
 
 
+# --- integrity without TLS ------------------------------------------------------------------------
+class Session:
+    """One connection's message integrity after its handshake. Without TLS every message carries
+    an HMAC-SHA256 tag keyed from the handshake (the endpoint's key and both nonces: a key per
+    connection) over its direction, its number on the connection and its bytes, checked before
+    the message is decoded: a message changed, cut, replayed or moved to another connection or
+    direction is refused and the connection closed. With TLS (``key`` None) TLS protects them."""
+
+    def __init__(self, key: bytes | None, sending: bytes, receiving: bytes):
+        self.key = key
+        self.sending, self.receiving = sending, receiving  # direction labels: b"c2s" / b"s2c"
+        self.sent = 0
+        self.received = 0
+
+    @staticmethod
+    def after_handshake(key: bytes, server_nonce: bytes, client_nonce: bytes, tls: bool, client: bool) -> Session:
+        session_key = None if tls else hmac.new(key, b"session" + server_nonce + client_nonce, hashlib.sha256).digest()
+        return Session(session_key, *((b"c2s", b"s2c") if client else (b"s2c", b"c2s")))
+
+    def tag(self, direction: bytes, number: int, message: bytes | memoryview) -> bytes:
+        assert self.key is not None
+        mac = hmac.new(self.key, direction + number.to_bytes(8, "big"), hashlib.sha256)
+        mac.update(message)
+        return mac.digest()
+
+    def seal(self, message: bytes) -> bytes:
+        """``message`` as it goes on the wire: with its tag where there is no TLS."""
+        if self.key is None:
+            return message
+        sealed = message + self.tag(self.sending, self.sent, message)
+        self.sent += 1
+        return sealed
+
+    def receive(self, sock: socket.socket) -> memoryview:
+        """The next message, its tag checked (ChannelError, MessageRefused where it fails)."""
+        message = receive_message(sock)
+        if self.key is None:
+            return message
+        tag = bytes(receive_exact(sock, PROOF_BYTES))
+        if not hmac.compare_digest(tag, self.tag(self.receiving, self.received, message)):
+            raise MessageRefused(f"message {self.received} failed its integrity check (changed, cut or replayed)")
+        self.received += 1
+        return message
+
+
 # --- the handshake -------------------------------------------------------------------------------
 def proof(key: bytes, role: bytes, nonce: bytes) -> bytes:
     """What ``role`` sends to show it holds ``key``; the role keeps one side's proof from being
@@ -125,13 +173,15 @@ def proof(key: bytes, role: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, role + nonce, hashlib.sha256).digest()
 
 
-def open_handshake(sock: socket.socket, key: bytes) -> None:
-    """Client side: answer the server's challenge, challenge it, check its proof."""
+def open_handshake(sock: socket.socket, key: bytes, tls: bool = False) -> Session:
+    """Client side: answer the server's challenge, challenge it, check its proof; the connection's
+    Session (its messages' integrity)."""
     challenge = bytes(receive_exact(sock, NONCE_BYTES))
     mine = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(proof(key, b"client", challenge) + mine)
     if not hmac.compare_digest(bytes(receive_exact(sock, PROOF_BYTES)), proof(key, b"server", mine)):
         raise ChannelError("server failed the handshake (wrong key)")
+    return Session.after_handshake(key, challenge, mine, tls, client=True)
 
 
 class Handshake:
@@ -141,6 +191,8 @@ class Handshake:
     def __init__(self, sock: socket.socket, peer: tuple, key: bytes, deadline: float):
         self.sock, self.peer, self.key, self.deadline = sock, peer, key, deadline
         self.tls = sock if isinstance(sock, ssl.SSLSocket) else None  # its TLS handshake still to do
+        self.tls_on = self.tls is not None
+        self.session: Session | None = None  # once the client proved it holds the key
         self.challenge = secrets.token_bytes(NONCE_BYTES)
         self.outgoing = bytearray(self.challenge)
         self.incoming = bytearray()
@@ -165,6 +217,7 @@ class Handshake:
                 if not hmac.compare_digest(answer, proof(self.key, b"client", self.challenge)):
                     raise ChannelError("client failed the handshake (wrong key)")
                 self.outgoing += proof(self.key, b"server", theirs)
+                self.session = Session.after_handshake(self.key, self.challenge, theirs, self.tls_on, client=False)
                 self.proved = True
                 self.flush()
             return 0
@@ -271,11 +324,11 @@ class DirectServer:
         except (ChannelError, OSError) as exc:  # ssl.SSLError is an OSError
             self.drop(selector, pending, handshake, str(exc) or type(exc).__name__)
             return
-        if not events:  # authenticated: a thread of its own from now on
+        if not events and handshake.session is not None:  # authenticated: a thread of its own from now on
             if handshake.events:
                 selector.unregister(handshake.sock)
             del pending[handshake.sock]
-            self.start_serving(handshake.sock, handshake.peer)
+            self.start_serving(handshake.sock, handshake.peer, handshake.session)
         elif not handshake.events:
             selector.register(handshake.sock, events, handshake)
         elif events != handshake.events:
@@ -307,7 +360,7 @@ class DirectServer:
         with self._lock:
             return len(self._open)
 
-    def start_serving(self, sock: socket.socket, peer: tuple) -> None:
+    def start_serving(self, sock: socket.socket, peer: tuple, session: Session) -> None:
         with self._lock:
             full = len(self._open) >= self.max_connections
             if not full:
@@ -316,21 +369,21 @@ class DirectServer:
             self.refuse(sock, peer, f"{self.max_connections} connections open (the cap)")
             return
         sock.setblocking(True)
-        threading.Thread(target=self.serve, args=(sock, peer), name="direct-conn", daemon=True).start()
+        threading.Thread(target=self.serve, args=(sock, peer, session), name="direct-conn", daemon=True).start()
 
-    def serve(self, sock: socket.socket, peer: tuple) -> None:
+    def serve(self, sock: socket.socket, peer: tuple, session: Session) -> None:
         try:
-            self.answer(sock, peer)
+            self.answer(sock, peer, session)
         finally:
             with self._lock:
                 self._open.discard(sock)
             sock.close()
 
-    def answer(self, sock: socket.socket, peer: tuple) -> None:
+    def answer(self, sock: socket.socket, peer: tuple, session: Session) -> None:
         """Requests on an authenticated ``sock`` answered one after another until it closes."""
         while not self.closed.is_set():
             try:
-                request = receive_message(sock)
+                request = session.receive(sock)
             except MessageRefused as exc:
                 log.warning("direct channel: %s from %s; closing the connection", exc, peer)
                 return
@@ -342,7 +395,7 @@ class DirectServer:
                 log.exception("direct channel: handler failed; closing the connection from %s", peer)
                 return
             try:
-                send_message(sock, reply)
+                send_message(sock, session.seal(reply))
             except OSError:
                 return
 
@@ -363,9 +416,10 @@ class DirectServer:
 class DirectCall:
     """One call in flight on its own connection; ``receive`` reads the reply once."""
 
-    def __init__(self, channel: DirectChannel, sock: socket.socket):
+    def __init__(self, channel: DirectChannel, sock: socket.socket, session: Session):
         self.channel = channel
         self.sock = sock
+        self.session = session
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -380,12 +434,12 @@ class DirectCall:
         call."""
         try:
             self.sock.settimeout(None if timeout is None else max(timeout, 1e-3))
-            reply = receive_message(self.sock)
+            reply = self.session.receive(self.sock)
             self.sock.settimeout(None)
         except (OSError, ChannelError) as exc:
             self.sock.close()
             raise ChannelError(f"{self.channel.endpoint.host}:{self.channel.endpoint.port}: {exc}") from exc
-        self.channel.give_back(self.sock)
+        self.channel.give_back(self.sock, self.session)
         return reply
 
 
@@ -404,10 +458,10 @@ class DirectChannel:
                 f"{endpoint.host}:{endpoint.port}: the shard's channel has TLS {theirs}, this process's Ray TLS "
                 f"(RAY_USE_TLS) is {mine}: refused"
             )
-        self._idle: list[socket.socket] = []
+        self._idle: list[tuple[socket.socket, Session]] = []
         self._lock = threading.Lock()
 
-    def connect(self) -> socket.socket:
+    def connect(self) -> tuple[socket.socket, Session]:
         where = (self.endpoint.host, self.endpoint.port)
         try:
             sock = socket.create_connection(where, timeout=self.connect_timeout)
@@ -418,34 +472,33 @@ class DirectChannel:
             sock.settimeout(HANDSHAKE_S)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock)
-            open_handshake(sock, self.endpoint.key)
+            session = open_handshake(sock, self.endpoint.key, self.tls is not None)
             sock.settimeout(None)
         except (OSError, ChannelError) as exc:
             sock.close()
             raise ChannelError(f"{where[0]}:{where[1]}: handshake failed: {exc}") from exc
-        return sock
+        return sock, session
 
     def send(self, message: bytes) -> DirectCall:
         """``message`` sent on an idle connection (or a new one): the call to receive from."""
         with self._lock:
-            sock = self._idle.pop() if self._idle else None
-        if sock is None:
-            sock = self.connect()
+            idle = self._idle.pop() if self._idle else None
+        sock, session = idle if idle is not None else self.connect()
         try:
-            send_message(sock, message)
+            send_message(sock, session.seal(message))
         except OSError as exc:
             sock.close()
             raise ChannelError(f"{self.endpoint.host}:{self.endpoint.port}: send failed: {exc}") from exc
-        return DirectCall(self, sock)
+        return DirectCall(self, sock, session)
 
-    def give_back(self, sock: socket.socket) -> None:
+    def give_back(self, sock: socket.socket, session: Session) -> None:
         with self._lock:
-            self._idle.append(sock)
+            self._idle.append((sock, session))
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-        for sock in idle:
+        for sock, _ in idle:
             sock.close()
 
 

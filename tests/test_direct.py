@@ -177,6 +177,54 @@ def test_a_wrong_proof_or_a_message_that_is_not_one_closes_the_connection(echo, 
     assert echo.seen == []
 
 
+def test_without_tls_a_changed_or_replayed_message_is_refused_before_it_is_decoded(echo):
+    """Without TLS every message after the handshake carries a tag keyed per connection from the
+    handshake: a byte changed in flight, a message replayed, or one sealed for another connection
+    closes the connection before the handler sees it; the untouched one is answered."""
+    from shards.messages import pack_request
+
+    message = pack_request("info", [(0, ())])
+
+    def exchange(tamper):
+        with socket.create_connection((echo.endpoint.host, echo.endpoint.port)) as sock:
+            sock.settimeout(5)
+            session = open_handshake(sock, echo.endpoint.key)
+            assert session.key is not None
+            sock.sendall(tamper(session, session.seal(message)))
+            try:  # whatever was answered, then the end
+                while sock.recv(65536):
+                    pass
+            except ConnectionResetError:
+                pass
+            return True  # closed by the server (a socket timeout would have raised)
+
+    def flip(session, sealed):
+        changed = bytearray(sealed)
+        changed[len(message) // 2] ^= 1
+        return bytes(changed)
+
+    def replayed(session, sealed):
+        return sealed + sealed  # the second copy's number is wrong
+
+    def other_connection(session, sealed):
+        from shards.direct import Session
+
+        stranger = Session(bytes(32), b"c2s", b"s2c")  # a key of no handshake with this server
+        return stranger.seal(message)
+
+    assert exchange(flip) and exchange(other_connection)
+    assert echo.seen == []  # neither reached the handler
+    seen_before = len(echo.seen)
+    assert exchange(replayed)
+    assert len(echo.seen) == seen_before + 1  # the first copy answered, the replay refused
+    with socket.create_connection((echo.endpoint.host, echo.endpoint.port)) as sock:
+        sock.settimeout(5)
+        session = open_handshake(sock, echo.endpoint.key)
+        sock.sendall(session.seal(message))
+        reply = session.receive(sock)  # the server's reply carries its own tag, checked here
+        assert wire.decode(reply)[0] == "echo"
+
+
 def test_send_message_writes_the_message_as_it_is():
     a, b = socket.socketpair()
     with a, b:
@@ -301,7 +349,8 @@ def test_with_rays_tls_on_the_channel_runs_tls(monkeypatch, tmp_path):
         channel = DirectChannel(server.endpoint)
         assert ask(channel, {"q": np.arange(5)})[1]["q"].tolist() == list(range(5))
         assert ask(channel, "again") == ("echo", "again")  # the TLS connection kept and reused
-        assert channel._idle[0].version() in ("TLSv1.2", "TLSv1.3")
+        sock, session = channel._idle[0]
+        assert sock.version() in ("TLSv1.2", "TLSv1.3") and session.key is None  # TLS protects the messages
         with socket.create_connection((server.endpoint.host, server.endpoint.port)) as sock:
             sock.settimeout(5)  # plaintext: no challenge comes (the server waits for TLS), then the end
             sock.sendall(b"z" * 64)
