@@ -214,6 +214,22 @@ def test_clients_that_never_read_are_closed_hard_and_free_their_slots(index, htt
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
+def test_a_client_slow_to_read_holds_no_search_slot(index):
+    """--max-inflight bounds work, not sending: a request's slot is given back when its answer
+    starts, so one client that never reads (its answers stalled in the server) leaves the only
+    slot free for the next search."""
+    from webapi.limits import ServiceLimits
+
+    limits = ServiceLimits(max_inflight=1, queue_timeout=2.0, max_k_total=10**6, max_queries=100)
+    with serving(index, limits) as port:
+        stalled = non_reader(port, search_request(BIG) * 8)
+        try:
+            time.sleep(1.0)
+            assert search(port, {"keys": [KEY], "k": 2})[0] == 200
+        finally:
+            stalled.close()
+
+
 def test_unsent_answers_of_all_connections_are_capped(index, caplog):
     """--max-unsent-mb: past it the connection whose answer passes the cap is closed at once
     (long before --send-timeout), and the server answers others."""

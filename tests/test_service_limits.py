@@ -7,6 +7,7 @@ tests/test_serve_connections.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 import threading
@@ -617,3 +618,50 @@ def test_health_answers_are_shared_for_a_second_and_never_hide_a_new_generation(
     assert asyncio.run(probes(50)) == [0] * 50 and cache.refreshes == 1
     changing.generation = 3
     assert asyncio.run(probes(5)) == [3] * 5 and cache.refreshes == 2
+
+
+def test_a_request_cancelled_when_its_client_left_keeps_its_slot_until_its_work_ends():
+    """Ray Serve cancels a request whose client disconnected; its search or decode in the thread
+    pool cannot be stopped. The guard runs the endpoint shielded, so its slot of --max-inflight
+    (and its body's bytes) stay counted until the work ends: the ceiling stays --max-inflight."""
+    import asyncio
+
+    from starlette.concurrency import run_in_threadpool
+
+    from webapi.guard import Guard, Route, gate_of
+    from webapi.limits import ServiceLimits
+
+    ended = threading.Event()
+
+    async def endpoint(scope, receive, send):
+        await run_in_threadpool(lambda: (time.sleep(0.5), ended.set()))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    limits = ServiceLimits(max_inflight=1, max_queue=0)
+    gate = gate_of(limits)
+    guard = Guard(endpoint, limits, {("POST", "/search"): Route("json", 1 << 20, "max_json_mb")}, None, gate)
+    body = [{"type": "http.request", "body": b'{"keys": ["a"]}', "more_body": False}]
+    scope = {"type": "http", "method": "POST", "path": "/search", "headers": [(b"content-type", b"application/json")]}
+
+    async def scenario():
+        sent = []
+
+        async def receive():
+            return body.pop(0) if body else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        request = asyncio.ensure_future(guard(dict(scope), receive, send))
+        await asyncio.sleep(0.2)
+        request.cancel()  # the client went away
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+        held_after_cancel = (gate.busy, guard.budget.used)
+        await asyncio.sleep(0.6)
+        return held_after_cancel, (gate.busy, guard.budget.used), ended.is_set()
+
+    after_cancel, after_work, finished = asyncio.run(scenario())
+    assert after_cancel == (1, len(b'{"keys": ["a"]}'))  # still counted: the work goes on
+    assert finished and after_work == (0, 0)  # given back when it ended

@@ -76,6 +76,27 @@ def gate_of(limits: ServiceLimits) -> Gate:
     return Gate(limits.max_inflight, limits.max_queue, limits.queue_timeout)
 
 
+class Slot:
+    """One request's hold on a Gate slot (None: an ungated route), given back once: when its answer
+    starts, or when its endpoint ends without one."""
+
+    def __init__(self, gate: Gate | None):
+        self.gate = gate
+
+    def release(self) -> None:
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate.release()
+
+    def sending(self, send: Send) -> Send:
+        async def send_and_release(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.release()
+            await send(message)
+
+        return send_and_release
+
+
 class Gate:
     """At most ``slots`` holders at once; at most ``queue`` waiters, each for at most ``timeout``
     s. Used from one event loop: no lock, the futures are that loop's."""
@@ -220,6 +241,7 @@ class Guard:
             return
         check_same_origin(scope)
         held = [0]  # body bytes this request holds in the budget
+        working = False  # the endpoint runs: it gives back the slot and the body when it ends
         try:
             if route.kind is not None:
                 check_media_type(scope, route)
@@ -234,13 +256,26 @@ class Guard:
                     {"Retry-After": retry_after(1)},
                     limit="max_inflight",
                 )
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                if route.gated:
-                    self.gate.release()
+            # The endpoint in a task of its own, shielded: where the server cancels a request whose
+            # client went away (Ray Serve does; uvicorn lets it run), its work in the thread pool
+            # cannot be stopped, so the task runs on and holds the slot and the body until it ends.
+            # The slot bounds work, not sending: it is given back once the answer starts (a client
+            # slow to read holds its connection and its unsent bytes: webapi.connections).
+            slot = Slot(self.gate if route.gated else None)
+            work = asyncio.ensure_future(self.app(scope, receive, slot.sending(send)))
+            work.add_done_callback(lambda task: self.work_ended(task, slot, held[0]))
+            working = True
+            await asyncio.shield(work)
         finally:
-            self.budget.give(held[0])
+            if not working:
+                self.budget.give(held[0])
+
+    def work_ended(self, task: asyncio.Future[None], slot: Slot, body_bytes: int) -> None:
+        """An endpoint's task ended (answered, failed, or finished after its client went away)."""
+        slot.release()
+        self.budget.give(body_bytes)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("endpoint ended with %r", task.exception())  # raised to the request too, where it waits
 
     def check_host(self, scope: Scope) -> None:
         """421 unless the Host header names this server (DNS rebinding: see the module doc)."""
