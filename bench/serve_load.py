@@ -13,13 +13,18 @@ line last: requests/s, p50/p99 latency (ms) and errors of each run, and their th
 webapi.limits.ServiceLimits), loaded for ``--duration`` s by ``--clients`` client threads of which
 ``--bad-fraction`` send only bad requests (malformed or out-of-range fields, JSON nested 100,000
 deep, too many keys, a 400-megapixel PNG header, non-image bytes, a foreign Host or Origin, a
-text/plain body, an oversized Content-Length), the others key and vector queries whose answers
-were recorded one by one before the load. ``--slowloris N`` adds N connections that trickle
-header lines throughout. Prints one JSON line: requests/s, p50/p99 of the good and the bad
-requests, status counts by class, answers that changed (must be 0), bad requests answered 5xx
-(must be 0), and the server's open files (at most, and after).
+text/plain body, 700k JSON objects, 320k rows to re-score, a JPEG of 200 scans, a TIFF), the
+others key and vector queries whose answers were recorded one by one before the load.
+``--slowloris N`` adds N connections that trickle header lines throughout; ``--non-readers N``
+N connections that pipeline 8 searches of ~1 MB answers each and never read (reopened when the
+server closes them); ``--pipelined N`` N clients that pipeline oversized headers behind a
+search, one connection after another (each must be closed). Prints one JSON line: requests/s,
+p50/p99 of the good and the bad requests, status counts by class, answers that changed (must be
+0), bad requests answered 5xx (must be 0), each hostile kind's connections (opened, closed by the
+server, left open), and the server's open files (at most, and after).
 
     python bench/serve_load.py --mixed [--duration 30] [--clients 50] [--bad-fraction 0.2] [--slowloris 300]
+        [--non-readers 20] [--pipelined 4]
 """
 
 from __future__ import annotations
@@ -40,6 +45,19 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.remove(str(ROOT / "bench")) if str(ROOT / "bench") in sys.path else None  # bench/rerank.py is no package
+
+
+def bench_module(name: str):
+    """A module of bench/ by its path (bench/ is no package, and its directory is off sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hostile_clients = bench_module("hostile_clients")  # at import: the spawned client process needs it too
 
 
 def build_index(work: Path, n: int, d: int, parts: int = 4) -> Path:
@@ -136,69 +154,6 @@ def run_load(url: str, bodies: list[dict], concurrency: int) -> dict:
 
 
 # --- --mixed: good and bad clients, and slow ones ------------------------------------------------
-def png_header(width: int, height: int) -> bytes:
-    """A PNG whose header says width x height (no image data): the decompression-bomb shape."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"\x00" * 8) + chunk(b"IEND", b"")
-
-
-def bad_requests(key: str, d: int) -> list[tuple[str, str, dict, bytes]]:
-    """(kind, path, headers, body) of the bad requests: each must be a 4xx, never a 5xx."""
-    js = {"Content-Type": "application/json"}
-
-    def body(value: object) -> bytes:
-        return json.dumps(value).encode()
-
-    return [
-        ("not_json", "/search", js, b"{not json"),
-        ("nested_100k", "/search", js, b"[" * 100_000),
-        ("nprobe_list", "/search", js, body({"keys": [key], "nprobe": [1]})),
-        ("k_string", "/search", js, body({"keys": [key], "k": "10"})),
-        ("unknown_key", "/search", js, body({"keys": ["nope/0"], "k": 10})),
-        ("unknown_field", "/search", js, body({"keys": [key], "kk": 1})),
-        ("keys_5000", "/search", js, body({"keys": [key] * 5000, "k": 1})),
-        ("k_total", "/search", js, body({"keys": [key] * 200, "k": 100})),
-        ("vectors_nan", "/search", js, body({"vectors": [[float("nan")] * d]})),
-        ("text_plain", "/search", {"Content-Type": "text/plain"}, body({"keys": [key]})),
-        ("foreign_host", "/search", {**js, "Host": "evil.example"}, body({"keys": [key]})),
-        ("foreign_origin", "/search", {**js, "Origin": "http://evil.example"}, body({"keys": [key]})),
-        ("png_20000x20000", "/search/image?k=10", {"Content-Type": "image/png"}, png_header(20_000, 20_000)),
-        ("not_an_image", "/search/image?k=10", {"Content-Type": "application/octet-stream"}, b"hello"),
-    ]
-
-
-def trickle(port: int, count: int, stop: threading.Event, tally: dict) -> None:
-    """Keep ``count`` connections sending a header line each second (reopening those the server
-    closes) until ``stop``: the slowloris."""
-    socks: list[socket.socket] = []
-    while not stop.is_set():
-        while len(socks) < count and not stop.is_set():
-            try:
-                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-                sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
-                socks.append(sock)
-                tally["opened"] += 1
-            except OSError:
-                tally["refused"] += 1
-                break
-        stop.wait(1.0)
-        alive = []
-        for sock in socks:
-            try:
-                sock.sendall(b"X-Trickle: 1\r\n")
-                alive.append(sock)
-            except OSError:
-                tally["closed_by_server"] += 1
-                sock.close()
-        socks = alive
-    for sock in socks:
-        sock.close()
 
 
 def client_loop(url: str, jobs: list, expected: list | None, until: float, offset: int, out: dict) -> None:
@@ -223,9 +178,13 @@ def client_loop(url: str, jobs: list, expected: list | None, until: float, offse
             i += 1
 
 
-def run_mixed(url: str, goods: list, expected: list, bads: list, clients: int, n_bad: int, duration: float, slow: int):
-    """The --mixed load (in the clients' process): good and bad client threads, and the slowloris."""
+def run_mixed(
+    url: str, goods: list, expected: list, bads: list, clients: int, n_bad: int, duration: float, hostile: dict
+):
+    """The --mixed load (in the clients' process): good and bad client threads, the slowloris,
+    clients that never read, and pipelined oversized headers (``hostile``: counts and requests)."""
     until = time.monotonic() + duration
+    port = int(url.rsplit(":", 1)[1])
     good = {"ms": [], "status": [], "changed": 0}
     bad = {"ms": [], "status": [], "changed": 0}
     threads = [
@@ -234,15 +193,38 @@ def run_mixed(url: str, goods: list, expected: list, bads: list, clients: int, n
         else threading.Thread(target=client_loop, args=(url, goods, expected, until, c * 7, good))
         for c in range(clients)
     ]
-    stop, tally = threading.Event(), {"opened": 0, "closed_by_server": 0, "refused": 0}
-    loris = threading.Thread(target=trickle, args=(int(url.rsplit(":", 1)[1]), slow, stop, tally))
-    if slow:
-        loris.start()
+    stop = threading.Event()
+    tallies = {name: {"opened": 0, "closed_by_server": 0, "refused": 0, "left_open": 0} for name in hostile}
+    runs = {
+        "slowloris": lambda n: (hostile_clients.trickle, (port, n, stop, tallies["slowloris"])),
+        "non_readers": lambda n: (
+            hostile_clients.non_readers,
+            (port, n, hostile["non_reader_requests"], stop, tallies["non_readers"]),
+        ),
+    }
+    others = [
+        threading.Thread(target=target, args=args)
+        for name, count in hostile.items()
+        if name in runs and count
+        for target, args in [runs[name](count)]
+    ]
+    for _ in range(hostile.get("pipelined", 0)):
+        request = hostile["pipelined_request"]
+        others.append(
+            threading.Thread(
+                target=hostile_clients.pipelined_big_headers, args=(port, request, stop, tallies["pipelined"])
+            )
+        )
+    for thread in others:
+        thread.start()
     wall = run_threads(threads)
     stop.set()
-    if slow:
-        loris.join(10)
-    return {"wall_s": wall, "good": good, "bad": bad, "slowloris": tally}
+    for thread in others:
+        thread.join(15)
+    counts = {
+        name: {"connections": hostile[name], **tallies[name]} for name in ("slowloris", "non_readers", "pipelined")
+    }
+    return {"wall_s": wall, "good": good, "bad": bad, **counts}
 
 
 def summary(part: dict, wall: float) -> dict:
@@ -264,7 +246,7 @@ def open_files() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def mixed_record(out: dict, meta: dict, slowloris: int, samples: list[int], limits) -> dict:
+def mixed_record(out: dict, meta: dict, samples: list[int], limits) -> dict:
     """The --mixed run's JSON line: throughput, latencies, status classes, the two invariants."""
     import dataclasses
 
@@ -285,7 +267,9 @@ def mixed_record(out: dict, meta: dict, slowloris: int, samples: list[int], limi
         "answers_changed": out["good"]["changed"],  # must be 0
         "good_not_200": sum(status != 200 for _, status in out["good"]["status"]),
         "bad_5xx": sum(status >= 500 or status == 0 for _, status in out["bad"]["status"]),  # must be 0
-        "slowloris": {"connections": slowloris, **out["slowloris"]},
+        "slowloris": out["slowloris"],
+        "non_readers": out["non_readers"],  # connections that never read their pipelined answers
+        "pipelined": out["pipelined"],  # oversized headers pipelined behind a search: each closed
         "server_open_files": {"before": samples[0], "max": max(samples), "after": samples[-1]},
         "limits": dataclasses.asdict(limits),
     }
@@ -327,10 +311,18 @@ def mixed_main(args: argparse.Namespace) -> None:
             with httpx.Client(base_url=url, timeout=60) as http:  # the answers, one request at a time
                 expected = [http.post(path_, content=body, headers=h).json() for _, path_, h, body in goods]
             n_bad = round(args.clients * args.bad_fraction)
-            bads = bad_requests(keys[0], index.d)
+            bads = hostile_clients.bad_requests(keys[0], index.d)
             sampler.start()
             with multiprocessing.get_context("spawn").Pool(1) as pool:
-                load = (url, goods, expected, bads, args.clients, n_bad, args.duration, args.slowloris)
+                hostile = {
+                    "slowloris": args.slowloris,
+                    "non_readers": args.non_readers,
+                    "non_reader_requests": hostile_clients.search_bytes({"keys": keys[:100], "k": 1000})
+                    * 8,  # ~8 MB of answers
+                    "pipelined": args.pipelined,
+                    "pipelined_request": hostile_clients.search_bytes({"keys": [keys[0]], "k": args.k}),
+                }
+                load = (url, goods, expected, bads, args.clients, n_bad, args.duration, hostile)
                 out = pool.apply(run_mixed, load)
             time.sleep(limits.header_timeout + 1)  # the slowloris connections the server has not closed yet
             samples.append(open_files())
@@ -345,7 +337,7 @@ def mixed_main(args: argparse.Namespace) -> None:
         "clients": args.clients,
         "bad_clients": n_bad,
     }
-    record = mixed_record(out, meta, args.slowloris, samples, limits)
+    record = mixed_record(out, meta, samples, limits)
     print(json.dumps(record))
 
 
@@ -358,6 +350,12 @@ def main() -> None:
         "--bad-fraction", type=float, default=0.2, help="--mixed: share of clients sending bad requests"
     )
     parser.add_argument("--slowloris", type=int, default=0, help="--mixed: connections trickling headers meanwhile")
+    parser.add_argument(
+        "--non-readers", type=int, default=0, help="--mixed: connections pipelining searches and never reading"
+    )
+    parser.add_argument(
+        "--pipelined", type=int, default=0, help="--mixed: clients pipelining oversized headers behind a search"
+    )
     parser.add_argument("--index", help="index directory (default: a synthetic one in a temporary directory)")
     parser.add_argument("--n", type=int, default=20000, help="synthetic index: vectors")
     parser.add_argument("--d", type=int, default=128, help="synthetic index: dimension")
