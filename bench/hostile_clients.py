@@ -112,12 +112,15 @@ def search_bytes(body: dict) -> bytes:
 
 
 def gone(sock: socket.socket) -> bool:
-    """Whether the server closed ``sock`` (without reading what it sent: a peek)."""
+    """Whether the server closed ``sock``, without reading what it sent: a reset leaves its error
+    (ECONNRESET) on the socket; an orderly close shows as an empty peek."""
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+        return True
     try:
         return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except BlockingIOError:
         return False
-    except OSError:  # reset: closed hard
+    except OSError:
         return True
 
 

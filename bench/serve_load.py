@@ -317,8 +317,8 @@ def mixed_main(args: argparse.Namespace) -> None:
                 hostile = {
                     "slowloris": args.slowloris,
                     "non_readers": args.non_readers,
-                    "non_reader_requests": hostile_clients.search_bytes({"keys": keys[:100], "k": 1000})
-                    * 8,  # ~8 MB of answers
+                    # 8 searches of 10 keys x k=1000 (within --max-k-total): ~5 MB of answers per connection
+                    "non_reader_requests": hostile_clients.search_bytes({"keys": keys[:10], "k": 1000}) * 8,
                     "pipelined": args.pipelined,
                     "pipelined_request": hostile_clients.search_bytes({"keys": [keys[0]], "k": args.k}),
                 }

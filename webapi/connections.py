@@ -101,6 +101,7 @@ def guarded_protocol(limits: ServiceLimits, http: str = "auto") -> type[asyncio.
             self._send_timer: asyncio.TimerHandle | None = None
             self._pipelined_timer: asyncio.TimerHandle | None = None
             self._pipelined_bytes = 0
+            self._cycles: list[Any] = []  # the requests parsed and not yet answered (httptools)
             super().connection_made(transport)
             # resume_writing only once every byte is sent: it ends the send timer
             transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=0)  # type: ignore[attr-defined]
@@ -192,6 +193,9 @@ def guarded_protocol(limits: ServiceLimits, http: str = "auto") -> type[asyncio.
         def on_headers_complete(self) -> None:
             self.cancel_pipelined_timer()
             super().on_headers_complete()
+            # every request's cycle, pipelined ones too: uvicorn marks only its newest one
+            # disconnected when the connection is lost (see connection_lost)
+            self._cycles = [c for c in self._cycles if not c.response_complete] + [self.cycle]
 
         def count_pipelined(self, n: int) -> None:
             if self._pipelined_timer is None:
@@ -229,6 +233,13 @@ def guarded_protocol(limits: ServiceLimits, http: str = "auto") -> type[asyncio.
                 if timer is not None:
                     timer.cancel()
                     setattr(self, name, None)
+            # uvicorn marks only the newest request disconnected; an earlier one still being
+            # answered (pipelined behind it) would write to the closed transport and be logged as
+            # an ASGI error: mark every unanswered one, so their answers are dropped quietly
+            for cycle in getattr(self, "_cycles", []):
+                if not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
             super().connection_lost(exc)
 
     GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
