@@ -106,16 +106,17 @@ def receive_exact(sock: socket.socket, size: int) -> bytearray:
     return buffer
 
 
-def receive_message(sock: socket.socket) -> memoryview:
-    """One whole message; ChannelError where its prefix is not a needle message's or announces
-    more than shards/wire.py allows (checked before the rest is read). The buffer is only touched
-    as bytes arrive (an announced size alone commits no memory)."""
+def receive_message(sock: socket.socket, trailer: int = 0) -> memoryview:
+    """One whole message and the ``trailer`` bytes after it (its tag, where there is one), read
+    in one pass after the prefix; ChannelError where its prefix is not a needle message's or
+    announces more than shards/wire.py allows (checked before the rest is read). The buffer is
+    only touched as bytes arrive (an announced size alone commits no memory)."""
     prefix = receive_exact(sock, PREFIX.size)
     try:
         header, body = frame_sizes(prefix)
     except WireError as exc:
         raise MessageRefused(f"refused a message: {exc}") from exc
-    view = np.empty(PREFIX.size + header + body, np.uint8).data
+    view = np.empty(PREFIX.size + header + body + trailer, np.uint8).data
     view[: PREFIX.size] = prefix
     receive_into(sock, view[PREFIX.size :])
     return view
@@ -156,10 +157,10 @@ class Session:
 
     def receive(self, sock: socket.socket) -> memoryview:
         """The next message, its tag checked (ChannelError, MessageRefused where it fails)."""
-        message = receive_message(sock)
         if self.key is None:
-            return message
-        tag = bytes(receive_exact(sock, PROOF_BYTES))
+            return receive_message(sock)
+        sealed = receive_message(sock, PROOF_BYTES)  # the message and its tag in one read
+        message, tag = sealed[:-PROOF_BYTES], bytes(sealed[-PROOF_BYTES:])
         if not hmac.compare_digest(tag, self.tag(self.receiving, self.received, message)):
             raise MessageRefused(f"message {self.received} failed its integrity check (changed, cut or replayed)")
         self.received += 1
