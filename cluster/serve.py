@@ -98,7 +98,11 @@ def open_index(
 
         connect_ray(address)
     if reload_interval <= 0:
-        return serve_sharded(path, serving) if ray_shards else load_index(path)
+        if ray_shards:
+            return serve_sharded(path, serving)
+        index = load_index(path)
+        index.warm()  # before the first request
+        return index
     return follow_index(path, reload_interval, serving if ray_shards else None)
 
 

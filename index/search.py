@@ -41,7 +41,7 @@ from index.layout import IDS_FILE, INFOS_FILE, LAYOUT_SHARDS, VECTORS_FILE
 from index.locals import LocalStore, open_local_store
 from index.merge import checked_queries, inner_products_at, merge_shortlists, shortlist_size, trim_to_shortlist
 from index.row_map import DenseRows, RowMap, row_map_of
-from index.shard import Shard, candidates_of, is_valid_descriptor, make_shard
+from index.shard import Shard, candidates_of, is_valid_descriptor, make_shard, warm_coarse
 from index.shard_files import (
     ShardedKeys,
     ShardedVectors,
@@ -249,6 +249,11 @@ class SearchIndex:
     def health(self, timeout: float | None = None) -> dict[str, Any]:
         """``Index.health``: no replicas to report on (the /health body adds nothing)."""
         return {}
+
+    def warm(self) -> None:
+        """Work a first request would otherwise do: compare the segments' coarse stages (which
+        of them share one assignment: index/coarse.py)."""
+        warm_coarse(self.shards)
 
     def source_files(self) -> list[dict[str, Any]]:
         """The Parquet files every shard (segment) recorded in its infos, with the tar each was

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_fingerprint, coarse_stage, search_assigned
+from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_key, coarse_stage, same_coarse, search_assigned
 from index.deletes import DeleteSet
 from index.errors import IndexFileError
 from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
@@ -183,18 +183,35 @@ class Shard:
         return sort_by_score(D, I, kk)  # a cut that does not depend on FAISS's order among ties
 
     @cached_property
-    def coarse(self) -> tuple[str, CoarseStage] | None:
-        """(fingerprint, stage) of an IVF shard's coarse stage (index/coarse.py), None for a flat one."""
+    def coarse(self) -> tuple[tuple, CoarseStage] | None:
+        """(cheap key, stage) of an IVF shard's coarse stage (index/coarse.py), None for a flat one."""
         stage = coarse_stage(self.index)
-        return None if stage is None else (coarse_fingerprint(stage), stage)
+        return None if stage is None else (coarse_key(stage), stage)
 
-    def coarse_key(self, nq: int, nprobe: int | None) -> tuple[str, int] | None:
-        """What decides the lists this shard scans for ``nq`` queries at ``nprobe``: shards of one
-        key can share one assignment. None: a flat shard, or one scanning on a GPU."""
+    def coarse_key(self, nq: int, nprobe: int | None) -> tuple[tuple, int] | None:
+        """What decides the lists this shard scans for ``nq`` queries at ``nprobe``, cheaply: only
+        shards of one key may share an assignment (``shares_coarse_with`` decides). None: a flat
+        shard, or one scanning on a GPU."""
         params = self.params(nprobe)
         if self.coarse is None or params is None or self.scans_on_gpu(nq):
             return None
         return self.coarse[0], int(params.nprobe)
+
+    def shares_coarse_with(self, other: Shard) -> bool:
+        """Whether ``other`` assigns every query to the same lists (``same_coarse``, to the bit);
+        compared once per pair and kept (read by request threads: a race only compares twice)."""
+        if other is self:
+            return True
+        known = self._coarse_peers.get(id(other))
+        if known is None or known[0] is not other:
+            same = self.coarse is not None and other.coarse is not None
+            known = (other, same and same_coarse(self.coarse[1], other.coarse[1]))  # type: ignore[index]
+            self._coarse_peers[id(other)] = known
+        return known[1]
+
+    @cached_property
+    def _coarse_peers(self) -> dict[int, tuple[Shard, bool]]:
+        return {}
 
     def params(self, nprobe: int | None) -> Any | None:
         """``search_params`` for ``nprobe`` (None: this shard's default), made once per value: a
@@ -237,19 +254,37 @@ def shared_assignments(shards: list[Shard], xq: np.ndarray, nprobe: int | None) 
     """Per shard, the coarse assignment of ``xq`` it shares with other shards of its coarse key
     (a living index's segments: one quantizer), made once per key; None for a shard that shares
     with none (it assigns in its own search, which costs the same)."""
-    members: dict[tuple[str, int], list[int]] = {}
-    for i, shard in enumerate(shards):
-        key = shard.coarse_key(len(xq), nprobe)
-        if key is not None:
-            members.setdefault(key, []).append(i)
     out: list[CoarseAssignment | None] = [None] * len(shards)
-    for same in members.values():
+    for same in coarse_classes(shards, len(xq), nprobe):
         first = shards[same[0]]
         if len(same) > 1 and first.coarse is not None:
             assigned = assign(first.coarse[1], xq, first.params(nprobe))
             for i in same:
                 out[i] = assigned
     return out
+
+
+def coarse_classes(shards: list[Shard], nq: int = 1, nprobe: int | None = None) -> list[list[int]]:
+    """The shards (by index) in classes of one coarse stage: same key, and equal to the class's
+    first member (``Shard.shares_coarse_with``, kept once compared); flat shards in none."""
+    keyed: dict[tuple, list[list[int]]] = {}
+    for i, shard in enumerate(shards):
+        key = shard.coarse_key(nq, nprobe)
+        if key is None:
+            continue
+        classes = keyed.setdefault(key, [])
+        found = next((c for c in classes if shards[c[0]].shares_coarse_with(shard)), None)
+        if found is None:
+            classes.append([i])
+        else:
+            found.append(i)
+    return [c for classes in keyed.values() for c in classes]
+
+
+def warm_coarse(shards: list[Shard]) -> int:
+    """Compare the shards' coarse stages now (when a generation is opened), so that no request
+    pays for it; the number of classes."""
+    return len(coarse_classes(shards))
 
 
 def candidates_of(

@@ -37,7 +37,7 @@ import numpy as np
 
 from core.tokens import TokenBatch
 from index.merge import trim_to_shortlist
-from index.shard import shared_assignments
+from index.shard import shared_assignments, warm_coarse
 from ingest.source_images import SourceImagesConfig
 from shards.calls import ShardCalls
 from shards.direct import DirectServer, Endpoint
@@ -91,6 +91,7 @@ class ShardGroup:
         concurrency: int = 0,  # requests answered at once, over the channel and Ray together (0: no bound)
     ):
         self.members = [ShardActor(source, e["name"], stage, replica, e, images, node, device) for e in entries]
+        warm_coarse([member.shard for member in self.members])  # which segments share one assignment
         self.address = address
         self.threads = max(1, min(threads, len(self.members)))  # members answering at once
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard") if self.threads > 1 else None

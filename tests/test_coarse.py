@@ -10,7 +10,7 @@ from index.add_rows import AddConfig
 from index.add_rows import main as add
 from index.build import IndexConfig
 from index.build import main as build
-from index.coarse import assign, coarse_fingerprint, coarse_stage, search_assigned
+from index.coarse import assign, coarse_key, coarse_stage, same_coarse, search_assigned
 from index.delete_rows import DeleteConfig
 from index.delete_rows import main as delete
 from index.deletes import DeleteSet
@@ -42,7 +42,7 @@ def test_a_shared_assignment_gives_each_segment_its_own_answer(factory):
     xq = clustered_unit_vectors(7, 32, seed=2).astype(np.float32)
     segments = segments_of(factory, xb, 3)
     stages = [coarse_stage(s) for s in segments]
-    assert len({coarse_fingerprint(s) for s in stages}) == 1
+    assert len({coarse_key(s) for s in stages}) == 1 and all(same_coarse(stages[0], s) for s in stages)
     for nprobe in (1, 5, 32, 64):  # 64 > nlist: capped as the build's search is
         doomed = np.sort(rng.choice(np.arange(3000) + 1000, 300, replace=False)).astype(np.int64)
         deletes = DeleteSet(doomed, len(doomed))
@@ -60,11 +60,11 @@ def test_segments_of_other_quantizers_never_share():
     xb = clustered_unit_vectors(2000, 32, seed=1).astype(np.float32)
     one = segments_of("IVF32,PQ8x4fsr", xb, 1)[0]
     other = segments_of("IVF32,PQ8x4fsr", xb[::-1].copy(), 1)[0]  # trained on another order: other centroids
-    assert coarse_fingerprint(coarse_stage(one)) != coarse_fingerprint(coarse_stage(other))
+    assert not same_coarse(coarse_stage(one), coarse_stage(other))
     assert coarse_stage(faiss.IndexFlatIP(32)) is None
 
 
-def test_a_living_index_shares_one_assignment_and_answers_as_each_segment_alone(tmp_path):
+def test_a_living_index_shares_one_assignment_and_answers_as_each_segment_alone(tmp_path, monkeypatch):
     """After two adds (one file each) and a delete, 2 shards hold 4 segments: all are assigned
     once (one trained quantizer), and every segment's candidates and the index's answers equal those of
     each segment searched by itself."""
@@ -80,6 +80,15 @@ def test_a_living_index_shares_one_assignment_and_answers_as_each_segment_alone(
     delete(DeleteConfig(), [f"t0/{i:05d}" for i in range(0, 800, 3)] + [f"a1/{i:05d}" for i in range(50)], index_dir)
     index = load_index(index_dir)
     assert len(index.shards) == 4  # each add's one file went to one shard
+    import index.shard as shard_module
+
+    index.warm()  # as a server does when it opens a generation: the segments compared now
+    assert len(shard_module.coarse_classes(index.shards)) == 1
+
+    def compared_again(*args):
+        raise AssertionError("a request compared coarse stages: warm() should have")
+
+    monkeypatch.setattr(shard_module, "same_coarse", compared_again)
     xq = clustered_unit_vectors(9, d, seed=5).astype(np.float32)
     for nprobe in (None, 3, 32):
         assigned = shared_assignments(index.shards, xq, nprobe)

@@ -36,7 +36,7 @@ class LiveIndex:
         self._latest = latest  # the newest published generation's number
         self._close = close_generation
         self.reload_interval = reload_interval
-        self._current = open_generation(None)
+        self._current = self._opened(None)
         self._pins: dict[int, int] = {}  # id(index) -> requests pinned to it
         self._retiring: list[Any] = []  # generations switched away from, still pinned
         self._lock = threading.Lock()
@@ -46,6 +46,15 @@ class LiveIndex:
         if reload_interval > 0:
             self._thread = threading.Thread(target=self._follow, name="needle-index-reload", daemon=True)
             self._thread.start()
+
+    def _opened(self, generation: int | None) -> Any:
+        """A generation opened, and its first-use work done before it is served (``warm``, where
+        the index has it: no request pays for it)."""
+        index = self._open(generation)
+        warm = getattr(index, "warm", None)
+        if callable(warm):
+            warm()
+        return index
 
     # --- the generation a request sees -----------------------------------------------------------
     def _active(self) -> Any:
@@ -99,7 +108,7 @@ class LiveIndex:
         newest = self._latest()
         if newest <= int(getattr(self._current, "generation", 0)):
             return False
-        opened = self._open(newest)
+        opened = self._opened(newest)
         with self._lock:
             old, self._current = self._current, opened
             if self._pins.get(id(old)):
