@@ -252,8 +252,10 @@ class SearchIndex:
 
     def warm(self) -> None:
         """Work a first request would otherwise do: compare the segments' coarse stages (which
-        of them share one assignment: index/coarse.py)."""
+        of them share one assignment: index/coarse.py) and load the re-scoring."""
         warm_coarse(self.shards)
+        for shard in self.shards[:1]:  # one loads the re-scoring for all (torch)
+            shard.warm()
 
     def source_files(self) -> list[dict[str, Any]]:
         """The Parquet files every shard (segment) recorded in its infos, with the tar each was

@@ -34,7 +34,7 @@ from index.errors import IndexFileError
 from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
 from index.gpu_resident import ResidentDatabase, keep_resident
 from index.locals import LocalStore, open_local_store
-from index.merge import inner_products_at, search_params, sort_by_score, tie_margin
+from index.merge import float16_inner_products, inner_products_at, search_params, sort_by_score, tie_margin
 from index.row_map import RowMap, row_map_of
 from index.shard_files import ShardFiles, open_shard_files, read_faiss, read_infos_and_vectors
 from ingest.descriptors import STATUS_OK
@@ -244,6 +244,14 @@ class Shard:
         ``kk`` candidates by index score (ties to the lower row id) with their exact scores."""
         D, I = self.candidates(xq, kk, nprobe)
         return D, I, self.exact_scores(xq, D, I, refine)
+
+    def warm(self) -> None:
+        """Load what re-scoring needs (torch: seconds) now, not in the first request: a search of
+        a zero vector may find no candidate, so it does not."""
+        if not self.exact:
+            float16_inner_products(
+                np.zeros((1, self.vectors.shape[1]), np.float16), np.zeros(self.vectors.shape[1], np.float32)
+            )
 
     def rescore(self, xq: np.ndarray, I: np.ndarray) -> np.ndarray:
         """Exact inner products of the candidates against their float16 vectors (-inf for -1)."""

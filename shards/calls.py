@@ -14,7 +14,9 @@ whether it is alive.
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -139,3 +141,24 @@ def replica_health(backend: ShardBackend, names: list[str], timeout: float) -> d
     live = {e["shard"] for e in replicas if e["status"] == "ready"}
     unavailable = [name for name in names if name not in live]
     return {"ok": not unavailable, "unavailable_shards": unavailable, "replicas": replicas}
+
+
+@dataclass
+class Traffic:
+    """Bytes of the typed messages (shards/messages.py) sent to and received from the shards:
+    what the wire carries, counted only while ``count`` is set. A backend with a wire counts them
+    as they are sent and read (cluster/ray_shards.py: a call to an actor carrying several shards'
+    calls counts once); for one without (shards/local_shards.py), the coordinator counts what
+    each call's message would be."""
+
+    count: bool = False
+    sent: int = 0
+    received: int = 0
+    calls: int = 0  # messages sent
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, sent: int = 0, received: int = 0, calls: int = 0) -> None:
+        with self.lock:
+            self.sent += sent
+            self.received += received
+            self.calls += calls

@@ -29,7 +29,6 @@ import contextvars
 import dataclasses
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -42,7 +41,7 @@ from core.quoting import short_repr
 from index.errors import UnknownKeyError
 from index.merge import checked_queries, merge_shortlists, shortlist_size
 from ingest.descriptors import ROW_SHARD_SHIFT
-from shards.calls import ReplicaFailed, ShardBackend, ShardCalls, replica_health
+from shards.calls import ReplicaFailed, ShardBackend, ShardCalls, Traffic, replica_health
 from shards.messages import pack_answers, pack_request
 
 if TYPE_CHECKING:
@@ -78,27 +77,6 @@ class RequestState:
 
 
 _REQUEST: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar("needle_shard_request", default=None)
-
-
-@dataclass
-class Traffic:
-    """Bytes of the typed messages (shards/messages.py) sent to and received from the shards:
-    what the wire carries, counted only while ``count`` is set. A backend with a wire counts them
-    as they are sent and read (cluster/ray_shards.py: a call to an actor carrying several shards'
-    calls counts once); for one without (shards/local_shards.py), the coordinator counts what
-    each call's message would be."""
-
-    count: bool = False
-    sent: int = 0
-    received: int = 0
-    calls: int = 0  # messages sent
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, sent: int = 0, received: int = 0, calls: int = 0) -> None:
-        with self.lock:
-            self.sent += sent
-            self.received += received
-            self.calls += calls
 
 
 class ShardedIndex:

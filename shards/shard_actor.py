@@ -114,9 +114,10 @@ class ShardActor(ShardCalls):
         self.staged = stage_shard(source, name, stage, self.node, entry)
         deletes = read_delete_set_of(source, entry or {}, stage.endpoint_url)
         self.shard = open_shard(self.staged.directory.parent, name, deletes=deletes)
-        # One search before reporting ready: the first loads what it needs (torch for re-scoring:
-        # seconds), which would otherwise count against the first request's timeout.
+        # One search and the re-scoring loaded before reporting ready: the first would load what
+        # they need (torch for re-scoring: seconds) within the first request's timeout.
         self.shard.search(np.zeros((1, self.shard.index.d), np.float32), 1, None, True)
+        self.shard.warm()
         self._lock = threading.Lock()
         self._rerankers: dict[str, Any] = {}
         self._images: SourceImages | None = None
