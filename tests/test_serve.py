@@ -3,6 +3,7 @@ answers, in parallel, and refuses bad input."""
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -281,7 +282,10 @@ def test_ray_serve_deployment_in_front_of_shard_actors(built, ray_local, tmp_pat
         # live deployment's replica fails (the controller then replaces it)
         serve.get_app_handle("needle").check_health.remote().result()
         kill_and_wait_until_dead(ray_local, actors[1][0])
-        status, health = urlopen_json(f"{url}/health")
+        deadline = time.monotonic() + 5  # /health answers from its one-second cache (webapi/health.py)
+        while (answer := urlopen_json(f"{url}/health"))[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status, health = answer
         assert status == 503 and health["unavailable_shards"] == ["shard_001"]
         with pytest.raises(Exception, match="shard_001"):
             serve.get_app_handle("needle").check_health.remote().result()
