@@ -77,32 +77,48 @@ def tiff_bytes() -> bytes:
     return out.getvalue()
 
 
-def trickle(port: int, count: int, stop: threading.Event, tally: dict) -> None:
-    """Keep ``count`` connections sending a header line each second (reopening those the server
-    closes) until ``stop``: the slowloris."""
+def hold(count: int, connect, alive, stop: threading.Event, tally: dict) -> None:
+    """Keep ``count`` connections made by ``connect()`` open until ``stop``, checking each second
+    with ``alive(sock)`` which the server closed (counted, and opened again)."""
     socks: list[socket.socket] = []
     while not stop.is_set():
         while len(socks) < count and not stop.is_set():
             try:
-                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-                sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
-                socks.append(sock)
+                socks.append(connect())
                 tally["opened"] += 1
             except OSError:
                 tally["refused"] += 1
                 break
         stop.wait(1.0)
-        alive = []
+        kept = []
         for sock in socks:
-            try:
-                sock.sendall(b"X-Trickle: 1\r\n")
-                alive.append(sock)
-            except OSError:
+            if alive(sock):
+                kept.append(sock)
+            else:
                 tally["closed_by_server"] += 1
                 sock.close()
-        socks = alive
+        socks = kept
     for sock in socks:
         sock.close()
+
+
+def trickle(port: int, count: int, stop: threading.Event, tally: dict) -> None:
+    """Keep ``count`` connections sending a header line each second (reopening those the server
+    closes) until ``stop``: the slowloris."""
+
+    def connect() -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
+        return sock
+
+    def alive(sock: socket.socket) -> bool:
+        try:
+            sock.sendall(b"X-Trickle: 1\r\n")
+            return True
+        except OSError:
+            return False
+
+    hold(count, connect, alive, stop, tally)
 
 
 def search_bytes(body: dict) -> bytes:
@@ -127,24 +143,15 @@ def gone(sock: socket.socket) -> bool:
 def non_readers(port: int, count: int, requests: bytes, stop: threading.Event, tally: dict) -> None:
     """Keep ``count`` connections that pipelined ``requests`` and never read (a small receive
     buffer: the answers wait in the server), reopening those the server closes, until ``stop``."""
-    socks: list[socket.socket] = []
-    while not stop.is_set():
-        while len(socks) < count and not stop.is_set():
-            try:
-                sock = socket.socket()
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                sock.connect(("127.0.0.1", port))
-                sock.sendall(requests)
-                socks.append(sock)
-                tally["opened"] += 1
-            except OSError:
-                tally["refused"] += 1
-                break
-        stop.wait(1.0)
-        tally["closed_by_server"] += sum(gone(sock) and not sock.close() for sock in socks)
-        socks = [sock for sock in socks if sock.fileno() >= 0]
-    for sock in socks:
-        sock.close()
+
+    def connect() -> socket.socket:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(requests)
+        return sock
+
+    hold(count, connect, lambda sock: not gone(sock), stop, tally)
 
 
 def pipelined_big_headers(port: int, request: bytes, stop: threading.Event, tally: dict) -> None:

@@ -76,6 +76,14 @@ def gate_of(limits: ServiceLimits) -> Gate:
     return Gate(limits.max_inflight, limits.max_queue, limits.queue_timeout)
 
 
+def busy_message(gate: Gate) -> str:
+    """What a request the gate had no slot for is told (a search, a thumbnail, a fresh /health)."""
+    return (
+        f"the server is busy ({gate.busy} requests running, {len(gate.waiters)} waiting: "
+        "--max-inflight, --max-queue); retry later"
+    )
+
+
 class Slot:
     """One request's hold on a Gate slot (None: an ungated route), given back once: when its answer
     starts, or when its endpoint ends without one."""
@@ -248,14 +256,7 @@ class Guard:
                 body = await self.read_body(scope, receive, route, held)
                 receive = replay(body, receive)
             if route.gated and not await self.gate.acquire():
-                busy = self.gate.busy
-                raise Refusal(
-                    503,
-                    f"the server is busy ({busy} requests running, {len(self.gate.waiters)} waiting: "
-                    "--max-inflight, --max-queue); retry later",
-                    {"Retry-After": retry_after(1)},
-                    limit="max_inflight",
-                )
+                raise Refusal(503, busy_message(self.gate), {"Retry-After": retry_after(1)}, limit="max_inflight")
             # The endpoint in a task of its own, shielded: where the server cancels a request whose
             # client went away (Ray Serve does; uvicorn lets it run), its work in the thread pool
             # cannot be stopped, so the task runs on and holds the slot and the body until it ends.

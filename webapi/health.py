@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from index.shard_files import shard_names
 from query.index_protocol import Index
-from webapi.guard import Gate
+from webapi.guard import Gate, busy_message
 from webapi.http_errors import json_response
 from webapi.limits import retry_after
 from webapi.live_index import pinned
@@ -82,11 +82,7 @@ class HealthCache:
 
 def busy(gate: Gate) -> Response:
     """The 503 of a health check the gate had no slot for (the body a refused search gets)."""
-    message = (
-        f"the server is busy ({gate.busy} requests running, {len(gate.waiters)} waiting: "
-        "--max-inflight, --max-queue); retry later"
-    )
-    return json_response(503, {"error": message, "limit": "max_inflight"}, {"Retry-After": retry_after(1)})
+    return json_response(503, {"error": busy_message(gate), "limit": "max_inflight"}, {"Retry-After": retry_after(1)})
 
 
 def add_health(app: FastAPI, index: Index, gate: Gate) -> HealthCache:
