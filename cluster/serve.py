@@ -118,12 +118,16 @@ def follow_index(path: str | Path, reload_interval: float, serving: ShardServing
         placement = dataclasses.replace(serving.placement, sets=2)  # the next set starts before the last stops
         serving = dataclasses.replace(serving, placement=placement)
         return LiveIndex(
-            lambda n: serve_sharded(path, serving, generation=n),
+            lambda n, _served: serve_sharded(path, serving, generation=n),
             lambda: latest_number(location),
             reload_interval,
             close_generation=lambda index: index.backend.close(),
         )
-    return LiveIndex(lambda n: load_index(path, generation=n), lambda: latest_number(location), reload_interval)
+
+    def opened(number: int | None, served: Any | None) -> Any:  # the served generation's unchanged segments kept
+        return load_index(path, generation=number, served=served)
+
+    return LiveIndex(opened, lambda: latest_number(location), reload_interval)
 
 
 # Ray Serve: replicas of the same app. Replicas reserve no CPU by default: with --ray-shards the

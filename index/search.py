@@ -16,6 +16,7 @@ never misses one and there are no replicas to report on.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,7 +38,7 @@ from index.generations import read_view
 from index.gpu import check_device
 from index.images import ImageSource
 from index.keys import KeyStore, has_key_files
-from index.layout import IDS_FILE, INFOS_FILE, LAYOUT_SHARDS, VECTORS_FILE
+from index.layout import IDS_FILE, INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE, VECTORS_FILE
 from index.locals import LocalStore, open_local_store
 from index.merge import checked_queries, inner_products_at, merge_shortlists, shortlist_size, trim_to_shortlist
 from index.row_map import DenseRows, RowMap, row_map_of
@@ -275,20 +276,28 @@ class SearchIndex:
 
 
 def load_index(
-    path: str | Path, mmap: bool = True, with_shards: bool = True, device: str = "auto", generation: int | None = None
+    path: str | Path,
+    mmap: bool = True,
+    with_shards: bool = True,
+    device: str = "auto",
+    generation: int | None = None,
+    served: SearchIndex | None = None,
 ) -> SearchIndex:
     """Open an index directory at its newest generation (or ``generation``), checking that its
     files exist and agree (never a wrong answer).
 
     ``with_shards=False`` skips the FAISS files (a coordinator whose shards live in Ray actors);
-    ``device``: where flat shards scan (see ``Shard.device``).
+    ``device``: where flat shards scan (see ``Shard.device``); ``served``: an earlier generation
+    of the same index, open in this process, whose unchanged segments are taken over rather than
+    opened again (``reused_segments``).
     """
     check_device(device)
     path = Path(path)
     if (path / INFOS_FILE).is_file():
         infos = read_infos(path)
         if infos.get("layout") == LAYOUT_SHARDS:
-            return load_shard_directories(path, read_view(path, number=generation), mmap, with_shards, device)
+            view = read_view(path, number=generation)
+            return load_shard_directories(path, view, mmap, with_shards, device, reused_segments(served, path, device))
     for name in (IDS_FILE, VECTORS_FILE, INFOS_FILE):
         if not (path / name).is_file():
             raise IndexFileError(f"index directory {path} has no {name}")
@@ -325,20 +334,30 @@ def load_index(
 
 
 def load_shard_directories(
-    path: Path, infos: dict[str, Any], mmap: bool = True, with_shards: bool = True, device: str = "auto"
+    path: Path,
+    infos: dict[str, Any],
+    mmap: bool = True,
+    with_shards: bool = True,
+    device: str = "auto",
+    reused: dict[str, tuple[dict[str, Any], Shard]] | None = None,
 ) -> SearchIndex:
     """An index of shard directories (a generation's segments: index.generations.view_infos):
     each opened and checked by itself with its delete set, then checked against the top-level
-    infos; positions run over the shards in order."""
+    infos; positions run over the shards in order. ``reused``: segments already open in this
+    process (``reused_segments``), taken over where their files are the ones this generation names."""
     entries = infos.get("shards") or []
     if not entries:
         raise IndexFileError(f"index {path}: {INFOS_FILE} lists no shards")
-    opened = []
+    reused = reused or {}
+    opened, kept = [], []
     for entry in entries:
         directory = path / entry["name"]
         if not directory.is_dir():
             raise IndexFileError(f"index shard {entry['name']} ({directory}): the directory is missing")
-        opened.append(open_shard_files(directory, entry, with_index=with_shards, mmap=mmap))
+        old = reused.get(entry["name"])
+        kept.append(old if old is not None and with_shards and same_segment_files(old, directory, entry) else None)
+        files = kept[-1][1].files if kept[-1] is not None else None
+        opened.append(files or open_shard_files(directory, entry, with_index=with_shards, mmap=mmap))
     rows = sum(o.rows for o in opened)
     ntotal = sum(int(o.infos["ntotal"]) for o in opened)
     if rows != infos.get("rows") or ntotal != infos.get("ntotal"):
@@ -349,9 +368,20 @@ def load_shard_directories(
     if any(o.infos.get("dim") != infos.get("dim") for o in opened):
         raise IndexFileError(f"index {path}: shards of other dimensions than d={infos.get('dim')}")
     bases = np.cumsum([0] + [o.rows for o in opened[:-1]]).astype(np.int64)
-    deletes = [entry_deletes(path, entry) for entry in entries]
+    # a kept segment whose delete set is the same file keeps its Shard (its search params and
+    # coarse comparisons made); one with a new delete set gets a new Shard over the same files
+    same_deletes = [old is not None and old[0].get("deleted") == e.get("deleted") for old, e in zip(kept, entries)]
+    deletes = [
+        old[1].deletes if same and old is not None else entry_deletes(path, entry)
+        for old, same, entry in zip(kept, same_deletes, entries)
+    ]
     shards = (
-        [make_shard(o.index, o.vectors, o.infos, device, o, d) for o, d in zip(opened, deletes)] if with_shards else []
+        [
+            old[1] if same and old is not None else make_shard(o.index, o.vectors, o.infos, device, o, d)
+            for o, d, old, same in zip(opened, deletes, kept, same_deletes)
+        ]
+        if with_shards
+        else []
     )
     ids = pa.concat_tables([o.ids for o in opened])  # zero copy: the shards' mapped tables as chunks
     maps = [row_map_of(o.infos, o.ids) for o in opened]
@@ -363,6 +393,35 @@ def load_shard_directories(
 
     keys = ShardedKeys([o.keys for o in opened], bases, deleted)
     return SearchIndex(shards, ids, vectors, infos, path, keys, layout)
+
+
+def reused_segments(served: SearchIndex | None, path: Path, device: str) -> dict[str, tuple[dict[str, Any], Shard]]:
+    """{segment name: (its entry in ``served``'s generation, its open Shard)} of an index open in
+    this process at ``path`` with its shards (nothing otherwise). Segment directories are written
+    once under a name never used again (index/live_writer.py), so a later generation that names
+    one names the same files: serving it again costs no reading, no mapping and no FAISS load."""
+    if served is None or not served.shards or served.layout is None or Path(served.path) != path:
+        return {}
+    entries = served.infos.get("shards") or []
+    if len(entries) != len(served.shards):
+        return {}
+    return {
+        e["name"]: (e, shard)
+        for e, shard in zip(entries, served.shards)
+        if shard.files is not None and shard.files.index is not None and shard.device == device
+    }
+
+
+def same_segment_files(old: tuple[dict[str, Any], Shard], directory: Path, entry: dict[str, Any]) -> bool:
+    """Whether the open segment ``old`` is the one ``entry`` names: the same counts, and the same
+    ``shard_infos.json`` (its files' sizes and SHA-256) on disk now."""
+    old_entry, shard = old
+    if shard.files is None or any(old_entry.get(k) != entry.get(k) for k in ("rows", "ntotal")):
+        return False
+    try:
+        return json.loads((directory / SHARD_INFOS_FILE).read_text()) == shard.files.infos
+    except (OSError, ValueError):
+        return False  # opened afresh: open_shard_files names what is wrong
 
 
 def entry_deletes(path: Path, entry: dict[str, Any]) -> DeleteSet:

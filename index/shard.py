@@ -21,6 +21,7 @@ GPU memory for good without being asked.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -199,18 +200,26 @@ class Shard:
 
     def shares_coarse_with(self, other: Shard) -> bool:
         """Whether ``other`` assigns every query to the same lists (``same_coarse``, to the bit);
-        compared once per pair and kept (read by request threads: a race only compares twice)."""
+        compared once per pair and kept (read by request threads: a race only compares twice).
+        The peer is held weakly: a shard kept over generations must not keep the segments of
+        generations no longer served (their maps, their deleted files) alive."""
         if other is self:
             return True
         known = self._coarse_peers.get(id(other))
-        if known is None or known[0] is not other:
+        if known is None or known[0]() is not other:
             same = self.coarse is not None and other.coarse is not None
-            known = (other, same and same_coarse(self.coarse[1], other.coarse[1]))  # type: ignore[index]
+            known = (weakref.ref(other), same and same_coarse(self.coarse[1], other.coarse[1]))  # type: ignore[index]
             self._coarse_peers[id(other)] = known
         return known[1]
 
+    def forget_gone_peers(self) -> None:
+        """Drop the comparisons with shards that no longer exist (called when a generation opens)."""
+        for key, (peer, _) in list(self._coarse_peers.items()):
+            if peer() is None:
+                self._coarse_peers.pop(key, None)
+
     @cached_property
-    def _coarse_peers(self) -> dict[int, tuple[Shard, bool]]:
+    def _coarse_peers(self) -> dict[int, tuple[weakref.ref[Shard], bool]]:
         return {}
 
     def params(self, nprobe: int | None) -> Any | None:
@@ -292,6 +301,8 @@ def coarse_classes(shards: list[Shard], nq: int = 1, nprobe: int | None = None) 
 def warm_coarse(shards: list[Shard]) -> int:
     """Compare the shards' coarse stages now (when a generation is opened), so that no request
     pays for it; the number of classes."""
+    for shard in shards:
+        shard.forget_gone_peers()
     return len(coarse_classes(shards))
 
 

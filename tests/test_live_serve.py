@@ -35,7 +35,7 @@ class Fake:
 def test_a_pinned_request_finishes_on_its_generation_and_the_old_one_closes_after():
     newest = {"n": 0}
     closed = []
-    live = LiveIndex(lambda n: Fake(n or 0), lambda: newest["n"], reload_interval=0, close_generation=closed.append)
+    live = LiveIndex(lambda n, _: Fake(n or 0), lambda: newest["n"], reload_interval=0, close_generation=closed.append)
     entered, release = threading.Event(), threading.Event()
     seen = []
 
@@ -61,7 +61,7 @@ def test_a_pinned_request_finishes_on_its_generation_and_the_old_one_closes_afte
 def test_a_failing_open_keeps_serving_the_generation_it_has():
     newest = {"n": 0}
 
-    def opener(n):
+    def opener(n, _served):
         if n == 1:
             raise OSError("segment unreadable")
         return Fake(n or 0)

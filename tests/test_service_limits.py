@@ -481,7 +481,7 @@ def test_the_scrubber_reads_the_index_location_from_the_index_protocol(index, in
     from webapi.live_index import LiveIndex
 
     assert str(index_dir.resolve()) in server_locations(index)
-    live = LiveIndex(lambda n: index, lambda: 0, reload_interval=0)
+    live = LiveIndex(lambda n, _: index, lambda: 0, reload_interval=0)
     assert server_locations(live) == server_locations(index)
     with pytest.raises(AttributeError):
         server_locations(object())

@@ -2,8 +2,9 @@
 
 A thread checks every ``reload_interval`` seconds which generation is the newest
 (index.generations.latest_number: one small read, or two). When there is a newer one, it opens it
-beside the one served (``open_generation``: a ``SearchIndex`` in this process, or a coordinator
-and a new set of shard actors under ``--ray-shards``), then switches new requests to it in one
+beside the one served (``open_generation(number, served)``: a ``SearchIndex`` in this process,
+which takes over the served one's unchanged segments, or a coordinator and a new set of shard
+actors under ``--ray-shards``), then switches new requests to it in one
 assignment. A request pins the generation it started on (``pinned``: per thread, for all the
 index calls it makes), so it is answered by exactly one generation, on every shard; the old one is
 closed (``close_generation``: its shard actors stopped) once the last request pinned to it ends.
@@ -27,16 +28,16 @@ log = logging.getLogger(__name__)
 class LiveIndex:
     def __init__(
         self,
-        open_generation: Callable[[int | None], Any],
+        open_generation: Callable[[int | None, Any | None], Any],
         latest: Callable[[], int],
         reload_interval: float = 2.0,
         close_generation: Callable[[Any], None] | None = None,
     ):
-        self._open = open_generation  # generation number (None: the newest) -> an opened index
+        self._open = open_generation  # (number (None: the newest), the one served or None) -> an opened index
         self._latest = latest  # the newest published generation's number
         self._close = close_generation
         self.reload_interval = reload_interval
-        self._current = self._opened(None)
+        self._current = self._opened(None, None)
         self._pins: dict[int, int] = {}  # id(index) -> requests pinned to it
         self._retiring: list[Any] = []  # generations switched away from, still pinned
         self._lock = threading.Lock()
@@ -47,10 +48,10 @@ class LiveIndex:
             self._thread = threading.Thread(target=self._follow, name="needle-index-reload", daemon=True)
             self._thread.start()
 
-    def _opened(self, generation: int | None) -> Any:
-        """A generation opened, and its first-use work done before it is served (``warm``, where
-        the index has it: no request pays for it)."""
-        index = self._open(generation)
+    def _opened(self, generation: int | None, served: Any | None) -> Any:
+        """A generation opened (beside ``served``), and its first-use work done before it is served
+        (``warm``, where the index has it: no request pays for it)."""
+        index = self._open(generation, served)
         warm = getattr(index, "warm", None)
         if callable(warm):
             warm()
@@ -108,7 +109,7 @@ class LiveIndex:
         newest = self._latest()
         if newest <= int(getattr(self._current, "generation", 0)):
             return False
-        opened = self._opened(newest)
+        opened = self._opened(newest, self._current)
         with self._lock:
             old, self._current = self._current, opened
             if self._pins.get(id(old)):
