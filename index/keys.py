@@ -118,19 +118,40 @@ class KeyStore:
         return self.view[int(start) : int(stop)].tobytes()
 
     def keys_at(self, positions: np.ndarray) -> list[str | None]:
-        """Positions (any shape, flattened) -> keys; None for a negative position (FAISS's -1 padding)."""
+        """Positions (any shape, flattened) -> keys; None for a negative position (FAISS's -1 padding).
+
+        The keys' bytes are gathered in one numpy pass, NUL-separated, and split into strings in
+        one decode (a key per Python slice and decode cost ~0.3 us each: 40 % of a shard's answer
+        to a key lookup, whose keys every search also returns)."""
         flat = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if len(flat) and int(flat.max()) >= len(self):
+        if not len(flat):
+            return []
+        if int(flat.max()) >= len(self):
             raise KeyFileError(f"position {int(flat.max())} is past the {len(self)} keys in {self.directory}")
         valid = flat >= 0
-        starts = np.zeros(len(flat), np.int64)
-        stops = np.zeros(len(flat), np.int64)
-        starts[valid] = self.offsets[flat[valid]]
-        stops[valid] = self.offsets[flat[valid] + 1]
-        return [
-            str(self.view[a:b], "utf-8") if ok else None
-            for a, b, ok in zip(starts.tolist(), stops.tolist(), valid.tolist())
-        ]
+        at = np.where(valid, flat, 0)
+        offsets = self.offsets.view(np.ndarray)  # indexing the np.memmap itself makes a memmap per call
+        starts = np.where(valid, offsets[at], 0)
+        lengths = np.where(valid, offsets[np.minimum(at + 1, len(offsets) - 1)] - starts, 0)  # (no keys: 1 offset)
+        keys: list[str | None] = self.joined(starts, lengths).split("\0")
+        if len(keys) != len(flat):  # a key holding a NUL itself: one at a time
+            keys = [str(self.view[a : a + n], "utf-8") for a, n in zip(starts.tolist(), lengths.tolist())]
+        for i in np.flatnonzero(~valid).tolist():
+            keys[i] = None
+        return keys
+
+    def joined(self, starts: np.ndarray, lengths: np.ndarray) -> str:
+        """The keys' bytes at ``starts`` (``lengths`` each), decoded, separated by NULs."""
+        spans = lengths + 1  # each key and its separator
+        ends = np.cumsum(spans)
+        total = int(ends[-1])
+        if not total or not len(self.data):
+            return "\0" * (len(starts) - 1)
+        # the byte at output i is data[start of its key + (i - its first output byte)]
+        index = np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - spans), spans)
+        out = self.data.view(np.ndarray)[np.minimum(index, len(self.data) - 1)]
+        out[ends - 1] = 0  # the separators (past each key: another key's byte, or past the end)
+        return out[:-1].tobytes().decode("utf-8")
 
     def positions_of(self, keys: list[str]) -> dict[str, list[int]]:
         """Every position of each of ``keys`` that is there (absent keys are left out). Few keys: a

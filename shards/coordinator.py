@@ -264,9 +264,12 @@ class ShardedIndex:
         I = np.atleast_2d(np.asarray(I, np.int64))
         known = self.state().keys  # the rows this request's searches returned
         rows, where = np.unique(I, return_inverse=True)  # each distinct row looked up once
-        listed = rows.tolist()
-        keys = np.array([known.get(i) for i in listed], dtype=object)
-        wanted = (rows >= 0) & np.array([i not in known for i in listed], dtype=bool)
+        keys = np.full(len(rows), None, dtype=object)
+        wanted = rows >= 0
+        if known:  # (a lookup outside a search's request knows none: no pass over the rows for it)
+            listed = rows.tolist()
+            keys[:] = [known.get(i) for i in listed]
+            wanted &= np.array([i not in known for i in listed], dtype=bool)
         if wanted.any():
             owners = self.shard_of_rows(rows[wanted])
             at = np.flatnonzero(wanted)

@@ -27,6 +27,7 @@ answers are a few KB).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -110,7 +111,9 @@ class ShardGroup:
         key: the channel starts at the first ask, on this node's address."""
         with self._server_lock:
             if self._server is None:
-                self._server = DirectServer(self.run, self.address)
+                # ShardGroup.run itself: in a Ray actor ``self.run`` is Ray's tracing wrapper of it,
+                # a cost per message that a call that does not come through Ray need not pay
+                self._server = DirectServer(functools.partial(ShardGroup.run, self), self.address)
                 where = self._server.endpoint
                 log.info("shards %s: direct channel on %s:%d", self.names(), where.host, where.port)
             return self._server.endpoint

@@ -56,6 +56,10 @@ OBJECTS = {
 }
 
 
+# One encoder and decoder for every header (``json.dumps`` with arguments builds an encoder per call:
+# a third of a small message's encoding).
+HEADER_JSON = json.JSONEncoder(separators=(",", ":"))
+HEADER_DECODER = json.JSONDecoder()
 PLAIN = frozenset([str, int, float, bool, type(None)])  # values JSON carries as they are
 KEYS = frozenset([str, type(None)])  # a list of these (keys, None for padding) travels as NUL-joined UTF-8
 KEYS_MIN = 16  # a list shorter than this stays JSON
@@ -149,8 +153,8 @@ class _Encoder:
             return value
         if depth > MAX_DEPTH:
             raise WireError(f"{path(where)}: nested deeper than {MAX_DEPTH}")
-        if kind is tuple:
-            return {"$t": [self.node(v, (where, i), depth + 1) for i, v in enumerate(value)]}
+        if kind is tuple:  # (leaves inline: a call per leaf was most of a small message's cost)
+            return {"$t": [v if type(v) in PLAIN else self.node(v, (where, i), depth + 1) for i, v in enumerate(value)]}
         if kind is list:
             return self.sequence(value, where, depth)
         if kind is np.ndarray:
@@ -196,7 +200,7 @@ class _Encoder:
                 return {"$k": [*self.raw(joined), len(value), nones]}
         if PLAIN.issuperset(kinds):
             return value
-        return [self.node(v, (where, i), depth + 1) for i, v in enumerate(value)]
+        return [v if type(v) in PLAIN else self.node(v, (where, i), depth + 1) for i, v in enumerate(value)]
 
     def scalar(self, value: np.generic, where: Any) -> Any:
         dtype = value.dtype.newbyteorder("<") if value.dtype.byteorder == ">" else value.dtype
@@ -220,7 +224,7 @@ class _Encoder:
 
     def mapping(self, value: dict, where: Any, depth: int) -> Any:
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: self.node(v, (where, k), depth + 1) for k, v in value.items()}
+            return {k: v if type(v) in PLAIN else self.node(v, (where, k), depth + 1) for k, v in value.items()}
         pairs = []
         for k, v in value.items():
             if not (k is None or isinstance(k, (str, int, float))):
@@ -256,7 +260,7 @@ def encode(value: Any) -> bytes:
     """``value`` as one message (WireError naming the part that cannot be sent)."""
     encoder = _Encoder()
     tree = encoder.node(value, "value")
-    header = json.dumps(tree, separators=(",", ":")).encode()
+    header = HEADER_JSON.encode(tree).encode()
     header += b" " * (aligned(PREFIX.size + len(header)) - PREFIX.size - len(header))
     if len(header) > MAX_HEADER or encoder.size > MAX_BODY:
         raise WireError(f"message too large: {len(header)} header, {encoder.size} body bytes")
@@ -289,8 +293,8 @@ def decode(message: bytes | bytearray | memoryview) -> Any:
         what = "truncated" if len(view) < start + body else "overlong"
         raise WireError(f"{what} message: {len(view)} bytes, its prefix announces {start + body}")
     try:
-        tree = json.loads(bytes(view[PREFIX.size : start]))
-    except (ValueError, RecursionError) as exc:
+        tree = HEADER_DECODER.decode(str(view[PREFIX.size : start], "utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise WireError(f"the header is not JSON: {exc}") from exc
     return _Decoder(view[start:]).node(tree, "value", 0)
 
@@ -310,14 +314,15 @@ class _Decoder:
         if isinstance(tree, list):
             if PLAIN.issuperset(map(type, tree)):
                 return tree
-            return [self.node(v, (where, i), depth + 1) for i, v in enumerate(tree)]
+            return [v if type(v) in PLAIN else self.node(v, (where, i), depth + 1) for i, v in enumerate(tree)]
         if not isinstance(tree, dict):
             raise WireError(f"{path(where)}: {type(tree).__name__} is not a value")
         if len(tree) != 1 or not next(iter(tree)).startswith("$"):
-            return {k: self.node(v, (where, k), depth + 1) for k, v in tree.items()}
+            return {k: v if type(v) in PLAIN else self.node(v, (where, k), depth + 1) for k, v in tree.items()}
         [(tag, content)] = tree.items()
         if tag == "$t":
-            return tuple([self.node(v, (where, i), depth + 1) for i, v in enumerate(self.listed(content, where))])
+            items = self.listed(content, where)
+            return tuple([v if type(v) in PLAIN else self.node(v, (where, i), depth + 1) for i, v in enumerate(items)])
         if tag == "$a":
             return self.array(content, where)
         if tag == "$k":

@@ -42,6 +42,18 @@ def test_keys_at_and_position_of_equal_plain_python(tmp_path, n):
         assert store.position_of(absent) == where.get(absent, -1)
 
 
+def test_keys_holding_nul_and_the_last_key_come_back_whole(tmp_path):
+    """keys_at gathers every key's bytes in one pass, NUL-separated: a key holding a NUL itself (or
+    empty keys, or the last key of the file) must still come back as it was written."""
+    keys = ["a\0b", "", "\0", "z" * 40, "猫\0é", "last"]
+    store = _store(tmp_path, keys, chunk_size=4)
+    positions = np.array([5, 0, -1, 1, 2, 4, 3, 5, -1])
+    assert store.keys_at(positions) == [keys[p] if p >= 0 else None for p in positions]
+    plain = _store(tmp_path / "plain", ["x", "", "yy"])
+    assert plain.keys_at(np.array([2, 1, -1, 0, 2])) == ["yy", "", None, "x", "yy"]
+    assert plain.keys_at(np.array([1, 1])) == ["", ""] and plain.keys_at(np.array([-1])) == [None]
+
+
 def test_sort_column_given_by_the_caller_gives_the_same_files(tmp_path):
     keys = _random_keys(300, seed=3)
     chunks = [pa.array(keys[i : i + 40]) for i in range(0, len(keys), 40)]
