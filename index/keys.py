@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -133,9 +134,10 @@ class KeyStore:
         offsets = self.offsets.view(np.ndarray)  # indexing the np.memmap itself makes a memmap per call
         starts = np.where(valid, offsets[at], 0)
         lengths = np.where(valid, offsets[np.minimum(at + 1, len(offsets) - 1)] - starts, 0)  # (no keys: 1 offset)
-        keys: list[str | None] = self.joined(starts, lengths).split("\0")
-        if len(keys) != len(flat):  # a key holding a NUL itself: one at a time
-            keys = [str(self.view[a : a + n], "utf-8") for a, n in zip(starts.tolist(), lengths.tolist())]
+        split = self.joined(starts, lengths).split("\0")
+        if len(split) != len(flat):  # a key holding a NUL itself: one at a time
+            split = [str(self.view[a : a + n], "utf-8") for a, n in zip(starts.tolist(), lengths.tolist())]
+        keys = cast(list[str | None], split)  # padding set to None below, in place
         for i in np.flatnonzero(~valid).tolist():
             keys[i] = None
         return keys
