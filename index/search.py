@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +46,7 @@ from index.shard import Shard, candidates_of, is_valid_descriptor, make_shard, w
 from index.shard_files import (
     ShardedKeys,
     ShardedVectors,
+    ShardFiles,
     ShardLayout,
     open_shard_files,
     read_faiss,
@@ -349,15 +350,21 @@ def load_shard_directories(
     if not entries:
         raise IndexFileError(f"index {path}: {INFOS_FILE} lists no shards")
     reused = reused or {}
-    opened, kept = [], []
+    opened: list[ShardFiles] = []
+    kept: list[Shard | None] = []  # a segment served already whose delete set is the same file: its Shard whole
     for entry in entries:
         directory = path / entry["name"]
         if not directory.is_dir():
             raise IndexFileError(f"index shard {entry['name']} ({directory}): the directory is missing")
         old = reused.get(entry["name"])
-        kept.append(old if old is not None and with_shards and same_segment_files(old, directory, entry) else None)
-        files = kept[-1][1].files if kept[-1] is not None else None
-        opened.append(files or open_shard_files(directory, entry, with_index=with_shards, mmap=mmap))
+        if old is not None and with_shards and same_segment_files(old, directory, entry):
+            old_entry, shard = old
+            opened.append(cast(ShardFiles, shard.files))  # (same_segment_files: it has them)
+            # its search params and coarse comparisons kept; a new delete set: a new Shard over its files
+            kept.append(shard if old_entry.get("deleted") == entry.get("deleted") else None)
+        else:
+            opened.append(open_shard_files(directory, entry, with_index=with_shards, mmap=mmap))
+            kept.append(None)
     rows = sum(o.rows for o in opened)
     ntotal = sum(int(o.infos["ntotal"]) for o in opened)
     if rows != infos.get("rows") or ntotal != infos.get("ntotal"):
@@ -368,17 +375,11 @@ def load_shard_directories(
     if any(o.infos.get("dim") != infos.get("dim") for o in opened):
         raise IndexFileError(f"index {path}: shards of other dimensions than d={infos.get('dim')}")
     bases = np.cumsum([0] + [o.rows for o in opened[:-1]]).astype(np.int64)
-    # a kept segment whose delete set is the same file keeps its Shard (its search params and
-    # coarse comparisons made); one with a new delete set gets a new Shard over the same files
-    same_deletes = [old is not None and old[0].get("deleted") == e.get("deleted") for old, e in zip(kept, entries)]
-    deletes = [
-        old[1].deletes if same and old is not None else entry_deletes(path, entry)
-        for old, same, entry in zip(kept, same_deletes, entries)
-    ]
+    deletes = [shard.deletes if shard is not None else entry_deletes(path, e) for shard, e in zip(kept, entries)]
     shards = (
         [
-            old[1] if same and old is not None else make_shard(o.index, o.vectors, o.infos, device, o, d)
-            for o, d, old, same in zip(opened, deletes, kept, same_deletes)
+            shard if shard is not None else make_shard(o.index, o.vectors, o.infos, device, o, d)
+            for o, d, shard in zip(opened, deletes, kept)
         ]
         if with_shards
         else []
