@@ -42,7 +42,7 @@ class DeleteSet:
         I = np.asarray(I, np.int64)
         if not len(self.rows):
             return np.zeros(I.shape, bool)
-        at = np.searchsorted(self.rows, I).clip(0, len(self.rows) - 1)
+        at = np.minimum(np.searchsorted(self.rows, I), len(self.rows) - 1)
         return self.rows[at] == I
 
     @cached_property

@@ -15,7 +15,6 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 from pathlib import Path
-from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +22,7 @@ import pyarrow.compute as pc
 
 from core.atomic import atomic_path, write_atomic
 from core.errors import NeedleInputError
+from core.joined_keys import JoinedKeys
 
 KEYS_FILE = "keys.bin"
 KEY_OFFSETS_FILE = "key_offsets.npy"
@@ -125,8 +125,32 @@ class KeyStore:
         one decode (a key per Python slice and decode cost ~0.3 us each: 40 % of a shard's answer
         to a key lookup, whose keys every search also returns)."""
         flat = np.asarray(positions, dtype=np.int64).reshape(-1)
+        joined = self.joined_keys_at(flat)
+        if joined is not None:
+            return joined.split()
         if not len(flat):
             return []
+        # a key holding a NUL itself: one at a time
+        starts, lengths, valid = self.spans(flat)
+        keys: list[str | None] = [str(self.view[a : a + n], "utf-8") for a, n in zip(starts.tolist(), lengths.tolist())]
+        for i in np.flatnonzero(~valid).tolist():
+            keys[i] = None
+        return keys
+
+    def joined_keys_at(self, positions: np.ndarray) -> JoinedKeys | None:
+        """The keys at ``positions`` (any shape, flattened; negative: padding) as one NUL-joined
+        buffer, no string made (what a shard sends: core/joined_keys.py); None where there are no
+        positions or a key holds a NUL itself (``keys_at`` makes those one by one)."""
+        flat = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if not len(flat):
+            return None
+        starts, lengths, valid = self.spans(flat)
+        padding = () if valid.all() else tuple(np.flatnonzero(~valid).tolist())
+        return JoinedKeys.of(self.joined(starts, lengths), len(flat), padding)
+
+    def spans(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start, length, valid) of each position's key bytes in ``keys.bin`` (0, 0 for padding);
+        KeyFileError past the last key."""
         if int(flat.max()) >= len(self):
             raise KeyFileError(f"position {int(flat.max())} is past the {len(self)} keys in {self.directory}")
         valid = flat >= 0
@@ -134,26 +158,20 @@ class KeyStore:
         offsets = self.offsets.view(np.ndarray)  # indexing the np.memmap itself makes a memmap per call
         starts = np.where(valid, offsets[at], 0)
         lengths = np.where(valid, offsets[np.minimum(at + 1, len(offsets) - 1)] - starts, 0)  # (no keys: 1 offset)
-        split = self.joined(starts, lengths).split("\0")
-        if len(split) != len(flat):  # a key holding a NUL itself: one at a time
-            split = [str(self.view[a : a + n], "utf-8") for a, n in zip(starts.tolist(), lengths.tolist())]
-        keys = cast(list[str | None], split)  # padding set to None below, in place
-        for i in np.flatnonzero(~valid).tolist():
-            keys[i] = None
-        return keys
+        return starts, lengths, valid
 
-    def joined(self, starts: np.ndarray, lengths: np.ndarray) -> str:
-        """The keys' bytes at ``starts`` (``lengths`` each), decoded, separated by NULs."""
+    def joined(self, starts: np.ndarray, lengths: np.ndarray) -> bytes:
+        """The keys' bytes at ``starts`` (``lengths`` each), separated by NULs."""
         spans = lengths + 1  # each key and its separator
         ends = np.cumsum(spans)
         total = int(ends[-1])
         if not total or not len(self.data):
-            return "\0" * (len(starts) - 1)
+            return b"\0" * (len(starts) - 1)
         # the byte at output i is data[start of its key + (i - its first output byte)]
         index = np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - spans), spans)
         out = self.data.view(np.ndarray)[np.minimum(index, len(self.data) - 1)]
         out[ends - 1] = 0  # the separators (past each key: another key's byte, or past the end)
-        return out[:-1].tobytes().decode("utf-8")
+        return out[:-1].tobytes()
 
     def positions_of(self, keys: list[str]) -> dict[str, list[int]]:
         """Every position of each of ``keys`` that is there (absent keys are left out). Few keys: a

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from core.joined_keys import JoinedKeys
 from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_key, coarse_stage, same_coarse, search_assigned
 from index.deletes import DeleteSet
 from index.errors import IndexFileError
@@ -82,6 +83,16 @@ class Shard:
         I = np.atleast_2d(I)
         flat = self.files.keys.keys_at(self.positions_of_rows(I))
         return [flat[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
+
+    def joined_keys_of(self, rows: np.ndarray) -> JoinedKeys | list[str | None]:
+        """Row ids (C,) of this shard -> their keys as one NUL-joined buffer (what the shard channel
+        sends: no string made here), or as a list where that cannot hold them (no rows, a key
+        holding a NUL)."""
+        if self.files is None:
+            raise IndexFileError("a shard of an index built before shard directories has no key files of its own")
+        positions = self.positions_of_rows(np.asarray(rows, np.int64).reshape(-1))
+        joined = self.files.keys.joined_keys_at(positions)
+        return joined if joined is not None else self.files.keys.keys_at(positions)
 
     def position_of(self, key: str) -> int:
         """The shard-local position of ``key`` from this shard's own key files (O(log n)), or -1."""

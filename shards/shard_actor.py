@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from core.joined_keys import JoinedKeys
 from core.tokens import LocalTokens, TokenBatch
 from index.coarse import CoarseAssignment
 from index.shard import open_shard
@@ -156,6 +157,10 @@ class ShardActor(ShardCalls):
 
     def keys_of(self, rows: np.ndarray) -> list[str | None]:
         return self.shard.keys_of(np.asarray(rows, np.int64)[None])[0]
+
+    def joined_keys_of(self, rows: np.ndarray) -> JoinedKeys | list[str | None]:
+        """``keys_of`` as the channel sends it (``Shard.joined_keys_of``: decoded as the same list)."""
+        return self.shard.joined_keys_of(rows)
 
     def find_key(self, key: str, with_tokens: bool = False) -> dict[str, Any] | None:
         """``{"position": shard-local position, "vector": float32 vector or None (no valid

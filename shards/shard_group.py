@@ -155,6 +155,8 @@ class ShardGroup:
             return self.searched(calls)
         if method == ShardCalls.score_shortlists.__name__ and len(calls) > 1:
             return self.scored(calls)
+        if method == ShardCalls.keys_of.__name__:  # the keys as the key files give them (decoded as the list)
+            method = ShardActor.joined_keys_of.__name__
         return self.each([(member, method, args) for member, args in calls])
 
     def each(self, calls: list[tuple[int, str, tuple]]) -> list[tuple[str, Any]]:

@@ -7,7 +7,8 @@ header that names every value's type (and each array's dtype and shape), then th
 bytes. The types are exactly those the coordinator and the shards exchange (``ShardCalls``):
 JSON's own (dict, list, str, int, float, bool, None), tuples, dicts with other keys (evidence by
 member position), numpy arrays and scalars of plain numeric dtypes, bytes (a JPEG thumbnail),
-the few dataclasses the calls carry (``LocalTokens``, ``RerankConfig`` and its parts: rebuilt by
+keys NUL-joined (``core.joined_keys.JoinedKeys``, as a shard's key files give them; decoded as a
+list of str), the few dataclasses the calls carry (``LocalTokens``, ``RerankConfig`` and its parts: rebuilt by
 their own constructors, which check them) and exceptions of an allow-list (the class and the
 message travel, nothing else). Anything else is refused, naming where it was and what it was.
 
@@ -33,6 +34,8 @@ from itertools import compress, repeat
 from typing import Any
 
 import numpy as np
+
+from core.joined_keys import JoinedKeys
 
 MAGIC = b"NDW1"  # needle wire, version 1
 PREFIX = struct.Struct("!4sIQ")  # magic, header bytes, body bytes
@@ -175,6 +178,8 @@ class _Encoder:
             return float(value)
         if isinstance(value, (bytes, bytearray, memoryview)):
             return {"$b": list(self.raw(bytes(value)))}
+        if isinstance(value, JoinedKeys):  # a shard's keys as its key files gave them: decoded as a list
+            return {"$k": [*self.raw(value.data), value.count, list(value.padding)]}
         if isinstance(value, np.ndarray):
             return self.array(value, where)
         if isinstance(value, (list, tuple)):

@@ -409,6 +409,37 @@ def test_a_dead_replica_is_replaced_and_a_dead_shard_is_named(built, sharded):
     np.testing.assert_array_equal(sharded.search(xq, 20)[1], I1)  # exact again
 
 
+def test_keys_of_rows_routed_with_padding_repeats_and_a_missing_shard(built, sharded):
+    """The keys of any block of row ids equal the single index's: one query's rows (its padding
+    None), rows shared by several queries, rows of one shard only, rows known from the request's
+    search mixed with rows it did not return; in a partial request a dead shard's rows are None."""
+    _, out, xb = built
+    single = load_index(out)
+    rows = single.rows
+    one = np.concatenate([rows[::41], [-1, -1]])[None]  # one query: every shard, then padding
+    shared = np.stack([rows[::53][:12], rows[::53][:12][::-1], rows[7:19]])  # rows repeated across queries
+    alone = rows[sharded.shard_of_rows(rows) == 2][:9][None]
+    for I in (one, shared, alone, np.full((2, 3), -1)):
+        assert sharded.keys_of(I) == single.keys_of(I)
+    xq = queries(xb)[:1]
+    with sharded.request():
+        _, I = sharded.search(xq, 5)
+        mixed = np.concatenate([I[0], rows[::97]])[None]  # 5 known from the search, the rest asked
+        assert sharded.keys_of(mixed) == single.keys_of(mixed)
+    backend = sharded.backend
+    try:
+        backend.down = {(1, 0), (1, 1)}  # no live replica of shard 1
+        with sharded.request(partial=True) as state:
+            got = sharded.keys_of(one)[0]
+        assert state.missing == {sharded.names[1]}
+        owners = sharded.shard_of_rows(one[0])
+        expected = single.keys_of(one)[0]
+        assert [k for k, s in zip(got, owners) if s != 1] == [k for k, s in zip(expected, owners) if s != 1]
+        assert all(k is None for k, s in zip(got, owners) if s == 1) and (owners == 1).sum() > 0
+    finally:
+        backend.down = set()
+
+
 def test_a_hung_replica_is_hedged_on_another_and_then_avoided(built, tmp_path):
     _, out, xb = built
     index = coordinator(out, tmp_path / "cache", replicas=2, timeout=1.0)
