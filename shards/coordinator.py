@@ -40,9 +40,9 @@ import numpy as np
 from core.quoting import short_repr
 from index.errors import UnknownKeyError
 from index.merge import checked_queries, merge_shortlists, shortlist_size
-from ingest.descriptors import ROW_SHARD_SHIFT
 from shards.calls import ReplicaFailed, ShardBackend, ShardCalls, Traffic, replica_health
 from shards.messages import pack_answers, pack_request
+from shards.routing import RowRouter
 
 if TYPE_CHECKING:
     from core.tokens import LocalTokens
@@ -89,10 +89,7 @@ class ShardedIndex:
         self.timeout = timeout  # seconds a request waits for the shards
         self.names = [entry["name"] for entry in infos["shards"]]
         self.bases = np.cumsum([0] + [int(e["rows"]) for e in infos["shards"][:-1]]).astype(np.int64)
-        # Parquet shard id -> index shard (sorted ids, their shards): one entry per Parquet file, never per row.
-        owner = sorted((int(p), s) for s, e in enumerate(infos["shards"]) for p in e.get("parquet_shard_ids", []))
-        self.parquet_ids = np.array([p for p, _ in owner], np.int64)
-        self.parquet_owner = np.array([s for _, s in owner], np.int64)
+        self.router = RowRouter(infos)  # row id -> index shard: one entry per Parquet file, never per row
         self._turn = [itertools.count() for _ in self.names]
         self.suspect: dict[tuple[int, int], float] = {}  # (shard, replica) -> when it failed or hung
         wire = getattr(backend, "traffic", None)  # a backend that counts its wire's bytes itself
@@ -235,11 +232,7 @@ class ShardedIndex:
 
     def shard_of_rows(self, rows: np.ndarray) -> np.ndarray:
         """The index shard of each row id (-1 for the padding)."""
-        rows = np.asarray(rows, np.int64)
-        parquet = rows >> ROW_SHARD_SHIFT
-        at = np.minimum(np.searchsorted(self.parquet_ids, parquet), max(0, len(self.parquet_ids) - 1))
-        known = (rows >= 0) & (len(self.parquet_ids) > 0) & (self.parquet_ids[at] == parquet)
-        return np.where(known, self.parquet_owner[at], -1)
+        return self.router.shard_of_rows(rows)
 
     # --- search ----------------------------------------------------------------------------
     def search(
@@ -275,12 +268,9 @@ class ShardedIndex:
         if known:  # (a lookup outside a search's request knows none: no pass over the rows for it)
             keys = [known.get(i) for i in rows.tolist()]
             owners[np.array([key is not None for key in keys], dtype=bool)] = -1
-        # the rows grouped by shard: shard s asks for ordered[ends[s]:ends[s + 1]]
-        order = np.argsort(owners, kind="stable")
-        ordered = rows[order]
-        ends = np.cumsum(np.bincount(owners + 1, minlength=len(self.names) + 1)).tolist()
-        asks = {s: (ends[s], ends[s + 1]) for s in range(len(self.names)) if ends[s + 1] > ends[s]}
+        order, asks = self.router.grouped(owners)  # shard s asks for the rows at order[lo:hi]
         if asks:
+            ordered = rows[order]
             args = {s: (ordered[lo:hi],) for s, (lo, hi) in asks.items()}
             for s, shard_keys in self.call(ShardCalls.keys_of, args, "the key lookup").items():
                 lo, hi = asks[s]
