@@ -28,6 +28,10 @@ KEYS_FILE = "keys.bin"
 KEY_OFFSETS_FILE = "key_offsets.npy"
 KEY_ORDER_FILE = "key_order.npy"
 KEY_FILES = (KEYS_FILE, KEY_OFFSETS_FILE, KEY_ORDER_FILE)
+# ``joined_keys_at``: up to this many keys are sliced from the map one by one and joined (fewer
+# numpy calls: cheaper for the few hundred keys a shard answers a lookup with, most of all on a
+# loaded box where each numpy call runs cold); more go through the one numpy gather
+SLICED_MAX = 512
 BATCH_LOOKUP_RATIO = 64  # ``positions_of``: binary searches while keys x this < rows, else one pass
 
 
@@ -144,6 +148,12 @@ class KeyStore:
         flat = np.asarray(positions, dtype=np.int64).reshape(-1)
         if not len(flat):
             return None
+        if len(flat) <= SLICED_MAX and int(flat.min()) >= 0:  # no padding (a key lookup's rows): sliced
+            if int(flat.max()) >= len(self):
+                raise KeyFileError(f"position {int(flat.max())} is past the {len(self)} keys in {self.directory}")
+            offsets, view = self.offsets.view(np.ndarray), self.view
+            keys = [view[a:b] for a, b in zip(offsets[flat].tolist(), offsets[flat + 1].tolist())]
+            return JoinedKeys.of(b"\0".join(keys), len(flat))
         starts, lengths, valid = self.spans(flat)
         padding = () if valid.all() else tuple(np.flatnonzero(~valid).tolist())
         return JoinedKeys.of(self.joined(starts, lengths), len(flat), padding)

@@ -7,7 +7,7 @@ from helpers_index import clustered_unit_vectors, to_old_layout, write_descripto
 
 from index.build import IndexConfig, main
 from index.errors import UnknownKeyError
-from index.keys import KEY_FILES, KEY_OFFSETS_FILE, KEYS_FILE, KeyFileError, KeyStore, write_key_files
+from index.keys import KEY_FILES, KEY_OFFSETS_FILE, KEYS_FILE, SLICED_MAX, KeyFileError, KeyStore, write_key_files
 from index.search import load_index
 
 
@@ -52,6 +52,31 @@ def test_keys_holding_nul_and_the_last_key_come_back_whole(tmp_path):
     plain = _store(tmp_path / "plain", ["x", "", "yy"])
     assert plain.keys_at(np.array([2, 1, -1, 0, 2])) == ["yy", "", None, "x", "yy"]
     assert plain.keys_at(np.array([1, 1])) == ["", ""] and plain.keys_at(np.array([-1])) == [None]
+
+
+@pytest.mark.parametrize("count", [1, 7, SLICED_MAX, SLICED_MAX + 1, 3 * SLICED_MAX])
+@pytest.mark.parametrize("padding", [False, True])
+def test_joined_keys_sliced_and_gathered_equal_plain_python(tmp_path, count, padding):
+    """Both ways of joining a shard's keys (sliced one by one without padding up to SLICED_MAX,
+    else one numpy gather) give the same buffer and the same keys; a key holding a NUL gives
+    None (the caller makes them one by one) and keys_at still answers it whole."""
+    keys = [*_random_keys(600, seed=count), "", "x" * 300, "猫"]
+    store = _store(tmp_path, keys)
+    rng = np.random.default_rng(count)
+    positions = rng.integers(0, len(keys), count)
+    if padding:
+        positions[rng.random(count) < 0.2] = -1
+    expected = [keys[p] if p >= 0 else None for p in positions]
+    joined = store.joined_keys_at(positions)
+    assert joined.split() == expected and joined.count == count
+    assert joined.data == b"\0".join(keys[p].encode() if p >= 0 else b"" for p in positions)
+    assert store.keys_at(positions) == expected
+    with_nul = _store(tmp_path / "nul", ["a\0b", "c"])
+    for at in (np.array([1, 0, 1]), np.array([0, -1]), np.zeros(SLICED_MAX + 1, np.int64)):
+        assert with_nul.joined_keys_at(at) is None
+        assert with_nul.keys_at(at) == [["a\0b", "c"][p] if p >= 0 else None for p in at]
+    with pytest.raises(KeyFileError, match="past the"):
+        store.joined_keys_at(np.array([0, len(keys)]))
 
 
 def test_sort_column_given_by_the_caller_gives_the_same_files(tmp_path):
