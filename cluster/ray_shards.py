@@ -143,6 +143,8 @@ class GroupBatch:
                 self.through_ray()
 
     def decoded(self) -> list[tuple[str, Any]]:
+        if self.answers is not None:  # read already (every call of the batch asks)
+            return self.answers
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 

@@ -41,7 +41,7 @@ from core.quoting import short_repr
 from index.errors import UnknownKeyError
 from index.merge import checked_queries, merge_shortlists, shortlist_size
 from shards.calls import ReplicaFailed, ShardBackend, ShardCalls, Traffic, replica_health
-from shards.messages import pack_answers, pack_request
+from shards.messages import count_unwired
 from shards.routing import RowRouter
 
 if TYPE_CHECKING:
@@ -161,6 +161,12 @@ class ShardedIndex:
         results: dict[int, Any] = {}
 
         def submit(s: int) -> bool:
+            if self.backend.replicas[s] == 1:  # one replica (the common deployment): asked once
+                if tried[s]:
+                    return False
+                tried[s].add(0)
+                pending[self.backend.submit(s, 0, method, *args[s])] = (s, 0)
+                return True
             untried = [r for r in range(self.backend.replicas[s]) if r not in tried[s]]
             if not untried:
                 return False
@@ -200,7 +206,7 @@ class ShardedIndex:
         if pending:  # hung past the timeout, or beaten by a hedged call: nobody waits for them
             self.backend.abandon(list(pending))
         if self.traffic.count and not self.counts_wire:
-            self.count_traffic(method, args, results)
+            count_unwired(self.traffic, method, args, results)
         missing = [self.names[s] for s in args if s not in results]
         if missing:
             log.warning(
@@ -219,13 +225,6 @@ class ShardedIndex:
     def is_suspect(self, shard: int, replica: int) -> bool:
         since = self.suspect.get((shard, replica))
         return since is not None and time.monotonic() - since < SUSPECT_S
-
-    def count_traffic(self, method: str, args: dict[int, tuple], results: dict[int, Any]) -> None:
-        """The messages a backend without a wire would have sent and read: one request and one
-        answer per shard (shards/messages.py)."""
-        sent = sum(len(pack_request(method, [(0, a)])) for a in args.values())
-        received = sum(len(pack_answers([("ok", r)])) for r in results.values())
-        self.traffic.add(sent, received, len(args))
 
     def every_shard(self, *args: Any) -> dict[int, tuple]:
         return dict.fromkeys(range(len(self.names)), args)
@@ -272,13 +271,17 @@ class ShardedIndex:
         if asks:
             ordered = rows[order]
             args = {s: (ordered[lo:hi],) for s, (lo, hi) in asks.items()}
-            for s, shard_keys in self.call(ShardCalls.keys_of, args, "the key lookup").items():
-                lo, hi = asks[s]
-                for i, key in zip(order[lo:hi].tolist(), shard_keys):
-                    keys[i] = key
+            answers = self.call(ShardCalls.keys_of, args, "the key lookup")
+            if answers:  # each shard's keys put back at its rows' places in one numpy scatter
+                placed = np.array(keys, dtype=object)
+                placed[np.concatenate([order[asks[s][0] : asks[s][1]] for s in answers])] = [
+                    key for s in answers for key in answers[s]
+                ]
+                keys = placed.tolist()
         if where is None:
             return [keys]
-        return [[keys[i] for i in row] for row in where.reshape(I.shape).tolist()]
+        places: list[list[int]] = where.reshape(I.shape).tolist()
+        return [[keys[i] for i in row] for row in places]
 
     def find_keys(self, keys: list[str], with_tokens: bool = False) -> dict[str, tuple[int, dict[str, Any]]]:
         """{key: (the shard holding it, its find_key answer)} of those of ``keys`` found, from one

@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from shards.calls import ShardCalls
+from shards.calls import ShardCalls, Traffic
 from shards.wire import WireError, decode, encode
 
 # The calls a request may name: ShardCalls' methods, listed one by one (no attribute looked up by a
@@ -119,3 +119,11 @@ def answer_request(
     over the channel or through Ray)."""
     name, calls = unpack_request(message, members)
     return pack_answers(answer(name, calls))
+
+
+def count_unwired(traffic: Traffic, method: str, args: dict[int, tuple], results: dict[int, Any]) -> None:
+    """Count in ``traffic`` the messages a backend without a wire (shards/local_shards.py) would
+    have sent and read for one coordinator call: one request and one answer per shard."""
+    sent = sum(len(pack_request(method, [(0, a)])) for a in args.values())
+    received = sum(len(pack_answers([("ok", r)])) for r in results.values())
+    traffic.add(sent, received, len(args))

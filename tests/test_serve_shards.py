@@ -183,7 +183,7 @@ def test_traffic_counts_the_typed_messages_not_pickles(built, sharded, monkeypat
     would be (shards/messages.py: a request and an answer per shard), not a pickle of them."""
     import pickle
 
-    import shards.coordinator as coordinator
+    import shards.messages as coordinator  # where the coordinator counts a call's messages
 
     _, _, xb = built
     xq = queries(xb)[:2]
