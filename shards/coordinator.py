@@ -257,10 +257,11 @@ class ShardedIndex:
         Few numpy calls, none per shard: on a 2-core box the coordinator's own bookkeeping ran
         cold (its caches taken by the shards' processes) at ~0.4 ms of a ~2 ms lookup."""
         I = np.atleast_2d(np.asarray(I, np.int64))
+        where: np.ndarray | None = None
         if I.shape[0] > 1:  # several queries may share rows: each distinct row asked once
             rows, where = np.unique(I, return_inverse=True)
         else:  # one query's rows are distinct (but for the padding, which no shard owns)
-            rows, where = I.reshape(-1), None
+            rows = I.reshape(-1)
         owners = self.shard_of_rows(rows)  # -1: the padding
         keys: list[str | None] = [None] * len(rows)
         known = self.state().keys  # the rows this request's searches returned ask no shard
@@ -280,8 +281,7 @@ class ShardedIndex:
                 keys = placed.tolist()
         if where is None:
             return [keys]
-        places: list[list[int]] = where.reshape(I.shape).tolist()
-        return [[keys[i] for i in row] for row in places]
+        return [[keys[i] for i in row] for row in where.reshape(I.shape).tolist()]
 
     def find_keys(self, keys: list[str], with_tokens: bool = False) -> dict[str, tuple[int, dict[str, Any]]]:
         """{key: (the shard holding it, its find_key answer)} of those of ``keys`` found, from one
