@@ -266,3 +266,18 @@ def test_the_second_verification_call_and_its_settings_travel():
     assert sent_conf == conf and sent_conf.glue == GlueConfig(top=7, weight=0.2, cap=10)
     np.testing.assert_array_equal(sent_rows, rows)
     assert len(sent_query) == 4
+
+
+def test_joined_keys_travel_as_the_key_list_they_hold():
+    """A shard's keys as its key files give them (NUL-joined bytes) arrive as the same list of
+    strings (None at the padding) that a list of keys would: the coordinator cannot tell them apart."""
+    from core.joined_keys import JoinedKeys
+
+    keys = ["000001/00007", "", "猫/é", None, "z" * 300]
+    data = "\0".join(k or "" for k in keys).encode()
+    joined = JoinedKeys.of(data, len(keys), (3,))
+    answer = [("ok", joined), ("ok", [k for k in keys if k is not None] * 5)]
+    assert messages.unpack_answers(messages.pack_answers(answer)) == [("ok", keys), answer[1]]
+    assert joined.split() == keys
+    assert JoinedKeys.of(b"a\0b", 1) is None and JoinedKeys.of(b"", 0) is None  # a key holding a NUL; none
+    assert JoinedKeys.of(b"", 1).split() == [""]
