@@ -1,0 +1,164 @@
+"""What each segment of a living index costs a search (issue 43): the query latency of one index as
+``needle index add`` gives it more small segments, against its row count, then after ``compact``.
+
+Builds an IVF-PQ index over ``--n`` synthetic rows in ``--shards`` shards, then adds ``--adds``
+files of ``--file-rows`` rows one at a time (each add writes one new segment). After the build and
+after each add, it opens the current generation in this process (``load_index``) and times
+single-query searches (k=100) for ``--seconds``; last, it compacts (``compact --keep 1``: small
+segments merged) and times the result. Every generation is timed again in a second pass, in the
+same order, so that the box's drift shows. One process, ``--threads`` threads: the searches alone,
+no writer running while they are timed.
+
+Prints a JSON line per generation and timing pass, and a last line with ``ms_per_segment`` (the
+median latency of the last add's generation less its compaction's, the same rows in fewer
+segments, per segment merged away), ``p50_ratio_last_vs_compacted`` and the build's, the last
+add's and the compaction's segments, rows and p50/p99.
+
+    OMP_NUM_THREADS=1 python bench/segment_cost.py --n 300000 --adds 12 --out R.json
+    python bench/segment_cost.py --dry-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from live_index import log, make_vectors, needle, write_files  # noqa: E402
+
+
+def latency(index, xq: np.ndarray, seconds: float) -> dict:
+    """p50/p99 (ms) of one-query searches, k=100, for ``seconds``."""
+    times, i = [], 0
+    index.search(xq[:1], 100)  # the first search maps the pages it needs
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        index.search(xq[i % len(xq) : i % len(xq) + 1], 100)
+        times.append(time.perf_counter() - start)
+        i += 1
+    ms = np.array(times) * 1000
+    return {
+        "searches": len(ms),
+        "p50_ms": round(float(np.median(ms)), 3),
+        "p99_ms": round(float(np.percentile(ms, 99)), 3),
+    }
+
+
+def shape_of(index_dir: Path, generation: int) -> tuple[int, int]:
+    """(segments, rows) of ``generation`` (its manifest; generation 0: the build's shards)."""
+    manifest = index_dir / "generations" / f"{generation:06d}.json"
+    if not manifest.exists():
+        infos = json.loads((index_dir / "index_infos.json").read_text())
+        return len(infos["shards"]), int(infos["ntotal"])
+    shards = json.loads(manifest.read_text())["shards"]
+    return sum(len(s["segments"]) for s in shards), sum(int(g["rows"]) for s in shards for g in s["segments"])
+
+
+def current_generation(index_dir: Path) -> int:
+    pointer = index_dir / "CURRENT.json"
+    return int(json.loads(pointer.read_text())["generation"]) if pointer.exists() else 0
+
+
+def run(args: argparse.Namespace) -> dict:
+    from index.search import load_index
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="needle-segment-cost-"))
+    index_dir = work / "index"
+    write_files(work / "desc", 0, make_vectors(args.n, args.dim, 1, args.clusters))
+    xq = make_vectors(args.queries, args.dim, 2, args.clusters).astype(np.float32)
+    build = ["index", "build", "--descriptors", str(work / "desc"), "--out", str(index_dir), "--kind", "ivfpq",
+             "--shards", str(args.shards), "--nprobe", str(args.nprobe)]  # fmt: skip
+    needle(build, args.threads)
+    generations = [current_generation(index_dir)]
+    first_id = args.n // args.file_rows + 10
+    for a in range(args.adds):
+        new = work / f"add_{a:03d}"
+        write_files(new, first_id + a, make_vectors(args.file_rows, args.dim, 100 + a, args.clusters))
+        needle(["index", "add", "--index", str(index_dir), "--descriptors", str(new)], args.threads)
+        generations.append(current_generation(index_dir))
+    needle(["index", "compact", "--index", str(index_dir), "--keep", str(args.adds + 2)], args.threads)
+    compacted = current_generation(index_dir)
+    points: dict[int, list[dict]] = {}
+    for timing_pass in range(2):
+        for generation in [*generations, compacted]:
+            index = load_index(str(index_dir), generation=generation)
+            index.warm()
+            segments, rows = shape_of(index_dir, generation)
+            point = {"generation": generation, "pass": timing_pass, "segments": segments, "rows": rows}
+            point.update(latency(index, xq, args.seconds))
+            points.setdefault(generation, []).append(point)
+            log({"phase": "timed", **point})
+            del index
+    return summarize(args, [p for runs in points.values() for p in runs], generations, compacted, factory_of(index_dir))
+
+
+def factory_of(index_dir: Path) -> str | None:
+    return json.loads((index_dir / "index_infos.json").read_text()).get("factory")
+
+
+def summarize(args: argparse.Namespace, timed: list[dict], generations: list[int], compacted: int, factory) -> dict:
+    """The last line: each generation's two passes averaged. ``ms_per_segment`` compares the last
+    add's generation with its compaction (the same rows in fewer segments): the rows' own cost
+    cancels, where a fit over the adds could not tell segments from rows (each add brings both)."""
+    runs: dict[int, list[dict]] = {}
+    for point in timed:
+        runs.setdefault(point["generation"], []).append(point)
+    mean = {
+        g: {**r[0], **{f: float(np.mean([x[f] for x in r])) for f in ("p50_ms", "p99_ms")}} for g, r in runs.items()
+    }
+    base, last, after = mean[generations[0]], mean[generations[-1]], mean[compacted]
+    merged_away = last["segments"] - after["segments"]
+    return {
+        "n": args.n, "dim": args.dim, "shards": args.shards, "adds": args.adds, "file_rows": args.file_rows,
+        "nprobe": args.nprobe, "threads": args.threads, "factory": factory,
+        "ms_per_segment": round((last["p50_ms"] - after["p50_ms"]) / merged_away, 4) if merged_away else None,
+        "segments_build_last_compacted": [base["segments"], last["segments"], after["segments"]],
+        "rows_build_last_compacted": [base["rows"], last["rows"], after["rows"]],
+        "p50_ms_build_last_compacted": [round(base["p50_ms"], 3), round(last["p50_ms"], 3), round(after["p50_ms"], 3)],
+        "p99_ms_build_last_compacted": [round(base["p99_ms"], 3), round(last["p99_ms"], 3), round(after["p99_ms"], 3)],
+        "p50_ratio_last_vs_build": round(last["p50_ms"] / base["p50_ms"], 3),
+        "p50_ratio_compacted_vs_build": round(after["p50_ms"] / base["p50_ms"], 3),
+        "p50_ratio_last_vs_compacted": round(last["p50_ms"] / after["p50_ms"], 3),
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=300_000)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--adds", type=int, default=12, help="adds of one file each (one new segment each)")
+    p.add_argument("--file-rows", type=int, default=10_000)
+    p.add_argument("--nprobe", type=int, default=64)
+    p.add_argument("--clusters", type=int, default=1000)
+    p.add_argument("--queries", type=int, default=100)
+    p.add_argument("--seconds", type=float, default=6.0, help="searches timed per generation and pass")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--workdir")
+    p.add_argument("--out", help="also write the last JSON line here")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes: every step in about a minute")
+    args = p.parse_args()
+    if args.dry_run:
+        args.n, args.dim, args.shards, args.adds, args.file_rows = 24_000, 32, 2, 3, 500
+        args.nprobe, args.seconds = 8, 0.3
+        args.clusters, args.queries = 20, 10
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    summary = run(args)
+    log(summary)
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
