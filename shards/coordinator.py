@@ -161,12 +161,6 @@ class ShardedIndex:
         results: dict[int, Any] = {}
 
         def submit(s: int) -> bool:
-            if self.backend.replicas[s] == 1:  # one replica (the common deployment): asked once
-                if tried[s]:
-                    return False
-                tried[s].add(0)
-                pending[self.backend.submit(s, 0, method, *args[s])] = (s, 0)
-                return True
             untried = [r for r in range(self.backend.replicas[s]) if r not in tried[s]]
             if not untried:
                 return False

@@ -1,5 +1,6 @@
-"""bench/live_index.py at tiny sizes (``--dry-run``): every step of the benchmark runs, so that it
-cannot rot, and its last JSON line carries the figures issue 43 names."""
+"""The living index's benchmarks at tiny sizes (``--dry-run``): every step of bench/live_index.py and
+bench/segment_cost.py runs, so that they cannot rot, and their last JSON lines carry the figures
+issue 43 names and docs/live_index.md quotes."""
 
 import json
 import os
@@ -21,16 +22,34 @@ FIELDS = (
 )
 
 
-@pytest.mark.slow
-def test_live_index_bench_dry_run():
+def dry_run(script: str) -> list[dict]:
+    """The JSON lines ``bench/SCRIPT --dry-run`` prints (it must exit 0)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "bench/live_index.py", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, f"bench/{script}", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    last = json.loads(done.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.strip().splitlines()]
+
+
+@pytest.mark.slow
+def test_live_index_bench_dry_run():
+    last = dry_run("live_index.py")[-1]
     assert set(FIELDS) <= set(last)
     assert last["deleted_returned"] == 0 and last["query_errors"] == 0
     assert last["queries_during_run"] > 0 and last["live_rows"] == last["n"]
     assert 0 <= last["visible_after_return_s"] < 30
+
+
+@pytest.mark.slow
+def test_segment_cost_bench_dry_run():
+    lines = dry_run("segment_cost.py")
+    last = lines[-1]
+    segments = last["segments_build_last_compacted"]
+    assert segments[1] == segments[0] + last["adds"]  # each add: one new segment
+    assert segments[2] < segments[1]  # compact merged the small ones
+    timed = [line for line in lines if line.get("phase") == "timed"]
+    assert len(timed) == 2 * (last["adds"] + 2) and all(t["searches"] > 0 for t in timed)
+    assert {"ms_per_segment", "p50_ratio_last_vs_compacted", "p50_ratio_last_vs_build"} <= set(last)
+    assert last["rows_build_last_compacted"][1] == last["rows_build_last_compacted"][2]  # compaction keeps the rows
