@@ -3,7 +3,7 @@
 
 Writes synthetic clustered descriptors (one distribution: the base files, each round's added files
 and the held-out queries), builds the index (``needle index build --kind ivfpq --shards S``), starts
-``needle serve --reload-interval R`` on 127.0.0.1 and a client thread that sends a steady stream of
+``needle serve --reload-interval R`` on 127.0.0.1 and a client process that sends a steady stream of
 ``POST /search`` (vectors, k=100). Then: an idle phase; ``--rounds`` rounds of adding
 ``--round-rows`` rows (without --wait-for: the time from the command's return to ``/health``
 reporting its generation is measured) and deleting as many live keys (with ``--wait-for``: a delete
@@ -26,17 +26,18 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import multiprocessing
 import os
 import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -109,30 +110,71 @@ def get_json(url: str, body: dict | None = None, timeout: float = 60) -> dict | 
         return json.loads(answer.read())
 
 
+def send_queries(url: str, queries: str, k: int, stop: Any, out: str) -> None:
+    """The client process: one query at a time until ``stop`` is set, then every answer's
+    (start, seconds, keys) and the error count to ``out`` (JSON)."""
+    xq = np.load(queries)
+    records: list[tuple[float, float, list[str]]] = []
+    errors, i = 0, 0
+    while not stop.is_set():
+        body = {"vectors": [xq[i % len(xq)].tolist()], "k": k}
+        start = time.monotonic()
+        try:
+            answer = get_json(f"{url}/search", body)
+            records.append((start, time.monotonic() - start, [r["key"] for r in answer[0]["results"]]))
+        except (OSError, urllib.error.HTTPError, ValueError):
+            errors += 1
+        i += 1
+    Path(out).write_text(json.dumps({"records": records, "errors": errors}))
+
+
 class Load:
-    """A client thread sending one query at a time: (start, seconds, keys) of every answer."""
+    """A steady query load from a client in its own process (``send_queries``).
 
-    def __init__(self, url: str, xq: np.ndarray, k: int):
-        self.url, self.xq, self.k = url, xq, k
-        self.records: list[tuple[float, float, list[str]]] = []
+    Not a thread of this driver: the driver's own work between commands (writing the round's files,
+    choosing the keys to delete among a million) holds its GIL for up to a second at a time, and a
+    client thread waiting for it would count that wait as the server's latency."""
+
+    def __init__(self, url: str, queries: Path, k: int, out: Path):
+        context = multiprocessing.get_context("spawn")
+        self.out = out
+        self.stop = context.Event()
+        self.process = context.Process(
+            target=send_queries, args=(url, str(queries), k, self.stop, str(out)), daemon=True
+        )
+        self.records: list[tuple[float, float, list[str]]] = []  # (start, seconds, keys), after finish()
         self.errors = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
 
-    def run(self) -> None:
-        i = 0
-        while not self.stop.is_set():
-            body = {"vectors": [self.xq[i % len(self.xq)].tolist()], "k": self.k}
-            start = time.monotonic()
-            try:
-                out = get_json(f"{self.url}/search", body)
-                self.records.append((start, time.monotonic() - start, [r["key"] for r in out[0]["results"]]))
-            except (OSError, urllib.error.HTTPError, ValueError):
-                self.errors += 1
-            i += 1
+    def start(self) -> None:
+        self.process.start()
+
+    def finish(self, timeout: float = 120) -> None:
+        self.stop.set()
+        self.process.join(timeout)
+        if self.process.exitcode != 0:
+            raise RuntimeError(f"the query load process ended with {self.process.exitcode}")
+        done = json.loads(self.out.read_text())
+        self.records, self.errors = [tuple(r) for r in done["records"]], done["errors"]
 
     def latencies(self, since: float, until: float) -> np.ndarray:
+        """Seconds of the answers started in [since, until) (time.monotonic: one clock for every process)."""
         return np.array([s for t, s, _ in self.records if since <= t < until])
+
+
+def latency_by_span(load: Load, spans: list[tuple[str, float, float]], since: float, until: float) -> dict:
+    """p50/p99 (ms) of the answers started in [since, until), by what ran when each started: a
+    writer command (``add``; ``delete_until_visible``, which waits for the server's switch), the
+    wait from an add's return to its generation served, or nothing but the driver (``no_writer``)."""
+    kinds: dict[str, list[float]] = {}
+    for start, seconds, _ in load.records:
+        if since <= start < until:
+            kind = next((name for name, a, b in spans if a <= start < b), "no_writer")
+            kinds.setdefault(kind, []).append(seconds)
+    return {
+        kind: {"queries": len(v), "p50_ms": round(float(np.percentile(v, 50)) * 1000, 2),
+               "p99_ms": round(float(np.percentile(v, 99)) * 1000, 2)}
+        for kind, v in sorted(kinds.items())
+    }  # fmt: skip
 
 
 def wait_generation(url: str, generation: int, timeout: float = 600) -> float:
@@ -217,30 +259,35 @@ def run(args: argparse.Namespace) -> dict:
                               stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         wait_generation(url, 0, timeout=300)
-        load = Load(url, xq, 100)
-        load.thread.start()
+        load = Load(url, work / "queries.npy", 100, work / "load.json")
+        load.start()
         idle_start = time.monotonic()
         time.sleep(args.idle_s)
         idle_end = time.monotonic()
         add_rates, add_cpu_rates, visible, deleted_all, delete_visible = [], [], [], set(), []
+        spans: list[tuple[str, float, float]] = []  # (what ran, start, end): where the slow answers fall
         next_id = len(base_keys) // FILE_ROWS + 1
         for round_number in range(args.rounds):
             new = make_vectors(args.round_rows, args.dim, 100 + round_number, args.clusters)
             shutil.rmtree(work / "round", ignore_errors=True)
             new_keys = write_files(work / "round", next_id, new)
             next_id += (args.round_rows + FILE_ROWS - 1) // FILE_ROWS
+            started = time.monotonic()
             change, seconds, cpu = needle(["index", "add", "--index", str(work / "index"), "--descriptors",
                                            str(work / "round")], args.threads, nice=args.writer_nice)  # fmt: skip
             returned = time.monotonic()
             visible.append(wait_generation(url, change["generation"]) - returned)
+            spans += [("add", started, returned), ("add_to_visible", returned, returned + visible[-1])]
             add_rates.append(args.round_rows / seconds)
             add_cpu_rates.append(args.round_rows / cpu)
             live.update(zip(new_keys, new))
             doomed = [str(k) for k in rng.choice(sorted(live), args.round_rows, replace=False)]
             delete_args = ["index", "delete", "--index", str(work / "index"), "--keys", "-", "--wait-for", url]
             keys_text = "\n".join(doomed) + "\n"
+            started = time.monotonic()
             change, _, _ = needle(delete_args, args.threads, stdin=keys_text, nice=args.writer_nice)
             delete_visible.append((time.monotonic(), set(doomed)))
+            spans.append(("delete_until_visible", started, delete_visible[-1][0]))
             for key in doomed:
                 del live[key]
             deleted_all.update(doomed)
@@ -252,8 +299,7 @@ def run(args: argparse.Namespace) -> dict:
         change, compact_s, _ = needle(["index", "compact", "--index", str(work / "index"), "--keep", "1", "--wait-for",
                                     url], args.threads)  # fmt: skip
         time.sleep(1.0)
-        load.stop.set()
-        load.thread.join(60)
+        load.finish()
         log({"phase": "compact", "seconds": round(compact_s, 1), "generation": change["generation"]})
         # a deleted key in an answer that started after its delete returned (with --wait-for: visible)
         deleted_returned = 0
@@ -267,6 +313,7 @@ def run(args: argparse.Namespace) -> dict:
                 deleted_returned += len(gone_by[done - 1].intersection(keys))
         idle = load.latencies(idle_start, idle_end)
         during = load.latencies(idle_end, changes_end)
+        log({"phase": "latency_by_span", **latency_by_span(load, spans, idle_end, changes_end)})
         search = get_json(f"{url}/search", {"vectors": xq.tolist(), "k": 1000}, timeout=600)
         served = [[r["key"] for r in q["results"]] for q in search]
     finally:
