@@ -4,14 +4,17 @@
 Builds an IVF-PQ index over ``--n`` synthetic rows in ``--shards`` shards, then adds ``--adds``
 files of ``--file-rows`` rows one at a time (each add writes one new segment). After the build and
 after each add, it opens the current generation in this process (``load_index``) and times
-single-query searches (k=100) for ``--seconds``; last, it compacts (``compact --keep 1``: small
+single-query searches (k=100) for ``--seconds``, twice: as served (the small segments searched as
+one FAISS index: index/segment_merge.py) and each segment by itself (``merge_small=False``), and
+checks that both give the same answers; last, it compacts (``compact --keep 1``: small
 segments merged) and times the result. Every generation is timed again in a second pass, in the
 same order, so that the box's drift shows. One process, ``--threads`` threads: the searches alone,
 no writer running while they are timed.
 
 Prints a JSON line per generation and timing pass, and a last line with ``ms_per_segment`` (the
 median latency of the last add's generation less its compaction's, the same rows in fewer
-segments, per segment merged away), ``p50_ratio_last_vs_compacted`` and the build's, the last
+segments, per segment merged away), the same searching each segment by itself
+(``by_segment_ms_per_segment``), ``p50_ratio_last_vs_compacted`` and the build's, the last
 add's and the compaction's segments, rows and p50/p99.
 
     OMP_NUM_THREADS=1 python bench/segment_cost.py --n 300000 --adds 12 --out R.json
@@ -21,6 +24,7 @@ add's and the compaction's segments, rows and p50/p99.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -35,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from live_index import log, make_vectors, needle, write_files  # noqa: E402
+
+TIMES = ("p50_ms", "p99_ms", "by_segment_p50_ms", "by_segment_p99_ms")
 
 
 def latency(index, xq: np.ndarray, seconds: float) -> dict:
@@ -94,9 +100,14 @@ def run(args: argparse.Namespace) -> dict:
         for generation in [*generations, compacted]:
             index = load_index(str(index_dir), generation=generation)
             index.warm()
+            alone = dataclasses.replace(index, merge_small=False)  # every segment searched by itself
             segments, rows = shape_of(index_dir, generation)
-            point = {"generation": generation, "pass": timing_pass, "segments": segments, "rows": rows}
+            point = {"generation": generation, "pass": timing_pass, "segments": segments, "rows": rows,
+                     "merged_groups": [len(g.members) for g in index.merged_segments]}  # fmt: skip
             point.update(latency(index, xq, args.seconds))
+            point.update({f"by_segment_{k}": v for k, v in latency(alone, xq, args.seconds).items()})
+            answers = zip(index.search(xq, 100), alone.search(xq, 100))
+            point["same_answers"] = all(np.array_equal(a, b) for a, b in answers)
             points.setdefault(generation, []).append(point)
             log({"phase": "timed", **point})
             del index
@@ -114,11 +125,17 @@ def summarize(args: argparse.Namespace, timed: list[dict], generations: list[int
     runs: dict[int, list[dict]] = {}
     for point in timed:
         runs.setdefault(point["generation"], []).append(point)
-    mean = {
-        g: {**r[0], **{f: float(np.mean([x[f] for x in r])) for f in ("p50_ms", "p99_ms")}} for g, r in runs.items()
-    }
+    mean = {g: {**r[0], **{f: float(np.mean([x[f] for x in r])) for f in TIMES}} for g, r in runs.items()}
     base, last, after = mean[generations[0]], mean[generations[-1]], mean[compacted]
     merged_away = last["segments"] - after["segments"]
+    per_segment = (last["by_segment_p50_ms"] - after["by_segment_p50_ms"]) / merged_away if merged_away else None
+    by_segment = {
+        "by_segment_ms_per_segment": round(per_segment, 4) if per_segment is not None else None,
+        "by_segment_p50_ms_build_last_compacted": [round(x["by_segment_p50_ms"], 3) for x in (base, last, after)],
+        "by_segment_p99_ms_build_last_compacted": [round(x["by_segment_p99_ms"], 3) for x in (base, last, after)],
+        "p50_ratio_last_merged_vs_by_segment": round(last["p50_ms"] / last["by_segment_p50_ms"], 3),
+        "same_answers": all(p["same_answers"] for p in timed),
+    }
     return {
         "n": args.n, "dim": args.dim, "shards": args.shards, "adds": args.adds, "file_rows": args.file_rows,
         "nprobe": args.nprobe, "threads": args.threads, "factory": factory,
@@ -130,6 +147,7 @@ def summarize(args: argparse.Namespace, timed: list[dict], generations: list[int
         "p50_ratio_last_vs_build": round(last["p50_ms"] / base["p50_ms"], 3),
         "p50_ratio_compacted_vs_build": round(after["p50_ms"] / base["p50_ms"], 3),
         "p50_ratio_last_vs_compacted": round(last["p50_ms"] / after["p50_ms"], 3),
+        **by_segment,
     }  # fmt: skip
 
 

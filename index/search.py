@@ -42,7 +42,8 @@ from index.layout import IDS_FILE, INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE, 
 from index.locals import LocalStore, open_local_store
 from index.merge import checked_queries, inner_products_at, merge_shortlists, shortlist_size, trim_to_shortlist
 from index.row_map import DenseRows, RowMap, row_map_of
-from index.shard import Shard, candidates_of, is_valid_descriptor, make_shard, warm_coarse
+from index.segment_merge import MergedSegments, grouped_candidates, merged_groups
+from index.shard import Shard, is_valid_descriptor, make_shard, warm_coarse
 from index.shard_files import (
     ShardedKeys,
     ShardedVectors,
@@ -86,6 +87,7 @@ class SearchIndex:
     path: Path
     keys: KeyStore | ShardedKeys | None = None  # the key lookup files; None for an index built before them (scans)
     layout: ShardLayout | None = None  # the shard directories (None: an index built before them, files at the top)
+    merge_small: bool = True  # search a living index's small segments as one FAISS index (index/segment_merge.py)
 
     @property
     def d(self) -> int:
@@ -119,10 +121,16 @@ class SearchIndex:
         """Every shard's ``(D_index, I, D_exact)`` members of the ``kk`` best candidates among all
         shards: only those are re-scored (kk rows per query, not kk per shard). cluster/serve.py
         asks its Ray actors instead."""
-        found = candidates_of(self.shards, xq, kk, nprobe)
-        if len(found) > 1:
-            found = trim_to_shortlist(found, kk)
-        return [(D, I, shard.exact_scores(xq, D, I, refine)) for shard, (D, I) in zip(self.shards, found)]
+        found = list(zip(self.shards, grouped_candidates(self.shards, self.merged_segments, xq, kk, nprobe)))
+        # a segment without a candidate adds nothing to the merge: no trimming, no re-scoring of it
+        found = [(shard, (D, I)) for shard, (D, I) in found if I.size and I.max() >= 0] or found[:1]
+        parts = trim_to_shortlist([f for _, f in found], kk) if len(found) > 1 else [f for _, f in found]
+        return [(D, I, shard.exact_scores(xq, D, I, refine)) for (shard, _), (D, I) in zip(found, parts)]
+
+    @cached_property
+    def merged_segments(self) -> list[MergedSegments]:
+        """The small segments searched as one FAISS index per coarse stage (none unless ``merge_small``)."""
+        return merged_groups(self.shards) if self.merge_small and len(self.shards) > 2 else []
 
     def search(
         self, xq: np.ndarray, k: int, nprobe: int | None = None, refine: bool = True, refine_factor: int | None = None
@@ -256,6 +264,7 @@ class SearchIndex:
         """Work a first request would otherwise do: compare the segments' coarse stages (which
         of them share one assignment: index/coarse.py) and load the re-scoring."""
         warm_coarse(self.shards)
+        self.merged_segments  # noqa: B018 (made now, by the generation's opening, not by a request)
         for shard in self.shards[:1]:  # one loads the re-scoring for all (torch)
             shard.warm()
 

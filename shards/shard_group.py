@@ -38,6 +38,7 @@ import numpy as np
 
 from core.tokens import TokenBatch
 from index.merge import trim_to_shortlist
+from index.segment_merge import MergedSegments, merged_groups
 from index.shard import shared_assignments, warm_coarse
 from ingest.source_images import SourceImagesConfig
 from shards.calls import ShardCalls
@@ -93,6 +94,8 @@ class ShardGroup:
     ):
         self.members = [ShardActor(source, e["name"], stage, replica, e, images, node, device) for e in entries]
         warm_coarse([member.shard for member in self.members])  # which segments share one assignment
+        # a living index's small segments searched as one FAISS index (index/segment_merge.py)
+        self.merged: list[MergedSegments] = merged_groups([member.shard for member in self.members])
         self.address = address
         self.threads = max(1, min(threads, len(self.members)))  # members answering at once
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard") if self.threads > 1 else None
@@ -186,7 +189,7 @@ class ShardGroup:
                 for slot in slots:
                     out[slot] = ("error", exc)
                 continue
-            found = self.each([(calls[s][0], "candidates", (xq, kk, nprobe, a)) for s, a in zip(slots, assigned)])
+            found = self.candidates_of(calls, slots, (xq, kk, nprobe), assigned)
             ok = [slot for slot, (status, _) in zip(slots, found) if status == "ok"]
             for slot, answer in zip(slots, found):
                 if answer[0] != "ok":
@@ -197,6 +200,27 @@ class ShardGroup:
             for slot, answer in zip(ok, self.each(completing)):
                 out[slot] = answer
         return out
+
+    def candidates_of(
+        self, calls: list[tuple[int, tuple]], slots: list[int], args: tuple, assigned: list[Any]
+    ) -> list[tuple[str, Any]]:
+        """Each slot's member's ``candidates(*args)``: the members of a merged group in this batch
+        from one search of the group (an error is each of its members'), the others each alone."""
+        found: dict[int, tuple[str, Any]] = {}
+        slot_of = {calls[s][0]: (s, a) for s, a in zip(slots, assigned)}
+        for group in self.merged:
+            if not all(m in slot_of for m in group.members):
+                continue
+            try:
+                xq, kk, nprobe = args
+                parts = group.candidates(xq, kk, nprobe, slot_of[group.members[0]][1])
+                found.update({slot_of[m][0]: ("ok", part) for m, part in zip(group.members, parts)})
+            except Exception as exc:
+                found.update({slot_of[m][0]: ("error", exc) for m in group.members})
+        alone = [(s, a) for s, a in zip(slots, assigned) if s not in found]
+        answers = self.each([(calls[s][0], "candidates", (*args, a)) for s, a in alone])
+        found.update({s: answer for (s, _), answer in zip(alone, answers)})
+        return [found[s] for s in slots]
 
     def scored(self, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
         """Members' ``score_shortlists`` answers, each query's members of every member's shortlist

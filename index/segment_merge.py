@@ -1,0 +1,162 @@
+"""A living index's small segments searched as one FAISS index.
+
+Every ``needle index add`` leaves each shard a new small segment beside its large one, until
+``needle index compact`` merges them. Searched by itself, each segment costs every query its own
+FAISS call (the lookup tables of every probed list, a heap of the shortlist's candidates) and its
+own sorting, trimming and re-scoring: ~0.3 ms per segment and query at 300k x 512
+(bench/segment_cost.py), whatever its size. So when a generation is opened, the small segments of
+one coarse stage (index/coarse.py: encoded with one trained quantizer and PQ) are copied into one
+in-memory IVF index (FAISS's ``merge_from``: their codes and row ids, no re-encoding), searched in
+one call with the union of their delete sets, and its candidates are split back by the segment that
+owns each row (a table over Parquet file ids: a file's rows are in one segment), so everything
+after the candidates (re-scoring, keys, tokens) stays per segment.
+
+The answer is the one of each segment searched alone: the merged index holds the same codes under
+the same quantizer, so every candidate has the same score, and the group's best ``kk`` by score
+(ties to the lower row id, as ``Shard.candidates`` cuts) hold each member's members of the best
+``kk`` among all segments (tests/test_segment_merge.py).
+
+"Small": under ``SMALL_SHARE`` of the largest segment of its coarse stage, as compaction's
+``merge_below`` chooses what to rewrite. The large segments are searched by themselves: copying
+them at every generation would cost what they hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_stage, search_assigned
+from index.deletes import DeleteSet
+from index.layout import INDEX_FILE
+from index.merge import search_params, sort_by_score, tie_margin
+from index.row_map import row_column
+from index.shard import Shard, coarse_classes, shared_assignments, with_selector
+from index.shard_files import read_faiss
+from ingest.descriptors import ROW_SHARD_SHIFT
+
+log = logging.getLogger(__name__)
+SMALL_SHARE = 0.25  # a segment under this share of its coarse stage's largest is searched merged
+
+
+@dataclass
+class MergedSegments:
+    """Small segments of one coarse stage as one FAISS index: ``candidates`` gives each member's
+    part of the group's best ``kk``, as each member's own ``Shard.candidates`` would."""
+
+    members: list[int]  # positions of the merged segments among the index's shards
+    shards: list[Shard]  # those segments
+    stage: CoarseStage  # the members' pre-transforms, and the merged IVF index (their codes, their row ids)
+    owners: np.ndarray  # Parquet file id -> the member holding its rows (-1: none)
+    deletes: DeleteSet  # the members' deleted rows together
+    holds: Any = None  # the FAISS object owning ``stage`` (an OPQ wrapper frees its IVF index with it)
+    _params: dict[int, Any] = field(default_factory=dict)  # nprobe -> search parameters, made once
+
+    @property
+    def ntotal(self) -> int:
+        return int(sum(s.ntotal for s in self.shards))
+
+    def params(self, nprobe: int | None) -> Any:
+        """The members' search parameters (nprobe, the HNSW depth) with the union of their deletes."""
+        nprobe = nprobe or self.shards[0].nprobe
+        if nprobe not in self._params:
+            made = search_params(self.stage.ivf, nprobe, self.shards[0].quantizer_ef)
+            self._params[nprobe] = with_selector(made, self.deletes)
+        return self._params[nprobe]
+
+    def candidates(
+        self, xq: np.ndarray, kk: int, nprobe: int | None, assigned: CoarseAssignment | None = None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each member's ``(D_index, I)``: its candidates among the group's ``kk`` best by index
+        score, best first, each as wide as its widest query (-inf/-1 padding)."""
+        params = self.params(nprobe)
+        if assigned is None:
+            assigned = assign(self.stage, xq, params)
+        wanted = min(kk + tie_margin(kk), max(1, self.ntotal))
+        D, I = sort_by_score(*search_assigned(self.stage, assigned, wanted, params), kk)
+        return self.split(D, I)
+
+    def split(self, D: np.ndarray, I: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(D, I)`` of the group as one ``(D, I)`` per member, each row's order kept."""
+        files = np.minimum(np.where(I >= 0, I >> ROW_SHARD_SHIFT, 0), len(self.owners) - 1)
+        owner = np.where(I >= 0, self.owners[files], -1)  # every row of the merged index is a member's
+        out = []
+        for member in range(len(self.members)):
+            mine = owner == member
+            width = int(mine.sum(1).max(initial=0))
+            if len(I) == 1:  # one query (a server's request): no sort needed
+                out.append((D[mine][None, :], I[mine][None, :]))
+                continue
+            order = np.argsort(~mine, axis=1, kind="stable")[:, :width]
+            valid = np.take_along_axis(mine, order, 1)
+            out.append(
+                (
+                    np.where(valid, np.take_along_axis(D, order, 1), -np.inf).astype(D.dtype),
+                    np.where(valid, np.take_along_axis(I, order, 1), -1),
+                )
+            )
+        return out
+
+
+def merged_groups(shards: list[Shard], small_share: float = SMALL_SHARE) -> list[MergedSegments]:
+    """The groups of at least two small segments worth searching as one, per coarse stage (none
+    where FAISS cannot merge them or a Parquet file's rows lie in two of them: those segments are
+    searched by themselves, as before)."""
+    groups = []
+    for same in coarse_classes(shards):
+        largest = max(int(shards[i].index.ntotal) for i in same)
+        small = [i for i in same if shards[i].files is not None and shards[i].index.ntotal < small_share * largest]
+        if len(small) < 2:
+            continue
+        try:
+            groups.append(merge_segments(small, [shards[i] for i in small]))
+        except (RuntimeError, ValueError) as exc:  # searched one by one: the same answers, slower
+            log.warning("segments %s not merged for search: %s", [shards[i].files.directory.name for i in small], exc)  # type: ignore[union-attr]
+    return groups
+
+
+def merge_segments(members: list[int], shards: list[Shard]) -> MergedSegments:
+    """One in-memory IVF index of ``shards``' codes and row ids: each segment's FAISS file read
+    again into memory (theirs stay as served: FAISS's ``merge_from`` empties its source, and
+    memory-mapped lists cannot be copied), merged into the first one's."""
+    if any(s.files is None for s in shards):
+        raise ValueError("a segment without its own directory")
+    copies = [read_faiss(s.files.directory / INDEX_FILE, mmap=False) for s in shards]  # type: ignore[union-attr]
+    stages = [coarse_stage(c) for c in copies]
+    if any(stage is None for stage in stages):
+        raise ValueError("a segment that is not an IVF index")
+    merged = stages[0].ivf  # type: ignore[union-attr]
+    for stage in stages[1:]:
+        merged.merge_from(stage.ivf, 0)  # type: ignore[union-attr]
+    rows_removed = sum(s.deletes.indexed for s in shards)
+    deleted = np.sort(np.concatenate([s.deletes.rows for s in shards]))
+    stage = CoarseStage(stages[0].chain, merged)  # type: ignore[union-attr]
+    return MergedSegments(members, shards, stage, owners_of(shards), DeleteSet(deleted, rows_removed), copies[0])
+
+
+def owners_of(shards: list[Shard]) -> np.ndarray:
+    """Parquet file id -> which of ``shards`` holds that file's rows (-1: none of them)."""
+    files = [np.unique(row_column(s.files.ids) >> ROW_SHARD_SHIFT) for s in shards]  # type: ignore[union-attr]
+    size = int(max((int(f.max()) + 1 for f in files if len(f)), default=0))
+    owners = np.full(size, -1, np.int32)
+    for member, ids in enumerate(files):
+        if (owners[ids] >= 0).any():
+            raise ValueError(f"Parquet files {sorted(set(ids[owners[ids] >= 0].tolist()))[:5]} in two segments")
+        owners[ids] = member
+    return owners
+
+
+def grouped_candidates(
+    shards: list[Shard], groups: list[MergedSegments], xq: np.ndarray, kk: int, nprobe: int | None
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every shard's ``candidates`` (index/shard.py ``candidates_of``), the members of ``groups``
+    from one search per group; the shards of one coarse stage assigning the queries once."""
+    assigned = shared_assignments(shards, xq, nprobe)
+    found: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(shards)
+    for group in groups:
+        for member, part in zip(group.members, group.candidates(xq, kk, nprobe, assigned[group.members[0]])):
+            found[member] = part
+    return [f if f is not None else s.candidates(xq, kk, nprobe, a) for s, f, a in zip(shards, found, assigned)]
