@@ -261,6 +261,9 @@ def run(args: argparse.Namespace) -> dict:
         wait_generation(url, 0, timeout=300)
         load = Load(url, work / "queries.npy", 100, work / "load.json")
         load.start()
+        # from here the driver's own work (each round's files, choosing the keys to delete) stands for
+        # the world outside the server, as the writers do: at their nice (the client process keeps 0)
+        os.nice(args.writer_nice)
         idle_start = time.monotonic()
         time.sleep(args.idle_s)
         idle_end = time.monotonic()
@@ -358,7 +361,7 @@ def run(args: argparse.Namespace) -> dict:
         "add_rate_vs_build": round(float(np.median(add_cpu_rates)) / build_rate, 3),
         # per wall second, while sharing the cores with the loaded server
         "add_rate_vs_build_wall": round(float(np.median(add_rates)) / build_rate, 3),
-        "writer_nice": args.writer_nice,
+        "writer_nice": args.writer_nice,  # the add/delete commands' and, during the rounds, the driver's
         "visible_after_return_s": round(max(visible), 3),
         "reload_interval_s": args.reload_interval,
         "p50_idle_ms": round(float(np.percentile(idle, 50)) * 1000, 2),
@@ -391,7 +394,9 @@ def main() -> None:
     parser.add_argument("--nprobe", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="OMP threads of every process")
     parser.add_argument("--reload-interval", type=float, default=2.0)
-    parser.add_argument("--writer-nice", type=int, default=0, help="nice value of the add/delete/compact commands")
+    parser.add_argument(
+        "--writer-nice", type=int, default=0, help="nice of the writers, and of this driver once the load runs"
+    )
     parser.add_argument("--idle-s", type=float, default=20.0, help="seconds of load before any change")
     parser.add_argument("--workdir", help="keep the data and indexes here (default: a temporary directory)")
     parser.add_argument("--out", help="also write the last record to this JSON file")

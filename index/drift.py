@@ -37,10 +37,29 @@ def coarse_assign(index: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | 
         chain: Any = outer.chain  # a SWIG vector (its stub says list)
         for i in range(chain.size()):
             x = chain.at(i).apply(x)
-    _, lists = ivf.quantizer.search(x, 1)
-    lists = lists[:, 0]
+    flat = faiss.downcast_index(ivf.quantizer)
+    if isinstance(flat, faiss.IndexFlat) and flat.metric_type in (faiss.METRIC_INNER_PRODUCT, faiss.METRIC_L2):
+        table = faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d)
+        lists = nearest_rows(x, table, inner_product=flat.metric_type == faiss.METRIC_INNER_PRODUCT)
+    else:  # a graph (HNSW) or other quantizer: its own search
+        lists = ivf.quantizer.search(x, 1)[1][:, 0]
     centroids = ivf.quantizer.reconstruct_batch(lists)
     return lists, ((x - centroids) ** 2).sum(1)
+
+
+def nearest_rows(x: np.ndarray, table: np.ndarray, inner_product: bool, block: int = 2048) -> np.ndarray:
+    """Each row of ``x``'s nearest row of ``table`` (largest inner product, or smallest L2
+    distance): a flat quantizer's assignment as one matrix product per block. FAISS's own flat
+    search took 3-4x the CPU time of numpy's product at 2,000 x 4,096 x 512 on one thread
+    (0.6-0.7 s against 0.16-0.2 s): the add's drift report pays this once per add."""
+    bias = None if inner_product else -0.5 * (table**2).sum(1)  # argmax of x.c - |c|^2/2 = argmin of |x - c|^2
+    out = np.empty(len(x), np.int64)
+    for start in range(0, len(x), block):
+        scores = x[start : start + block] @ table.T
+        if bias is not None:
+            scores += bias
+        out[start : start + block] = scores.argmax(1)
+    return out
 
 
 def top_share(lists: np.ndarray, nlist: int) -> float:

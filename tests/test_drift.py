@@ -1,0 +1,34 @@
+"""The drift report's coarse assignment (index/drift.py): a flat quantizer's lists by one matrix
+product per block equal FAISS's own search of the quantizer, for inner-product and L2 quantizers,
+with and without an OPQ rotation; a graph quantizer keeps FAISS's search."""
+
+import faiss
+import numpy as np
+import pytest
+
+from index.drift import coarse_assign, nearest_rows
+from tests.helpers_index import clustered_unit_vectors
+
+
+@pytest.mark.parametrize("metric", [faiss.METRIC_INNER_PRODUCT, faiss.METRIC_L2])
+@pytest.mark.parametrize("factory", ["IVF64,PQ8x4fsr", "OPQ4,IVF64,PQ4x4", "IVF64_HNSW8,PQ4x4"])
+def test_coarse_assignment_equals_the_quantizers_search(metric, factory):
+    xb = clustered_unit_vectors(4000, 32, seed=1).astype(np.float32)
+    x = clustered_unit_vectors(3000, 32, seed=2).astype(np.float32) * 1.3
+    index = faiss.index_factory(32, factory, metric)
+    index.train(xb)
+    lists, errors = coarse_assign(index, x)
+    xt = index.chain.at(0).apply(x) if isinstance(index, faiss.IndexPreTransform) else x
+    ivf = faiss.extract_index_ivf(index)
+    _, own = ivf.quantizer.search(xt, 1)
+    assert (lists == own[:, 0]).mean() > 0.999  # equal but for float ties between two centroids
+    np.testing.assert_allclose(errors, ((xt - ivf.quantizer.reconstruct_batch(lists)) ** 2).sum(1), rtol=1e-5)
+
+
+def test_nearest_rows_by_blocks():
+    rng = np.random.default_rng(0)
+    table, x = rng.normal(size=(50, 8)).astype(np.float32), rng.normal(size=(301, 8)).astype(np.float32)
+    for inner_product in (True, False):
+        scores = x @ table.T if inner_product else -((x[:, None, :] - table[None]) ** 2).sum(2)
+        np.testing.assert_array_equal(nearest_rows(x, table, inner_product, block=64), scores.argmax(1))
+    assert coarse_assign(faiss.IndexFlatIP(8), x) is None
