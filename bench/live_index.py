@@ -13,7 +13,9 @@ live rows against a brute-force search, and the memory (RSS) of a process that o
 answered the queries. Every process runs with ``--threads`` threads (OMP_NUM_THREADS): the build's
 add rate and the live add rate are per core alike.
 
-Prints JSON lines (one per phase) and a last line with ``n``, ``deleted_returned``,
+The driver's own work during the rounds (each round's files, the keys it deletes) runs at
+``--writer-nice``, as the commands do. Prints JSON lines (one per phase; ``latency_by_span``: p50
+and p99 of the answers by what ran when each started) and a last line with ``n``, ``deleted_returned``,
 ``add_rate_vs_build``, ``visible_after_return_s``, ``p99_ratio_during_changes``,
 ``recall_gap_vs_fresh`` and ``compact_rss_vs_fresh``.
 

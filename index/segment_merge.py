@@ -31,6 +31,7 @@ import numpy as np
 
 from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_stage, search_assigned
 from index.deletes import DeleteSet
+from index.errors import IndexFileError
 from index.layout import INDEX_FILE
 from index.merge import search_params, sort_by_score, tie_margin
 from index.row_map import row_column
@@ -113,7 +114,7 @@ def merged_groups(shards: list[Shard], small_share: float = SMALL_SHARE) -> list
             continue
         try:
             groups.append(merge_segments(small, [shards[i] for i in small]))
-        except (RuntimeError, ValueError) as exc:  # searched one by one: the same answers, slower
+        except (RuntimeError, ValueError, IndexFileError) as exc:  # searched one by one: the same answers, slower
             log.warning("segments %s not merged for search: %s", [shards[i].files.directory.name for i in small], exc)  # type: ignore[union-attr]
     return groups
 
