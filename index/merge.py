@@ -160,16 +160,18 @@ def trim_to_shortlist(parts: list[tuple[np.ndarray, np.ndarray]], kk: int) -> li
     keep &= I >= 0
     out, start = [], 0
     for D, rows in parts:
-        kept = keep[:, start : start + rows.shape[1]]
+        out.append(kept_columns(D, rows, keep[:, start : start + rows.shape[1]]))
         start += rows.shape[1]
-        width = int(kept.sum(1).max(initial=0))
-        # each row's kept columns first, in their order; padding after
-        order = np.argsort(~kept, axis=1, kind="stable")[:, :width]
-        valid = np.take_along_axis(kept, order, 1)
-        out.append(
-            (
-                np.where(valid, np.take_along_axis(D, order, 1), -np.inf).astype(D.dtype),
-                np.where(valid, np.take_along_axis(rows, order, 1), -1),
-            )
-        )
     return out
+
+
+def kept_columns(D: np.ndarray, I: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(D, I)`` with only the columns ``kept`` (bool, same shape): each row's kept columns first,
+    in their order, padding (-inf/-1) after, as wide as the widest row."""
+    width = int(kept.sum(1).max(initial=0))
+    order = np.argsort(~kept, axis=1, kind="stable")[:, :width]
+    valid = np.take_along_axis(kept, order, 1)
+    return (
+        np.where(valid, np.take_along_axis(D, order, 1), -np.inf).astype(D.dtype),
+        np.where(valid, np.take_along_axis(I, order, 1), -1),
+    )

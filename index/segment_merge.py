@@ -33,7 +33,7 @@ from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_stage, se
 from index.deletes import DeleteSet
 from index.errors import IndexFileError
 from index.layout import INDEX_FILE
-from index.merge import search_params, sort_by_score, tie_margin
+from index.merge import kept_columns, search_params, sort_by_score, tie_margin
 from index.row_map import row_column
 from index.shard import Shard, coarse_classes, shared_assignments, with_selector
 from index.shard_files import read_faiss
@@ -87,18 +87,10 @@ class MergedSegments:
         out = []
         for member in range(len(self.members)):
             mine = owner == member
-            width = int(mine.sum(1).max(initial=0))
             if len(I) == 1:  # one query (a server's request): no sort needed
                 out.append((D[mine][None, :], I[mine][None, :]))
-                continue
-            order = np.argsort(~mine, axis=1, kind="stable")[:, :width]
-            valid = np.take_along_axis(mine, order, 1)
-            out.append(
-                (
-                    np.where(valid, np.take_along_axis(D, order, 1), -np.inf).astype(D.dtype),
-                    np.where(valid, np.take_along_axis(I, order, 1), -1),
-                )
-            )
+            else:
+                out.append(kept_columns(D, I, mine))
         return out
 
 
