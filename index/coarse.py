@@ -106,6 +106,10 @@ class CoarseAssignment:
     Dq: np.ndarray  # (nq, nprobe) float32: distances to the lists' centroids
     Iq: np.ndarray  # (nq, nprobe) int64: the lists to scan, best first
 
+    def rows(self, rows: np.ndarray) -> CoarseAssignment:
+        """The assignment of the queries ``rows`` only (FAISS's pointers want contiguous arrays)."""
+        return CoarseAssignment(*(np.ascontiguousarray(a[rows]) for a in (self.xt, self.Dq, self.Iq)))
+
 
 def assign(stage: CoarseStage, xq: np.ndarray, params: Any) -> CoarseAssignment:
     """The lists ``params`` (``index.merge.search_params``: nprobe, the HNSW depth) make a search

@@ -4,18 +4,31 @@ A generation (index/generations.py) records, per segment, the rows deleted from 
 segment was written: a sorted ``.npy`` of int64 row ids, written once and never changed (a later
 delete writes a new file for the next generation). A search skips them inside FAISS, through an
 ``IDSelector`` in the call's ``SearchParameters`` (so a shard still returns k results while k live
-rows remain: no over-fetch that a burst of deletes could exhaust); an exact scan drops them before
-it ranks. ``needle index compact`` rewrites a segment without them, and its set is empty again.
+rows remain); an exact scan drops them before it ranks. ``needle index compact`` rewrites a
+segment without them, and its set is empty again.
+
+The selector is not free: FAISS asks it about every code a fast-scan search keeps, and with 90k
+deleted rows of 1M it made the scan of a 250k-row segment ~2x slower (bench/generation_cost.py). So a
+search asks FAISS for a few more candidates than it wants, without the selector, and drops the
+deleted ones itself (``search_live``); a query for which too few live ones remain (deletes
+gathered around it) is searched again with the selector. The answer is the selector's either way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from index.errors import IndexFileError
+
+# Past this share of a segment's rows deleted, searches use the selector at once: an over-fetch
+# would have to ask for many times what it wants.
+OVERFETCH_MAX_SHARE = 0.5
+OVERFETCH_MARGIN = 1.25  # asked: wanted / (1 - share deleted) times this, plus OVERFETCH_EXTRA
+OVERFETCH_EXTRA = 32
 
 
 class DeleteSetError(IndexFileError):
@@ -57,6 +70,37 @@ class DeleteSet:
         selector: Any = faiss.IDSelectorNot(batch)
         selector.referenced_objects = [batch]
         return selector
+
+
+# search(k, rows, skip_deleted): (D, I) of the queries ``rows`` (None: all), k per query
+Search = Callable[[int, "np.ndarray | None", bool], tuple[np.ndarray, np.ndarray]]
+
+
+def search_live(search: Search, wanted: int, stored: int, deletes: DeleteSet) -> tuple[np.ndarray, np.ndarray]:
+    """The ``wanted`` best live candidates per query of a segment holding ``stored`` codes, as
+    ``search(wanted, None, True)`` (FAISS's selector) finds them: ``(D, I)`` in FAISS's order,
+    deleted rows as -inf/-1 padding (``sort_by_score`` puts it last); a row may hold more than
+    ``wanted`` live ones.
+
+    Asks ``search`` for more than ``wanted`` without the selector and drops the deleted rows. A
+    query keeps that answer where at least ``wanted`` live rows remain (the best live ones: every
+    row above them was asked for) or FAISS found fewer than it was asked (its probed lists ran out:
+    it returned every row they hold); the others are searched again with the selector."""
+    if not len(deletes):
+        return search(wanted, None, False)
+    share = deletes.indexed / max(1, stored)
+    if share > OVERFETCH_MAX_SHARE:
+        return search(wanted, None, True)
+    asked = min(max(1, stored), int(np.ceil(wanted / (1.0 - share) * OVERFETCH_MARGIN)) + OVERFETCH_EXTRA)
+    D, I = search(asked, None, False)
+    ran_out = I[:, -1] < 0  # FAISS found fewer than asked: every row of the probed lists is here
+    live = (I >= 0) & ~deletes.contains(I)
+    D, I = np.where(live, D, -np.inf).astype(np.float32), np.where(live, I, -1)  # deleted: padding
+    again = np.flatnonzero((live.sum(1) < wanted) & ~ran_out)
+    if len(again):
+        D[again], I[again] = -np.inf, -1
+        D[again, :wanted], I[again, :wanted] = search(wanted, again, True)
+    return D, I
 
 
 def read_delete_set(source: Any, indexed: int, label: str) -> DeleteSet:

@@ -118,14 +118,15 @@ class SearchIndex:
     def search_shards(
         self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Every shard's ``(D_index, I, D_exact)`` members of the ``kk`` best candidates among all
-        shards: only those are re-scored (kk rows per query, not kk per shard). cluster/serve.py
-        asks its Ray actors instead."""
-        found = list(zip(self.shards, grouped_candidates(self.shards, self.merged_segments, xq, kk, nprobe)))
+        """Every part's ``(D_index, I, D_exact)`` members of the ``kk`` best candidates among all
+        shards (a part: a segment, or a group of small ones searched as one, index/segment_merge.py):
+        only those are re-scored (kk rows per query, not kk per shard). cluster/serve.py asks its
+        Ray actors instead."""
+        found = grouped_candidates(self.shards, self.merged_segments, xq, kk, nprobe)
         # a segment without a candidate adds nothing to the merge: no trimming, no re-scoring of it
-        found = [(shard, (D, I)) for shard, (D, I) in found if I.size and I.max() >= 0] or found[:1]
+        found = [(part, (D, I)) for part, (D, I) in found if I.size and I.max() >= 0] or found[:1]
         parts = trim_to_shortlist([f for _, f in found], kk) if len(found) > 1 else [f for _, f in found]
-        return [(D, I, shard.exact_scores(xq, D, I, refine)) for (shard, _), (D, I) in zip(found, parts)]
+        return [(D, I, part.exact_scores(xq, D, I, refine)) for (part, _), (D, I) in zip(found, parts)]
 
     @cached_property
     def merged_segments(self) -> list[MergedSegments]:

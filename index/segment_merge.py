@@ -7,9 +7,13 @@ own sorting, trimming and re-scoring: ~0.3 ms per segment and query at 300k x 51
 (bench/segment_cost.py), whatever its size. So when a generation is opened, the small segments of
 one coarse stage (index/coarse.py: encoded with one trained quantizer and PQ) are copied into one
 in-memory IVF index (FAISS's ``merge_from``: their codes and row ids, no re-encoding), searched in
-one call with the union of their delete sets, and its candidates are split back by the segment that
-owns each row (a table over Parquet file ids: a file's rows are in one segment), so everything
-after the candidates (re-scoring, keys, tokens) stays per segment.
+one call. The members' deleted rows are removed from that copy, so its search skips nothing.
+
+In this process (``SearchIndex``) the group is one part of the search: its candidates are trimmed
+and re-scored together (each row's float16 vector read from the member that owns it: a table over
+Parquet file ids, a file's rows being in one segment). A shard group serving Ray actors
+(shards/shard_group.py) splits them back by member, which answers for its own rows. Keys and
+tokens stay per segment.
 
 The answer is the one of each segment searched alone: the merged index holds the same codes under
 the same quantizer, so every candidate has the same score, and the group's best ``kk`` by score
@@ -30,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_stage, search_assigned
-from index.deletes import DeleteSet
+from index.deletes import DeleteSet, search_live
 from index.errors import IndexFileError
 from index.layout import INDEX_FILE
-from index.merge import kept_columns, search_params, sort_by_score, tie_margin
+from index.merge import RESCORE_CHUNK, float16_inner_products, kept_columns, search_params, sort_by_score, tie_margin
 from index.row_map import row_column
 from index.shard import Shard, coarse_classes, shared_assignments, with_selector
 from index.shard_files import read_faiss
@@ -54,36 +58,75 @@ class MergedSegments:
     owners: np.ndarray  # Parquet file id -> the member holding its rows (-1: none)
     deletes: DeleteSet  # the members' deleted rows together
     holds: Any = None  # the FAISS object owning ``stage`` (an OPQ wrapper frees its IVF index with it)
-    _params: dict[int, Any] = field(default_factory=dict)  # nprobe -> search parameters, made once
+    _params: dict[tuple[int, bool], Any] = field(default_factory=dict)  # (nprobe, skip deleted) -> made once
 
     @property
     def ntotal(self) -> int:
         return int(sum(s.ntotal for s in self.shards))
 
-    def params(self, nprobe: int | None) -> Any:
-        """The members' search parameters (nprobe, the HNSW depth) with the union of their deletes."""
+    def params(self, nprobe: int | None, skip_deleted: bool = False) -> Any:
+        """The members' search parameters (nprobe, the HNSW depth), with the union of their deletes
+        where ``skip_deleted``."""
         nprobe = nprobe or self.shards[0].nprobe
-        if nprobe not in self._params:
+        if (nprobe, skip_deleted) not in self._params:
             made = search_params(self.stage.ivf, nprobe, self.shards[0].quantizer_ef)
-            self._params[nprobe] = with_selector(made, self.deletes)
-        return self._params[nprobe]
+            self._params[nprobe, skip_deleted] = with_selector(made, self.deletes) if skip_deleted else made
+        return self._params[nprobe, skip_deleted]
 
     def candidates(
         self, xq: np.ndarray, kk: int, nprobe: int | None, assigned: CoarseAssignment | None = None
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each member's ``(D_index, I)``: its candidates among the group's ``kk`` best by index
         score, best first, each as wide as its widest query (-inf/-1 padding)."""
-        params = self.params(nprobe)
+        return self.split(*self.best(xq, kk, nprobe, assigned))
+
+    def best(
+        self, xq: np.ndarray, kk: int, nprobe: int | None, assigned: CoarseAssignment | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The group's ``kk`` best candidates by index score, ``(D_index, I)`` as one segment's
+        ``Shard.candidates`` (ties to the lower row id, -inf/-1 padding last)."""
         if assigned is None:
-            assigned = assign(self.stage, xq, params)
+            assigned = assign(self.stage, xq, self.params(nprobe))
         wanted = min(kk + tie_margin(kk), max(1, self.ntotal))
-        D, I = sort_by_score(*search_assigned(self.stage, assigned, wanted, params), kk)
-        return self.split(D, I)
+
+        def search(k: int, rows: np.ndarray | None, skip_deleted: bool) -> tuple[np.ndarray, np.ndarray]:
+            part = assigned if rows is None else assigned.rows(rows)
+            return search_assigned(self.stage, part, k, self.params(nprobe, skip_deleted))
+
+        return sort_by_score(*search_live(search, wanted, int(self.stage.ivf.ntotal), self.deletes), kk)
+
+    def owner_of(self, I: np.ndarray) -> np.ndarray:
+        """The member holding each row id of the merged index (-1 for the -1 padding)."""
+        files = np.minimum(np.where(I >= 0, I >> ROW_SHARD_SHIFT, 0), len(self.owners) - 1)
+        return np.where(I >= 0, self.owners[files], -1)  # every row of the merged index is a member's
+
+    def exact_scores(self, xq: np.ndarray, D: np.ndarray, I: np.ndarray, refine: bool = True) -> np.ndarray:
+        """``Shard.exact_scores`` of the group's candidates ``I``: each row's float16 vector read from
+        its member, all of a query's re-scored in one product (each row's score as its member's own:
+        ``float16_inner_products`` scores every row by itself)."""
+        if not refine or self.shards[0].exact:
+            return D
+        out = np.full(I.shape, -np.inf, dtype=np.float32)
+        owner = self.owner_of(I)
+        for q in range(len(I)):
+            valid = np.flatnonzero(owner[q] >= 0)
+            for start in range(0, len(valid), RESCORE_CHUNK):  # memory bounded by the chunk
+                cols = valid[start : start + RESCORE_CHUNK]
+                out[q, cols] = float16_inner_products(self.vectors_of(I[q, cols], owner[q, cols]), xq[q])
+        return out
+
+    def vectors_of(self, rows: np.ndarray, owner: np.ndarray) -> np.ndarray:
+        """The float16 vectors of ``rows``, each read from its ``owner`` member."""
+        block = np.empty((len(rows), self.shards[0].vectors.shape[1]), np.float16)
+        for member in np.unique(owner):
+            at = owner == member
+            shard = self.shards[member]
+            block[at] = shard.vector_rows[shard.positions_of_rows(rows[at])]
+        return block
 
     def split(self, D: np.ndarray, I: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """``(D, I)`` of the group as one ``(D, I)`` per member, each row's order kept."""
-        files = np.minimum(np.where(I >= 0, I >> ROW_SHARD_SHIFT, 0), len(self.owners) - 1)
-        owner = np.where(I >= 0, self.owners[files], -1)  # every row of the merged index is a member's
+        owner = self.owner_of(I)
         out = []
         for member in range(len(self.members)):
             mine = owner == member
@@ -124,10 +167,25 @@ def merge_segments(members: list[int], shards: list[Shard]) -> MergedSegments:
     merged = stages[0].ivf  # type: ignore[union-attr]
     for stage in stages[1:]:
         merged.merge_from(stage.ivf, 0)  # type: ignore[union-attr]
-    rows_removed = sum(s.deletes.indexed for s in shards)
-    deleted = np.sort(np.concatenate([s.deletes.rows for s in shards]))
     stage = CoarseStage(stages[0].chain, merged)  # type: ignore[union-attr]
-    return MergedSegments(members, shards, stage, owners_of(shards), DeleteSet(deleted, rows_removed), copies[0])
+    return MergedSegments(members, shards, stage, owners_of(shards), without_deleted(merged, shards), copies[0])
+
+
+def without_deleted(merged: Any, shards: list[Shard]) -> DeleteSet:
+    """Remove the members' deleted rows from the merged copy (it is ours), so that its searches
+    skip nothing (index/deletes.py: the skipping costs every search); the delete set still to skip:
+    empty, or the members' own where FAISS cannot remove from this kind of index."""
+    import faiss
+
+    deleted = np.sort(np.concatenate([s.deletes.rows for s in shards]))
+    if not len(deleted):
+        return DeleteSet.empty()
+    try:
+        merged.remove_ids(faiss.IDSelectorBatch(deleted))
+    except RuntimeError as exc:
+        log.info("deleted rows kept in merged segments, skipped at search: %s", exc)
+        return DeleteSet(deleted, sum(s.deletes.indexed for s in shards))
+    return DeleteSet.empty()
 
 
 def owners_of(shards: list[Shard]) -> np.ndarray:
@@ -144,12 +202,17 @@ def owners_of(shards: list[Shard]) -> np.ndarray:
 
 def grouped_candidates(
     shards: list[Shard], groups: list[MergedSegments], xq: np.ndarray, kk: int, nprobe: int | None
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every shard's ``candidates`` (index/shard.py ``candidates_of``), the members of ``groups``
-    from one search per group; the shards of one coarse stage assigning the queries once."""
+) -> list[tuple[Shard | MergedSegments, tuple[np.ndarray, np.ndarray]]]:
+    """The ``(D_index, I)`` candidates of each group (one search) and of each shard in none
+    (``Shard.candidates``), with what re-scores them (``exact_scores``): a group is one part, so
+    trimming, re-scoring and merging pay once for all its members. The shards of one coarse stage
+    assign the queries once."""
     assigned = shared_assignments(shards, xq, nprobe)
-    found: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(shards)
-    for group in groups:
-        for member, part in zip(group.members, group.candidates(xq, kk, nprobe, assigned[group.members[0]])):
-            found[member] = part
-    return [f if f is not None else s.candidates(xq, kk, nprobe, a) for s, f, a in zip(shards, found, assigned)]
+    grouped = {member for group in groups for member in group.members}
+    parts: list[tuple[Shard | MergedSegments, tuple[np.ndarray, np.ndarray]]] = [
+        (group, group.best(xq, kk, nprobe, assigned[group.members[0]])) for group in groups
+    ]
+    for i, (shard, assignment) in enumerate(zip(shards, assigned)):
+        if i not in grouped:
+            parts.append((shard, shard.candidates(xq, kk, nprobe, assignment)))
+    return parts

@@ -31,7 +31,7 @@ import numpy as np
 
 from core.joined_keys import JoinedKeys
 from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_key, coarse_stage, same_coarse, search_assigned
-from index.deletes import DeleteSet
+from index.deletes import DeleteSet, search_live
 from index.errors import IndexFileError
 from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
 from index.gpu_resident import ResidentDatabase, keep_resident
@@ -187,11 +187,15 @@ class Shard:
         queries' lists from ``coarse_key``'s shared stage (``shared_assignments``), not searched again."""
         if self.scans_on_gpu(len(xq)):
             return sort_by_score(*self.scan(xq, kk), kk)  # -inf for the -1 padding, as below
-        wanted, params = min(kk + tie_margin(kk), max(1, self.ntotal)), self.params(nprobe)
-        if assigned is not None and self.coarse is not None:
-            D, I = search_assigned(self.coarse[1], assigned, wanted, params)
-        else:
-            D, I = self.index.search(xq, wanted, params=params)
+        wanted = min(kk + tie_margin(kk), max(1, self.ntotal))
+
+        def search(k: int, rows: np.ndarray | None, skip_deleted: bool) -> tuple[np.ndarray, np.ndarray]:
+            params = self.selector_params(nprobe) if skip_deleted else self.params(nprobe)
+            if assigned is not None and self.coarse is not None:
+                return search_assigned(self.coarse[1], assigned if rows is None else assigned.rows(rows), k, params)
+            return self.index.search(xq if rows is None else xq[rows], k, params=params)
+
+        D, I = search_live(search, wanted, int(self.index.ntotal), self.deletes)
         return sort_by_score(D, I, kk)  # a cut that does not depend on FAISS's order among ties
 
     @cached_property
@@ -239,11 +243,23 @@ class Shard:
         as much as sorting its candidates (profiled). Read-only once made: request threads share them."""
         nprobe = nprobe or self.nprobe
         if nprobe not in self._params:
-            self._params[nprobe] = with_selector(search_params(self.index, nprobe, self.quantizer_ef), self.deletes)
+            self._params[nprobe] = search_params(self.index, nprobe, self.quantizer_ef)
         return self._params[nprobe]
+
+    def selector_params(self, nprobe: int | None) -> Any | None:
+        """``params`` that also skip the deleted rows (index/deletes.py ``search_live``), made once."""
+        nprobe = nprobe or self.nprobe
+        if nprobe not in self._selector_params:
+            made = search_params(self.index, nprobe, self.quantizer_ef)
+            self._selector_params[nprobe] = with_selector(made, self.deletes)
+        return self._selector_params[nprobe]
 
     @cached_property
     def _params(self) -> dict[int, Any]:
+        return {}
+
+    @cached_property
+    def _selector_params(self) -> dict[int, Any]:
         return {}
 
     @cached_property

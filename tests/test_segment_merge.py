@@ -54,6 +54,13 @@ def test_merged_small_segments_answer_as_each_segment_alone(tmp_path, factory):
     assert [len(g.members) for g in groups] == [5]  # the five added segments, in one coarse stage
     largest = max(s.index.ntotal for s in index.shards)
     assert all(index.shards[m].index.ntotal < SMALL_SHARE * largest for m in groups[0].members)
+    # the merged copy holds the members' live rows only: its searches skip nothing
+    assert len(groups[0].deletes) == 0
+    assert (
+        groups[0].stage.ivf.ntotal
+        == sum(index.shards[m].ntotal for m in groups[0].members)
+        < sum(index.shards[m].index.ntotal for m in groups[0].members)
+    )
     alone = dataclasses.replace(index, merge_small=False)
     assert alone.merged_segments == []
     xq = clustered_unit_vectors(9, D, seed=5).astype(np.float32)
