@@ -15,6 +15,7 @@ from cli.eval import add_eval_parsers
 from cli.search import add_search_parsers
 from cli.search import page_config as _page_config  # noqa: F401  (the serve flags' PageConfig, for tests)
 from cli.train import add_train_parsers
+from core.blas import choose_openblas_core
 from core.errors import NeedleInputError, ShardReadError
 
 log = logging.getLogger("needle")
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         not args.verbose
     ):  # FAISS's loader reports at INFO which CPU builds it tried: a failed AVX2 try reads like an error
         logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    choose_openblas_core()  # before any stage imports FAISS (core/blas.py: its bundled OpenBLAS misjudges new CPUs)
     try:
         return args.func(args)
     except (NeedleInputError, ShardReadError) as exc:
