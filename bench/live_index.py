@@ -8,10 +8,13 @@ and the held-out queries), builds the index (``needle index build --kind ivfpq -
 ``--round-rows`` rows (without --wait-for: the time from the command's return to ``/health``
 reporting its generation is measured) and deleting as many live keys (with ``--wait-for``: a delete
 is visible when the command returns, and from then on no answer may hold a deleted key); then
-``compact --keep 1``. Last, recall@1000 of the served index and of a fresh build over the same
-live rows against a brute-force search, and the memory (RSS) of a process that opened each and
-answered the queries. Every process runs with ``--threads`` threads (OMP_NUM_THREADS): the build's
-add rate and the live add rate are per core alike.
+``compact --keep 1``. Between the idle phase and the rounds, as long as the idle phase, one more
+process keeps a core busy at the writers' nice and changes nothing (``p99_ratio_busy_core``: on a
+2-vCPU box, what any work beside the server and its client costs the answers). Last,
+recall@1000 of the served index and of a fresh build over the same live rows against a
+brute-force search, and the memory (RSS) of a process that opened each and answered the queries.
+Every process runs with ``--threads`` threads (OMP_NUM_THREADS): the build's add rate and the live
+add rate are per core alike.
 
 The driver's own work during the rounds (each round's files, the keys it deletes) runs at
 ``--writer-nice``, as the commands do. Prints JSON lines (one per phase; ``latency_by_span``: p50
@@ -179,6 +182,17 @@ def latency_by_span(load: Load, spans: list[tuple[str, float, float]], since: fl
     }  # fmt: skip
 
 
+def busy_core(seconds: float, nice: int) -> tuple[float, float]:
+    """Keep one more core busy (a Python loop at ``nice``) for ``seconds``, no change made; the
+    window's (start, end) on the load's clock."""
+    loop = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    burner = subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", loop])
+    time.sleep(0.5)  # started
+    start = time.monotonic()
+    burner.wait()
+    return start, time.monotonic()
+
+
 def wait_generation(url: str, generation: int, timeout: float = 600) -> float:
     """Monotonic time at which the server first reports ``generation`` (polled every 20 ms)."""
     deadline = time.monotonic() + timeout
@@ -269,6 +283,8 @@ def run(args: argparse.Namespace) -> dict:
         idle_start = time.monotonic()
         time.sleep(args.idle_s)
         idle_end = time.monotonic()
+        busy_start, busy_end = busy_core(args.idle_s, args.writer_nice)
+        idle_end = max(idle_end, busy_start)  # the changes' window starts after the busy core's
         add_rates, add_cpu_rates, visible, deleted_all, delete_visible = [], [], [], set(), []
         spans: list[tuple[str, float, float]] = []  # (what ran, start, end): where the slow answers fall
         next_id = len(base_keys) // FILE_ROWS + 1
@@ -316,8 +332,9 @@ def run(args: argparse.Namespace) -> dict:
             done = bisect.bisect_right(times, started)  # deletes that had returned when it started
             if done:
                 deleted_returned += len(gone_by[done - 1].intersection(keys))
-        idle = load.latencies(idle_start, idle_end)
-        during = load.latencies(idle_end, changes_end)
+        idle = load.latencies(idle_start, idle_start + args.idle_s)
+        busy = load.latencies(busy_start, busy_end)
+        during = load.latencies(busy_end, changes_end)
         log({"phase": "latency_by_span", **latency_by_span(load, spans, idle_end, changes_end)})
         search = get_json(f"{url}/search", {"vectors": xq.tolist(), "k": 1000}, timeout=600)
         served = [[r["key"] for r in q["results"]] for q in search]
@@ -371,6 +388,11 @@ def run(args: argparse.Namespace) -> dict:
         "p50_during_changes_ms": round(float(np.percentile(during, 50)) * 1000, 2),
         "p99_during_changes_ms": round(float(np.percentile(during, 99)) * 1000, 2),
         "p99_ratio_during_changes": round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 3),
+        # no change, one process busy at the writers' nice: what any work beside the server costs it
+        # on this box, the floor of the ratio above (2 vCPUs: the server, its client and one more)
+        "p50_busy_core_ms": round(float(np.percentile(busy, 50)) * 1000, 2),
+        "p99_busy_core_ms": round(float(np.percentile(busy, 99)) * 1000, 2),
+        "p99_ratio_busy_core": round(float(np.percentile(busy, 99) / np.percentile(idle, 99)), 3),
         "recall_at_1000_served": round(recall_served, 4),
         "recall_at_1000_fresh": round(recall_fresh, 4),
         "recall_gap_vs_fresh": round(recall_fresh - recall_served, 4),

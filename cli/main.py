@@ -21,7 +21,9 @@ from core.errors import NeedleInputError, ShardReadError
 log = logging.getLogger("needle")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_similarity: bool = True) -> argparse.ArgumentParser:
+    """Every subcommand's parser; ``with_similarity`` False leaves out ``similarity`` (its methods'
+    modules take ~0.2 s to import: every other command would pay it, ``needle index add`` included)."""
     parser = argparse.ArgumentParser(prog="needle", description="Instance-level image retrieval at scale.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,18 +31,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_search_parsers(sub)  # query, serve
     add_eval_parsers(sub)  # eval map, scaling, plot
     add_train_parsers(sub)  # adapt, ames
+    if with_similarity:
+        from similarity.cli import add_similarity_parser
 
-    from similarity.cli import add_similarity_parser
-
-    add_similarity_parser(sub)
+        add_similarity_parser(sub)
     add_tool_parsers(sub)  # demo, models
     return parser
 
 
+def parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser for ``argv``: without ``similarity`` where ``argv`` names another command it knows."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command is None or command == "similarity":
+        return build_parser()
+    parser = build_parser(with_similarity=False)
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return parser if command in commands else build_parser()  # a typo: its error lists every command
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status (2 for bad flags or input, as argparse exits)."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
+        args = parser_for(argv).parse_args(argv)
     except SystemExit as exc:  # --help, or bad flags (argparse has printed the usage)
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(

@@ -1,6 +1,6 @@
-"""The living index's benchmarks at tiny sizes (``--dry-run``): every step of bench/live_index.py and
-bench/segment_cost.py runs, so that they cannot rot, and their last JSON lines carry the figures
-issue 43 names and docs/live_index.md quotes."""
+"""The living index's benchmarks at tiny sizes (``--dry-run``): every step of bench/live_index.py,
+bench/segment_cost.py and bench/generation_cost.py runs, so that they cannot rot, and their last
+JSON lines carry the figures issue 43 names and docs/live_index.md quotes."""
 
 import json
 import os
@@ -40,6 +40,7 @@ def test_live_index_bench_dry_run():
     assert last["deleted_returned"] == 0 and last["query_errors"] == 0
     assert last["queries_during_run"] > 0 and last["live_rows"] == last["n"]
     assert 0 <= last["visible_after_return_s"] < 30
+    assert last["p99_busy_core_ms"] > 0 and last["p99_ratio_busy_core"] > 0  # the control window had answers
 
 
 @pytest.mark.slow
@@ -53,3 +54,15 @@ def test_segment_cost_bench_dry_run():
     assert len(timed) == 2 * (last["adds"] + 2) and all(t["searches"] > 0 for t in timed)
     assert {"ms_per_segment", "p50_ratio_last_vs_compacted", "p50_ratio_last_vs_build"} <= set(last)
     assert last["rows_build_last_compacted"][1] == last["rows_build_last_compacted"][2]  # compaction keeps the rows
+
+
+@pytest.mark.slow
+def test_generation_cost_bench_dry_run():
+    last = dry_run("generation_cost.py")[-1]
+    assert last["same_answers"] is True  # over-fetching and the selector skip the same rows
+    variants = ("build", "added", "deleted", "deleted_selector")
+    assert all(last[v]["p50_ms"] > 0 and last[v]["paired_ratio"] > 0 for v in variants)
+    assert last["build"]["paired_ratio"] == 1.0
+    generations = last["generations"]
+    assert generations["build"] < generations["added"] < generations["deleted"]
+    assert last["searches_per_variant"] == 2 * 10

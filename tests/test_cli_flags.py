@@ -308,3 +308,18 @@ def test_help_imports_no_torch(argv):
     result = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, f"needle {' '.join(argv)}: " + result.stderr[-2000:]
     assert "usage: needle" in result.stdout
+
+
+def test_similarity_parser_only_for_similarity_or_help():
+    """``needle index add`` and the like skip importing the similarity methods' CLI modules; a typo's
+    error still lists every command."""
+    from cli.main import parser_for
+
+    def commands(parser):
+        return set(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices)
+
+    assert "similarity" not in commands(parser_for(["index", "add", "--index", "x", "--descriptors", "y"]))
+    assert "similarity" not in commands(parser_for(["-v", "serve", "--index", "x"]))
+    assert parser_for(["-v", "serve", "--index", "x"]).parse_args(["-v", "serve", "--index", "x"]).command == "serve"
+    for argv in (["similarity", "afn", "--help"], [], ["--help"], ["simil"]):
+        assert "similarity" in commands(parser_for(argv))
