@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -91,7 +92,13 @@ def main(
             names[shard] = writer.segment_name(shard)
             directory = writer.new_segment_dir(names[shard])
             tasks.append(part_task(trained, directory, 0, files, sources.dim, with_locals, adapt))
+        started, started_cpu = time.perf_counter(), time.process_time()
         stats = run_parts(tasks)
+        # the build's add phase, timed alike (index/build.py ``add_s``); CPU: this process's (--ray: its own only)
+        timings = {
+            "add_s": round(time.perf_counter() - started, 3),
+            "add_cpu_s": round(time.process_time() - started_cpu, 3),
+        }
         kill_point("parts_added")
         common = build_fields(writer.segment_infos(segments_of(writer.parent)[0]["name"]))
         extractor = local_extractor(sources.ingest)
@@ -110,6 +117,7 @@ def main(
             replaced=sum(len(rows) for rows, _ in replaced.values()),
             segments=sorted(names.values()),
             drift=drift,
+            timings=timings,
         )
         if drift and drift["rebuild_recommended"]:
             log.warning(

@@ -80,6 +80,7 @@ def test_flat_answers_equal_brute_force_after_every_change(flat):
         live.add_file(f"t{i}", i, xb)
     change = add(AddConfig(), more, index_dir)
     assert change["generation"] == 1 and change["rows"] == 60
+    assert change["timings"]["add_s"] >= 0 and change["timings"]["add_cpu_s"] >= 0  # its add phase, as the build's
     assert_exact(index_dir, live, xq)
     rng = np.random.default_rng(0)
     doomed = sorted(rng.choice(sorted(live.rows), 50, replace=False).tolist())
