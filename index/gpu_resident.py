@@ -45,7 +45,21 @@ def device_memory(device: Any) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(dev)
         return int(free), int(total)
     page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    return cpu_available_bytes(os.sysconf("SC_AVPHYS_PAGES") * page), os.sysconf("SC_PHYS_PAGES") * page
+
+
+def cpu_available_bytes(free_pages_bytes: int, meminfo: str = "/proc/meminfo") -> int:
+    """The memory a new allocation can take: Linux's ``MemAvailable`` (free pages plus the page
+    cache it can drop), not the free pages alone, which a warm page cache (an index's mapped
+    files read once) brings near zero; ``free_pages_bytes`` where the kernel does not say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return free_pages_bytes
 
 
 def resident_nbytes(n: int, d: int, device: Any = "cuda", metric: str = "ip", dtype: str | None = None) -> int:

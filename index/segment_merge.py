@@ -121,7 +121,11 @@ class MergedSegments:
         for member in np.unique(owner):
             at = owner == member
             shard = self.shards[member]
-            block[at] = shard.vector_rows[shard.positions_of_rows(rows[at])]
+            positions = shard.positions_of_rows(rows[at])
+            if (positions < 0).any():  # every row of the merged index is its owner's: never a silent wrong vector
+                bad = int(rows[at][positions < 0][0])
+                raise IndexFileError(f"row {bad} of the merged segments is not in {shard.files.directory}")
+            block[at] = shard.vector_rows[positions]
         return block
 
     def split(self, D: np.ndarray, I: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:

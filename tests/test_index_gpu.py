@@ -751,3 +751,16 @@ def test_resident_and_streamed_on_cuda_equal_the_cpu(metric):
     ):
         np.testing.assert_array_equal(I, I_ref)
         np.testing.assert_array_equal(D, D_ref)
+
+
+def test_cpu_memory_counts_the_page_cache_the_kernel_can_drop(tmp_path):
+    """A warm page cache (an index's files read once) leaves few free pages: what fits is
+    MemAvailable's, not MemFree's; without /proc/meminfo, the free pages."""
+    from index.gpu_resident import cpu_available_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         2000000 kB\nMemAvailable:   20000000 kB\n")
+    assert cpu_available_bytes(2_048_000_000, str(meminfo)) == 20_000_000 * 1024
+    assert cpu_available_bytes(123, str(tmp_path / "missing")) == 123
+    meminfo.write_text("MemTotal:       24000000 kB\n")  # an old kernel: no MemAvailable
+    assert cpu_available_bytes(456, str(meminfo)) == 456

@@ -150,3 +150,17 @@ def test_a_shard_group_searches_its_small_segments_as_one(tmp_path):
         np.testing.assert_array_equal(D_group, D_one)
         for _, (_, I, _, keys) in answers:  # each member's keys are its own rows'
             assert [len(row) for row in keys] == [I.shape[1]] * len(xq)
+
+
+def test_a_row_its_owner_does_not_hold_is_an_error_not_a_wrong_score(tmp_path, monkeypatch):
+    from index.errors import IndexFileError
+
+    index = load_index(living_index(tmp_path))
+    (group,) = index.merged_segments
+    xq = clustered_unit_vectors(1, D, seed=13).astype(np.float32)
+    D_best, I_best = group.best(xq, 20, 8)
+    assert np.isfinite(group.exact_scores(xq, D_best, I_best)[I_best >= 0]).all()
+    for shard in group.shards:  # as if a member's row map had lost its rows
+        monkeypatch.setattr(shard, "positions_of_rows", lambda I: np.full(np.shape(I), -1, np.int64))
+    with pytest.raises(IndexFileError, match="of the merged segments is not in"):
+        group.exact_scores(xq, D_best, I_best)
