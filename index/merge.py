@@ -17,6 +17,7 @@ position through the small table of Parquet shard ids (index/row_map.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -85,13 +86,20 @@ def inner_products_at(vectors: Any, positions: np.ndarray, xq: np.ndarray) -> np
     """(nq, C) inner products of each query ``xq[q]`` with the float16 rows ``vectors[positions[q]]``
     (-inf where a position is -1), each query's rows read in ascending order: sequential reads of
     the map."""
-    D = np.full(positions.shape, -np.inf, dtype=np.float32)
+    return inner_products_read(lambda q, cols: np.asarray(vectors[positions[q, cols]]), positions, xq)
+
+
+def inner_products_read(read: Callable[[int, np.ndarray], np.ndarray], order: np.ndarray, xq: np.ndarray) -> np.ndarray:
+    """(nq, C) inner products of each query ``xq[q]`` with the float16 rows ``read(q, cols)`` gives
+    for its columns ``cols``, read in ascending ``order`` (-1: no row there, -inf) and in chunks of
+    at most RESCORE_CHUNK rows (memory bounded by the chunk, not the shortlist)."""
+    D = np.full(order.shape, -np.inf, dtype=np.float32)
     for q in range(len(xq)):
-        valid = np.flatnonzero(positions[q] >= 0)
-        reads = valid[np.argsort(positions[q, valid])]
-        for start in range(0, len(reads), RESCORE_CHUNK):  # memory bounded by the chunk, not the shortlist
+        valid = np.flatnonzero(order[q] >= 0)
+        reads = valid[np.argsort(order[q, valid])]
+        for start in range(0, len(reads), RESCORE_CHUNK):
             chunk = reads[start : start + RESCORE_CHUNK]
-            D[q, chunk] = float16_inner_products(np.asarray(vectors[positions[q, chunk]]), xq[q])
+            D[q, chunk] = float16_inner_products(read(q, chunk), xq[q])
     return D
 
 

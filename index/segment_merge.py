@@ -37,9 +37,9 @@ from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_stage, se
 from index.deletes import DeleteSet, search_live
 from index.errors import IndexFileError
 from index.layout import INDEX_FILE
-from index.merge import RESCORE_CHUNK, float16_inner_products, kept_columns, search_params, sort_by_score, tie_margin
+from index.merge import inner_products_read, kept_columns, sort_by_score, tie_margin
 from index.row_map import row_column
-from index.shard import Shard, coarse_classes, shared_assignments, with_selector
+from index.shard import Shard, cached_params, coarse_classes, shared_assignments
 from index.shard_files import read_faiss
 from ingest.descriptors import ROW_SHARD_SHIFT
 
@@ -67,11 +67,10 @@ class MergedSegments:
     def params(self, nprobe: int | None, skip_deleted: bool = False) -> Any:
         """The members' search parameters (nprobe, the HNSW depth), with the union of their deletes
         where ``skip_deleted``."""
-        nprobe = nprobe or self.shards[0].nprobe
-        if (nprobe, skip_deleted) not in self._params:
-            made = search_params(self.stage.ivf, nprobe, self.shards[0].quantizer_ef)
-            self._params[nprobe, skip_deleted] = with_selector(made, self.deletes) if skip_deleted else made
-        return self._params[nprobe, skip_deleted]
+        first = self.shards[0]
+        return cached_params(
+            self._params, self.stage.ivf, nprobe or first.nprobe, first.quantizer_ef, self.deletes, skip_deleted
+        )
 
     def candidates(
         self, xq: np.ndarray, kk: int, nprobe: int | None, assigned: CoarseAssignment | None = None
@@ -106,14 +105,9 @@ class MergedSegments:
         ``float16_inner_products`` scores every row by itself)."""
         if not refine or self.shards[0].exact:
             return D
-        out = np.full(I.shape, -np.inf, dtype=np.float32)
         owner = self.owner_of(I)
-        for q in range(len(I)):
-            valid = np.flatnonzero(owner[q] >= 0)
-            for start in range(0, len(valid), RESCORE_CHUNK):  # memory bounded by the chunk
-                cols = valid[start : start + RESCORE_CHUNK]
-                out[q, cols] = float16_inner_products(self.vectors_of(I[q, cols], owner[q, cols]), xq[q])
-        return out
+        read_order = np.where(owner >= 0, I, -1)  # by row id: a Parquet file's rows together
+        return inner_products_read(lambda q, cols: self.vectors_of(I[q, cols], owner[q, cols]), read_order, xq)
 
     def vectors_of(self, rows: np.ndarray, owner: np.ndarray) -> np.ndarray:
         """The float16 vectors of ``rows``, each read from its ``owner`` member."""

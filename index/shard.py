@@ -190,7 +190,7 @@ class Shard:
         wanted = min(kk + tie_margin(kk), max(1, self.ntotal))
 
         def search(k: int, rows: np.ndarray | None, skip_deleted: bool) -> tuple[np.ndarray, np.ndarray]:
-            params = self.selector_params(nprobe) if skip_deleted else self.params(nprobe)
+            params = self.params(nprobe, skip_deleted)
             if assigned is not None and self.coarse is not None:
                 return search_assigned(self.coarse[1], assigned if rows is None else assigned.rows(rows), k, params)
             return self.index.search(xq if rows is None else xq[rows], k, params=params)
@@ -237,29 +237,17 @@ class Shard:
     def _coarse_peers(self) -> dict[int, tuple[weakref.ref[Shard], bool]]:
         return {}
 
-    def params(self, nprobe: int | None) -> Any | None:
-        """``search_params`` for ``nprobe`` (None: this shard's default), made once per value: a
-        query's search asks for them once per shard, and making them (SWIG objects) cost about half
-        as much as sorting its candidates (profiled). Read-only once made: request threads share them."""
-        nprobe = nprobe or self.nprobe
-        if nprobe not in self._params:
-            self._params[nprobe] = search_params(self.index, nprobe, self.quantizer_ef)
-        return self._params[nprobe]
-
-    def selector_params(self, nprobe: int | None) -> Any | None:
-        """``params`` that also skip the deleted rows (index/deletes.py ``search_live``), made once."""
-        nprobe = nprobe or self.nprobe
-        if nprobe not in self._selector_params:
-            made = search_params(self.index, nprobe, self.quantizer_ef)
-            self._selector_params[nprobe] = with_selector(made, self.deletes)
-        return self._selector_params[nprobe]
+    def params(self, nprobe: int | None, skip_deleted: bool = False) -> Any | None:
+        """``search_params`` for ``nprobe`` (None: this shard's default), skipping the deleted rows
+        where ``skip_deleted`` (``with_selector``), made once per value: a query's search asks for
+        them once per shard, and making them (SWIG objects) cost about half as much as sorting its
+        candidates (profiled). Read-only once made: request threads share them."""
+        return cached_params(
+            self._params, self.index, nprobe or self.nprobe, self.quantizer_ef, self.deletes, skip_deleted
+        )
 
     @cached_property
-    def _params(self) -> dict[int, Any]:
-        return {}
-
-    @cached_property
-    def _selector_params(self) -> dict[int, Any]:
+    def _params(self) -> dict[tuple[int, bool], Any]:
         return {}
 
     @cached_property
@@ -357,6 +345,23 @@ def with_selector(params: Any | None, deletes: DeleteSet) -> Any | None:
     out.sel = deletes.selector
     out.referenced_objects = [*(getattr(out, "referenced_objects", None) or []), deletes.selector]
     return out
+
+
+def cached_params(
+    cache: dict[tuple[int, bool], Any],
+    index: Any,
+    nprobe: int,
+    quantizer_ef: int | None,
+    deletes: DeleteSet,
+    skip_deleted: bool,
+) -> Any | None:
+    """``search_params(index, nprobe, quantizer_ef)``, with ``deletes``' selector where
+    ``skip_deleted``, made once per (nprobe, skip_deleted) in ``cache`` (each its own object:
+    ``with_selector`` sets the selector on the parameters it is given)."""
+    if (nprobe, skip_deleted) not in cache:
+        made = search_params(index, nprobe, quantizer_ef)
+        cache[nprobe, skip_deleted] = with_selector(made, deletes) if skip_deleted else made
+    return cache[nprobe, skip_deleted]
 
 
 def make_shard(
