@@ -28,6 +28,7 @@ import numpy as np
 from core.errors import NeedleInputError
 from index.gpu_stream import STREAM_CHUNK_BYTES, Stager, array_chunks
 from index.gpu_topk import METRICS, TopK, check_chunk, check_queries, row_norms, score_budget, torch_device
+from index.memory import cpu_available_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +47,6 @@ def device_memory(device: Any) -> tuple[int, int]:
         return int(free), int(total)
     page = os.sysconf("SC_PAGE_SIZE")
     return cpu_available_bytes(os.sysconf("SC_AVPHYS_PAGES") * page), os.sysconf("SC_PHYS_PAGES") * page
-
-
-def cpu_available_bytes(free_pages_bytes: int, meminfo: str = "/proc/meminfo") -> int:
-    """The memory a new allocation can take: Linux's ``MemAvailable`` (free pages plus the page
-    cache it can drop), not the free pages alone, which a warm page cache (an index's mapped
-    files read once) brings near zero; ``free_pages_bytes`` where the kernel does not say."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return free_pages_bytes
 
 
 def resident_nbytes(n: int, d: int, device: Any = "cuda", metric: str = "ip", dtype: str | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Memory of a process as Linux accounts it, for serving reports and benchmarks.
+"""Memory of a process, and what the machine has left, as Linux accounts it: for serving reports,
+benchmarks and the fit rule of resident vectors (index/gpu_resident.py).
 
 RSS counts every resident page, including pages of memory-mapped files (index shards, the float16
 refine vectors) that the kernel can drop and re-read at will; PSS divides shared pages among the
@@ -35,3 +36,17 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cpu_available_bytes(free_pages_bytes: int, meminfo: str = "/proc/meminfo") -> int:
+    """The memory a new allocation can take: Linux's ``MemAvailable`` (free pages plus the page
+    cache it can drop), not the free pages alone, which a warm page cache (an index's mapped
+    files read once) brings near zero; ``free_pages_bytes`` where the kernel does not say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return free_pages_bytes

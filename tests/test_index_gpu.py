@@ -756,7 +756,7 @@ def test_resident_and_streamed_on_cuda_equal_the_cpu(metric):
 def test_cpu_memory_counts_the_page_cache_the_kernel_can_drop(tmp_path):
     """A warm page cache (an index's files read once) leaves few free pages: what fits is
     MemAvailable's, not MemFree's; without /proc/meminfo, the free pages."""
-    from index.gpu_resident import cpu_available_bytes
+    from index.memory import cpu_available_bytes
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         2000000 kB\nMemAvailable:   20000000 kB\n")
