@@ -24,8 +24,6 @@ Prints a JSON line per variant and a last line with p50/p99 (ms) per variant, ``
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 import time
@@ -37,14 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from live_index import FILE_ROWS, log, make_vectors, needle, write_files  # noqa: E402
+from live_index import FILE_ROWS, bench_parser, log, make_vectors, needle, run_bench, write_files  # noqa: E402
 
-from core.blas import choose_openblas_core  # noqa: E402
-
-
-def current_generation(index_dir: Path) -> int:
-    pointer = index_dir / "CURRENT.json"
-    return int(json.loads(pointer.read_text())["generation"]) if pointer.exists() else 0
+from index.generations import latest_number, location_of  # noqa: E402
 
 
 def make_index(args: argparse.Namespace, work: Path) -> tuple[Path, dict[str, int]]:
@@ -55,18 +48,18 @@ def make_index(args: argparse.Namespace, work: Path) -> tuple[Path, dict[str, in
     index_dir = work / "index"
     needle(["index", "build", "--descriptors", str(work / "desc"), "--out", str(index_dir), "--kind", "ivfpq",
             "--shards", str(args.shards), "--nprobe", str(args.nprobe)], args.threads)  # fmt: skip
-    generations = {"build": current_generation(index_dir)}
+    generations = {"build": latest_number(location_of(index_dir))}
     next_id = args.n // FILE_ROWS + 1
     for number in range(args.adds):
         round_dir = work / f"add{number}"
         keys += write_files(round_dir, next_id, make_vectors(args.add_rows, args.dim, 100 + number, args.clusters))
         next_id += (args.add_rows + FILE_ROWS - 1) // FILE_ROWS
         needle(["index", "add", "--index", str(index_dir), "--descriptors", str(round_dir)], args.threads)
-    generations["added"] = current_generation(index_dir)
+    generations["added"] = latest_number(location_of(index_dir))
     doomed = np.random.default_rng(7).choice(len(keys), min(args.delete_rows, len(keys) - 1), replace=False)
     text = "\n".join(keys[i] for i in doomed) + "\n"
     needle(["index", "delete", "--index", str(index_dir), "--keys", "-"], args.threads, stdin=text)
-    generations["deleted"] = current_generation(index_dir)
+    generations["deleted"] = latest_number(location_of(index_dir))
     return index_dir, generations
 
 
@@ -121,31 +114,16 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=300_000)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--shards", type=int, default=4)
+    p = bench_parser(__doc__, 300_000)
     p.add_argument("--adds", type=int, default=5, help="rounds of adding --add-rows rows")
     p.add_argument("--add-rows", type=int, default=20_000)
     p.add_argument("--delete-rows", type=int, default=30_000, help="random keys deleted after the adds")
-    p.add_argument("--nprobe", type=int, default=64)
-    p.add_argument("--clusters", type=int, default=1000)
-    p.add_argument("--queries", type=int, default=100)
     p.add_argument("--reps", type=int, default=10, help="passes over the queries")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--workdir")
-    p.add_argument("--out", help="also write the last JSON line here")
-    p.add_argument("--dry-run", action="store_true", help="tiny sizes: every step in well under a minute")
     args = p.parse_args()
     if args.dry_run:
         args.n, args.dim, args.shards, args.adds, args.add_rows, args.delete_rows = 24_000, 32, 2, 2, 1_000, 3_000
         args.nprobe, args.clusters, args.queries, args.reps = 8, 20, 10, 2
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    choose_openblas_core()  # before FAISS loads here: the kernels `needle serve` searches with
-    summary = run(args)
-    log(summary)
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    run_bench(args, run)
 
 
 if __name__ == "__main__":

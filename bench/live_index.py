@@ -411,33 +411,50 @@ def run(args: argparse.Namespace) -> dict:
     return record
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=1_000_000, help="rows of the first build")
+def bench_parser(doc: str | None, n: int) -> argparse.ArgumentParser:
+    """The flags the living-index benches share: the synthetic rows and queries, the index, the
+    threads, where the data and the last record go, and ``--dry-run``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=n, help="rows of the first build")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--nprobe", type=int, default=64)
+    parser.add_argument("--clusters", type=int, default=1000)
+    parser.add_argument("--queries", type=int, default=100, help="held-out queries")
+    parser.add_argument("--threads", type=int, default=1, help="OMP threads of every process")
+    parser.add_argument("--workdir", help="keep the data and indexes here (default: a temporary directory)")
+    parser.add_argument("--out", help="also write the last record to this JSON file")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes: every step, quickly")
+    return parser
+
+
+def run_bench(args: argparse.Namespace, run: Any) -> None:
+    """``run(args)`` with this process's threads and BLAS kernels those of ``needle`` (core/blas.py:
+    set before FAISS loads here), its record printed last and written to ``--out``."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from core.blas import choose_openblas_core
+
+    choose_openblas_core()
+    record = run(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    log(record)
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, 1_000_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--round-rows", type=int, default=20_000, help="rows added, then deleted, per round")
-    parser.add_argument("--queries", type=int, default=100, help="held-out queries (load and recall)")
-    parser.add_argument("--clusters", type=int, default=1000)
-    parser.add_argument("--nprobe", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="OMP threads of every process")
     parser.add_argument("--reload-interval", type=float, default=2.0)
     parser.add_argument(
         "--writer-nice", type=int, default=0, help="nice of the writers, and of this driver once the load runs"
     )
     parser.add_argument("--idle-s", type=float, default=20.0, help="seconds of load before any change")
-    parser.add_argument("--workdir", help="keep the data and indexes here (default: a temporary directory)")
-    parser.add_argument("--out", help="also write the last record to this JSON file")
-    parser.add_argument("--dry-run", action="store_true", help="tiny sizes: every step, quickly")
     args = parser.parse_args()
     if args.dry_run:
         args.n, args.dim, args.shards, args.rounds, args.round_rows = 24_000, 32, 2, 2, 2_000
         args.queries, args.clusters, args.nprobe, args.idle_s, args.reload_interval = 10, 50, 8, 2.0, 0.5
-    record = run(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    log(record)
+    run_bench(args, run)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 import time
@@ -38,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from live_index import log, make_vectors, needle, write_files  # noqa: E402
+from live_index import bench_parser, log, make_vectors, needle, run_bench, write_files  # noqa: E402
 
-from core.blas import choose_openblas_core  # noqa: E402
+from index.generations import latest_number, location_of  # noqa: E402
 
 TIMES = ("p50_ms", "p99_ms", "by_segment_p50_ms", "by_segment_p99_ms")
 
@@ -73,11 +72,6 @@ def shape_of(index_dir: Path, generation: int) -> tuple[int, int]:
     return sum(len(s["segments"]) for s in shards), sum(int(g["rows"]) for s in shards for g in s["segments"])
 
 
-def current_generation(index_dir: Path) -> int:
-    pointer = index_dir / "CURRENT.json"
-    return int(json.loads(pointer.read_text())["generation"]) if pointer.exists() else 0
-
-
 def run(args: argparse.Namespace) -> dict:
     from index.search import load_index
 
@@ -88,15 +82,15 @@ def run(args: argparse.Namespace) -> dict:
     build = ["index", "build", "--descriptors", str(work / "desc"), "--out", str(index_dir), "--kind", "ivfpq",
              "--shards", str(args.shards), "--nprobe", str(args.nprobe)]  # fmt: skip
     needle(build, args.threads)
-    generations = [current_generation(index_dir)]
+    generations = [latest_number(location_of(index_dir))]
     first_id = args.n // args.file_rows + 10
     for a in range(args.adds):
         new = work / f"add_{a:03d}"
         write_files(new, first_id + a, make_vectors(args.file_rows, args.dim, 100 + a, args.clusters))
         needle(["index", "add", "--index", str(index_dir), "--descriptors", str(new)], args.threads)
-        generations.append(current_generation(index_dir))
+        generations.append(latest_number(location_of(index_dir)))
     needle(["index", "compact", "--index", str(index_dir), "--keep", str(args.adds + 2)], args.threads)
-    compacted = current_generation(index_dir)
+    compacted = latest_number(location_of(index_dir))
     points: dict[int, list[dict]] = {}
     for timing_pass in range(2):
         for generation in [*generations, compacted]:
@@ -154,31 +148,16 @@ def summarize(args: argparse.Namespace, timed: list[dict], generations: list[int
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=300_000)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--shards", type=int, default=4)
+    p = bench_parser(__doc__, 300_000)
     p.add_argument("--adds", type=int, default=12, help="adds of one file each (one new segment each)")
     p.add_argument("--file-rows", type=int, default=10_000)
-    p.add_argument("--nprobe", type=int, default=64)
-    p.add_argument("--clusters", type=int, default=1000)
-    p.add_argument("--queries", type=int, default=100)
     p.add_argument("--seconds", type=float, default=6.0, help="searches timed per generation and pass")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--workdir")
-    p.add_argument("--out", help="also write the last JSON line here")
-    p.add_argument("--dry-run", action="store_true", help="tiny sizes: every step in about a minute")
     args = p.parse_args()
     if args.dry_run:
         args.n, args.dim, args.shards, args.adds, args.file_rows = 24_000, 32, 2, 3, 500
         args.nprobe, args.seconds = 8, 0.3
         args.clusters, args.queries = 20, 10
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    choose_openblas_core()  # before FAISS loads here: the kernels `needle serve` searches with
-    summary = run(args)
-    log(summary)
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    run_bench(args, run)
 
 
 if __name__ == "__main__":
