@@ -56,8 +56,12 @@ def log(record: dict) -> None:
 
 
 def env_for(threads: int) -> dict[str, str]:
+    """The commands' environment: ``threads`` for every BLAS/OpenMP pool, bytecode cached as on an
+    installed machine (a sandbox's PYTHONDONTWRITEBYTECODE made every command compile our ~50
+    modules again: ~0.1 s of CPU each, a twentieth of a 20k-row add)."""
+    inherited = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
     return {
-        **os.environ,
+        **inherited,
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "OPENBLAS_NUM_THREADS": str(threads),

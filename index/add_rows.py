@@ -203,12 +203,29 @@ def added_drift(writer: Writer, conf: AddConfig, trained: Path, segments: list[P
     except RuntimeError:
         return None  # a flat index: no quantizer to drift from
     baseline = trained_stats(writer, index)
-    new = [np.asarray(np.load(d / VECTORS_FILE, mmap_mode="r"), np.float32) for d in segments]
-    xb = np.concatenate(new) if new else np.zeros((0, int(writer.infos["dim"])), np.float32)
-    xb = xb[np.abs(xb).sum(1) > 0]  # rows whose image failed hold zeros and are not indexed
     # as many new rows as the baseline counted: the fullest lists' share depends on the rows counted
-    xb = xb[sample_positions(len(xb), int(baseline["rows"]) if baseline else 0, seed=1)]
+    size = int(baseline["rows"]) if baseline else 0
+    xb = sample_indexed_rows(
+        [np.load(d / VECTORS_FILE, mmap_mode="r") for d in segments], size, int(writer.infos["dim"])
+    )
     return drift_report(coarse_stats(index, xb), baseline, conf.drift_error_ratio, conf.drift_top_share_ratio)
+
+
+def sample_indexed_rows(parts: Sequence[np.ndarray], size: int, dim: int) -> np.ndarray:
+    """Up to ``size`` rows (float32) drawn from the indexed rows of ``parts`` (float16, memory-mapped),
+    in order: rows whose image failed hold zeros and are not indexed. Only the drawn rows are read
+    whole and widened: widening a 20k-row batch took ~0.15 s, a tenth of a small add's CPU time."""
+    starts = np.cumsum([0, *[len(p) for p in parts]])
+    indexed = np.concatenate(
+        [start + np.flatnonzero((p.view(np.uint16) & 0x7FFF).any(axis=1)) for start, p in zip(starts, parts)]
+        or [np.zeros(0, np.int64)]
+    )  # the sign bit aside: -0.0 is a zero too
+    chosen = indexed[sample_positions(len(indexed), size, seed=1)]
+    blocks = [
+        np.asarray(p[chosen[(chosen >= a) & (chosen < b)] - a], np.float32)
+        for p, a, b in zip(parts, starts, starts[1:])
+    ]
+    return np.concatenate(blocks) if blocks else np.zeros((0, dim), np.float32)
 
 
 def trained_stats(writer: Writer, index: Any) -> dict[str, Any] | None:

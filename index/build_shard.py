@@ -6,6 +6,7 @@ vectors, ids, keys; the local segments stay as the parts wrote them), then its
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -133,14 +134,34 @@ def finish_shard(
 def merge_shard_files(directory: Path, files: list[FileInfo], tasks: list[PartTask], dim: int) -> tuple[int, int]:
     """The shard's index, vectors, ids and key files from its parts (whose files are removed
     then); returns (vectors indexed, rows)."""
-    ntotal = merge_parts([task[4] for task in tasks], directory / INDEX_FILE)
-    rows = concatenate_vectors([Path(task[3]) for task in tasks], directory / VECTORS_FILE, dim)
+    if len(tasks) == 1:  # one part (every ``needle index add`` segment): its files are the shard's, renamed
+        ntotal, rows = adopt_part(Path(tasks[0][4]), Path(tasks[0][3]), directory, dim)
+    else:
+        ntotal = merge_parts([task[4] for task in tasks], directory / INDEX_FILE)
+        rows = concatenate_vectors([Path(task[3]) for task in tasks], directory / VECTORS_FILE, dim)
     if write_ids(files, directory / IDS_FILE) != rows:
         raise DescriptorFileError(f"{directory}: {rows} vectors for other than its {sum(f.rows for f in files)} rows")
     write_keys_of_ids(directory / IDS_FILE, directory)
     for task in tasks:
         Path(task[3]).unlink(missing_ok=True)
         Path(task[4]).unlink(missing_ok=True)
+    return ntotal, rows
+
+
+def adopt_part(index_path: Path, vectors_path: Path, directory: Path, dim: int) -> tuple[int, int]:
+    """A shard made of one part: the part's index and vectors renamed to the shard's (checked as
+    ``concatenate_vectors`` checks them; a rename is atomic) instead of copied through a merge;
+    returns (vectors indexed, rows)."""
+    import faiss
+
+    vectors = np.load(vectors_path, mmap_mode="r")
+    if vectors.ndim != 2 or vectors.shape[1] != dim or vectors.dtype != np.float16:
+        raise DescriptorFileError(f"part vectors of shape {vectors.shape} {vectors.dtype}, expected (n, {dim}) float16")
+    rows = len(vectors)
+    del vectors
+    ntotal = int(faiss.read_index(str(index_path)).ntotal)
+    os.replace(index_path, directory / INDEX_FILE)
+    os.replace(vectors_path, directory / VECTORS_FILE)
     return ntotal, rows
 
 

@@ -32,3 +32,25 @@ def test_nearest_rows_by_blocks():
         scores = x @ table.T if inner_product else -((x[:, None, :] - table[None]) ** 2).sum(2)
         np.testing.assert_array_equal(nearest_rows(x, table, inner_product, block=64), scores.argmax(1))
     assert coarse_assign(faiss.IndexFlatIP(8), x) is None
+
+
+def test_sampled_rows_equal_the_whole_batch_widened_then_sampled(tmp_path):
+    """``needle index add`` reads only the drawn rows of its segments: the same rows, in the same
+    order, as widening every row, dropping the zero rows (images that failed; -0.0 too) and drawing."""
+    from index.add_rows import sample_indexed_rows
+    from index.drift import sample_positions
+
+    rng = np.random.default_rng(3)
+    parts = []
+    for n, path in ((700, "a.npy"), (0, "b.npy"), (450, "c.npy")):
+        block = rng.normal(size=(n, 16)).astype(np.float16)
+        block[rng.random(n) < 0.2] = 0
+        block[rng.random(n) < 0.05] = np.float16(-0.0)
+        np.save(tmp_path / path, block)
+        parts.append(np.load(tmp_path / path, mmap_mode="r"))
+    whole = np.concatenate([np.asarray(p, np.float32) for p in parts])
+    whole = whole[np.abs(whole).sum(1) > 0]
+    for size in (0, 10, 500, 5000):
+        expected = whole[sample_positions(len(whole), size, seed=1)]
+        np.testing.assert_array_equal(sample_indexed_rows(parts, size, 16), expected)
+    assert sample_indexed_rows([], 10, 16).shape == (0, 16)
