@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import multiprocessing
 import os
 import resource
 import shutil
@@ -39,8 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +46,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from live_load import Load, busy_core, get_json, latency_by_span, wait_generation  # noqa: E402
+
 FILE_ROWS = 10_000  # rows per descriptor file (a tar's worth)
 
 
@@ -112,104 +113,6 @@ def write_files(directory: Path, first_id: int, vectors: np.ndarray) -> list[str
     return keys
 
 
-def get_json(url: str, body: dict | None = None, timeout: float = 60) -> dict | list:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as answer:
-        return json.loads(answer.read())
-
-
-def send_queries(url: str, queries: str, k: int, stop: Any, out: str) -> None:
-    """The client process: one query at a time until ``stop`` is set, then every answer's
-    (start, seconds, keys) and the error count to ``out`` (JSON)."""
-    xq = np.load(queries)
-    records: list[tuple[float, float, list[str]]] = []
-    errors, i = 0, 0
-    while not stop.is_set():
-        body = {"vectors": [xq[i % len(xq)].tolist()], "k": k}
-        start = time.monotonic()
-        try:
-            answer = get_json(f"{url}/search", body)
-            records.append((start, time.monotonic() - start, [r["key"] for r in answer[0]["results"]]))
-        except (OSError, urllib.error.HTTPError, ValueError):
-            errors += 1
-        i += 1
-    Path(out).write_text(json.dumps({"records": records, "errors": errors}))
-
-
-class Load:
-    """A steady query load from a client in its own process (``send_queries``).
-
-    Not a thread of this driver: the driver's own work between commands (writing the round's files,
-    choosing the keys to delete among a million) holds its GIL for up to a second at a time, and a
-    client thread waiting for it would count that wait as the server's latency."""
-
-    def __init__(self, url: str, queries: Path, k: int, out: Path):
-        context = multiprocessing.get_context("spawn")
-        self.out = out
-        self.stop = context.Event()
-        self.process = context.Process(
-            target=send_queries, args=(url, str(queries), k, self.stop, str(out)), daemon=True
-        )
-        self.records: list[tuple[float, float, list[str]]] = []  # (start, seconds, keys), after finish()
-        self.errors = 0
-
-    def start(self) -> None:
-        self.process.start()
-
-    def finish(self, timeout: float = 120) -> None:
-        self.stop.set()
-        self.process.join(timeout)
-        if self.process.exitcode != 0:
-            raise RuntimeError(f"the query load process ended with {self.process.exitcode}")
-        done = json.loads(self.out.read_text())
-        self.records, self.errors = [tuple(r) for r in done["records"]], done["errors"]
-
-    def latencies(self, since: float, until: float) -> np.ndarray:
-        """Seconds of the answers started in [since, until) (time.monotonic: one clock for every process)."""
-        return np.array([s for t, s, _ in self.records if since <= t < until])
-
-
-def latency_by_span(load: Load, spans: list[tuple[str, float, float]], since: float, until: float) -> dict:
-    """p50/p99 (ms) of the answers started in [since, until), by what ran when each started: a
-    writer command (``add``; ``delete_until_visible``, which waits for the server's switch), the
-    wait from an add's return to its generation served, or nothing but the driver (``no_writer``)."""
-    kinds: dict[str, list[float]] = {}
-    for start, seconds, _ in load.records:
-        if since <= start < until:
-            kind = next((name for name, a, b in spans if a <= start < b), "no_writer")
-            kinds.setdefault(kind, []).append(seconds)
-    return {
-        kind: {"queries": len(v), "p50_ms": round(float(np.percentile(v, 50)) * 1000, 2),
-               "p99_ms": round(float(np.percentile(v, 99)) * 1000, 2)}
-        for kind, v in sorted(kinds.items())
-    }  # fmt: skip
-
-
-def busy_core(seconds: float, nice: int) -> tuple[float, float]:
-    """Keep one more core busy (a Python loop at ``nice``) for ``seconds``, no change made; the
-    window's (start, end) on the load's clock."""
-    loop = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
-    burner = subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", loop])
-    time.sleep(0.5)  # started
-    start = time.monotonic()
-    burner.wait()
-    return start, time.monotonic()
-
-
-def wait_generation(url: str, generation: int, timeout: float = 600) -> float:
-    """Monotonic time at which the server first reports ``generation`` (polled every 20 ms)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if get_json(f"{url}/health", timeout=5)["generation"] >= generation:
-                return time.monotonic()
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.02)
-    raise TimeoutError(f"{url} did not serve generation {generation} in {timeout} s")
-
-
 def free_port() -> int:
     import socket
 
@@ -245,10 +148,68 @@ def brute_force_keys(vectors: dict[str, np.ndarray], xq: np.ndarray, k: int) -> 
     return [[keys[i] for i in row] for row in order]
 
 
+@dataclass
+class Changes:
+    """What the rounds measured: rates per round, when each change became visible, and the
+    windows of the load (time.monotonic, one clock for every process)."""
+
+    add_rates: list[float] = field(default_factory=list)  # rows per wall second of each add
+    add_cpu_rates: list[float] = field(default_factory=list)  # rows per CPU second of each add command
+    phase_rates: list[float] = field(default_factory=list)  # rows per CPU second of each add's add phase
+    visible: list[float] = field(default_factory=list)  # seconds from each add's return to its generation served
+    delete_visible: list[tuple[float, set[str]]] = field(default_factory=list)  # (returned at, keys) per delete
+    spans: list[tuple[str, float, float]] = field(default_factory=list)  # (what ran, start, end)
+    windows: dict[str, float] = field(default_factory=dict)  # idle/busy/changes start and end
+
+
 def run(args: argparse.Namespace) -> dict:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="needle-live-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
+    live, xq, build_rate = prepare(args, work)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve_cmd = [sys.executable, "-m", "cli.main", "serve", "--index", str(work / "index"), "--port", str(port),
+                 "--reload-interval", str(args.reload_interval), "--max-k-total", "100000"]  # fmt: skip
+    server = subprocess.Popen(serve_cmd, cwd=ROOT, env=env_for(args.threads), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_generation(url, 0, timeout=300)
+        load = Load(url, work / "queries.npy", 100, work / "load.json")
+        load.start()
+        changes = change_rounds(args, work, url, live)
+        change, compact_s, _ = needle(["index", "compact", "--index", str(work / "index"), "--keep", "1", "--wait-for",
+                                    url], args.threads)  # fmt: skip
+        time.sleep(1.0)
+        load.finish()
+        log({"phase": "compact", "seconds": round(compact_s, 1), "generation": change["generation"]})
+        w = changes.windows
+        log({"phase": "latency_by_span", **latency_by_span(load, changes.spans, w["idle_end"], w["changes_end"])})
+        search = get_json(f"{url}/search", {"vectors": xq.tolist(), "k": 1000}, timeout=600)
+        served = [[r["key"] for r in q["results"]] for q in search]
+    finally:
+        server.terminate()
+        server.wait(60)
+    record = {
+        **{name: getattr(args, name) for name in ("n", "dim", "shards", "rounds", "round_rows", "threads")},
+        "live_rows": len(live),
+        "queries_during_run": len(load.records),
+        "query_errors": load.errors,
+        "deleted_returned": deleted_returned(load, changes.delete_visible),
+        **rate_figures(changes, build_rate, args.writer_nice),
+        "visible_after_return_s": round(max(changes.visible), 3),
+        "reload_interval_s": args.reload_interval,
+        **latency_figures(load, changes.windows, args.idle_s),
+        **against_fresh(args, work, live, xq, served),
+        "nprobe": args.nprobe,
+    }
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return record
+
+
+def prepare(args: argparse.Namespace, work: Path) -> tuple[dict[str, np.ndarray], np.ndarray, float]:
+    """The base descriptors, the queries and the build: (key -> vector of every live row, the
+    queries, the build's add rate in rows per second of its add phase)."""
     base = make_vectors(args.n, args.dim, 1, args.clusters)
     base_keys = write_files(work / "desc", 0, base)
     live = dict(zip(base_keys, base))
@@ -256,7 +217,6 @@ def run(args: argparse.Namespace) -> dict:
     xq = make_vectors(args.queries, args.dim, 2, args.clusters).astype(np.float32)
     np.save(work / "queries.npy", xq)
     log({"phase": "descriptors", "n": args.n, "dim": args.dim, "files": len(base_keys) // FILE_ROWS + 1})
-
     build_args = ["index", "build", "--descriptors", str(work / "desc"), "--out", str(work / "index"),
                   "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe)]  # fmt: skip
     _, build_s, _ = needle(build_args, args.threads)
@@ -270,149 +230,142 @@ def run(args: argparse.Namespace) -> dict:
             "add_rows_per_s": round(build_rate),
         }
     )
+    return live, xq, build_rate
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve_cmd = [sys.executable, "-m", "cli.main", "serve", "--index", str(work / "index"), "--port", str(port),
-                 "--reload-interval", str(args.reload_interval), "--max-k-total", "100000"]  # fmt: skip
-    server = subprocess.Popen(serve_cmd, cwd=ROOT, env=env_for(args.threads), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        wait_generation(url, 0, timeout=300)
-        load = Load(url, work / "queries.npy", 100, work / "load.json")
-        load.start()
-        # from here the driver's own work (each round's files, choosing the keys to delete) stands for
-        # the world outside the server, as the writers do: at their nice (the client process keeps 0)
-        os.nice(args.writer_nice)
-        idle_start = time.monotonic()
-        time.sleep(args.idle_s)
-        idle_end = time.monotonic()
-        busy_start, busy_end = busy_core(args.idle_s, args.writer_nice)
-        idle_end = max(idle_end, busy_start)  # the changes' window starts after the busy core's
-        add_rates, add_cpu_rates, phase_rates, visible, deleted_all, delete_visible = [], [], [], [], set(), []
-        spans: list[tuple[str, float, float]] = []  # (what ran, start, end): where the slow answers fall
-        next_id = len(base_keys) // FILE_ROWS + 1
-        for round_number in range(args.rounds):
-            new = make_vectors(args.round_rows, args.dim, 100 + round_number, args.clusters)
-            shutil.rmtree(work / "round", ignore_errors=True)
-            new_keys = write_files(work / "round", next_id, new)
-            next_id += (args.round_rows + FILE_ROWS - 1) // FILE_ROWS
-            started = time.monotonic()
-            change, seconds, cpu = needle(["index", "add", "--index", str(work / "index"), "--descriptors",
-                                           str(work / "round")], args.threads, nice=args.writer_nice)  # fmt: skip
-            returned = time.monotonic()
-            visible.append(wait_generation(url, change["generation"]) - returned)
-            spans += [("add", started, returned), ("add_to_visible", returned, returned + visible[-1])]
-            add_rates.append(args.round_rows / seconds)
-            add_cpu_rates.append(args.round_rows / cpu)
-            phase_rates.append(args.round_rows / max(change["timings"]["add_cpu_s"], 1e-6))
-            live.update(zip(new_keys, new))
-            doomed = [str(k) for k in rng.choice(sorted(live), args.round_rows, replace=False)]
-            delete_args = ["index", "delete", "--index", str(work / "index"), "--keys", "-", "--wait-for", url]
-            keys_text = "\n".join(doomed) + "\n"
-            started = time.monotonic()
-            change, _, _ = needle(delete_args, args.threads, stdin=keys_text, nice=args.writer_nice)
-            delete_visible.append((time.monotonic(), set(doomed)))
-            spans.append(("delete_until_visible", started, delete_visible[-1][0]))
-            for key in doomed:
-                del live[key]
-            deleted_all.update(doomed)
-            log({"phase": "round", "round": round_number, "add_s": round(seconds, 2),
-                 "add_rows_per_s": round(add_rates[-1]), "add_rows_per_cpu_s": round(add_cpu_rates[-1]),
-                 "visible_after_return_s": round(visible[-1], 3),
-                 "deleted": change["deleted"]})  # fmt: skip
-        changes_end = time.monotonic()
-        change, compact_s, _ = needle(["index", "compact", "--index", str(work / "index"), "--keep", "1", "--wait-for",
-                                    url], args.threads)  # fmt: skip
-        time.sleep(1.0)
-        load.finish()
-        log({"phase": "compact", "seconds": round(compact_s, 1), "generation": change["generation"]})
-        # a deleted key in an answer that started after its delete returned (with --wait-for: visible)
-        deleted_returned = 0
-        gone_by: list[set[str]] = []  # the keys deleted by the end of each delete, cumulated
-        for _, keys_ in delete_visible:
-            gone_by.append((gone_by[-1] if gone_by else set()) | keys_)
-        times = [at for at, _ in delete_visible]
-        for started, _, keys in load.records:
-            done = bisect.bisect_right(times, started)  # deletes that had returned when it started
-            if done:
-                deleted_returned += len(gone_by[done - 1].intersection(keys))
-        idle = load.latencies(idle_start, idle_start + args.idle_s)
-        busy = load.latencies(busy_start, busy_end)
-        during = load.latencies(busy_end, changes_end)
-        log({"phase": "latency_by_span", **latency_by_span(load, spans, idle_end, changes_end)})
-        search = get_json(f"{url}/search", {"vectors": xq.tolist(), "k": 1000}, timeout=600)
-        served = [[r["key"] for r in q["results"]] for q in search]
-    finally:
-        server.terminate()
-        server.wait(60)
+
+def change_rounds(args: argparse.Namespace, work: Path, url: str, live: dict[str, np.ndarray]) -> Changes:
+    """The idle window, the busy-core window, then ``args.rounds`` rounds of an add (its generation
+    awaited on ``/health``) and a delete ``--wait-for`` the server; ``live`` follows the changes."""
+    rng = np.random.default_rng(0)
+    out = Changes()
+    # from here the driver's own work (each round's files, choosing the keys to delete) stands for
+    # the world outside the server, as the writers do: at their nice (the client process keeps 0)
+    os.nice(args.writer_nice)
+    idle_start = time.monotonic()
+    time.sleep(args.idle_s)
+    idle_end = time.monotonic()
+    busy_start, busy_end = busy_core(args.idle_s, args.writer_nice)
+    idle_end = max(idle_end, busy_start)  # the changes' window starts after the busy core's
+    next_id = args.n // FILE_ROWS + 1  # past the base files' Parquet shard ids
+    index = str(work / "index")
+    for round_number in range(args.rounds):
+        new = make_vectors(args.round_rows, args.dim, 100 + round_number, args.clusters)
+        shutil.rmtree(work / "round", ignore_errors=True)
+        new_keys = write_files(work / "round", next_id, new)
+        next_id += (args.round_rows + FILE_ROWS - 1) // FILE_ROWS
+        started = time.monotonic()
+        change, seconds, cpu = needle(["index", "add", "--index", index, "--descriptors", str(work / "round")],
+                                      args.threads, nice=args.writer_nice)  # fmt: skip
+        returned = time.monotonic()
+        out.visible.append(wait_generation(url, change["generation"]) - returned)
+        out.spans += [("add", started, returned), ("add_to_visible", returned, returned + out.visible[-1])]
+        out.add_rates.append(args.round_rows / seconds)
+        out.add_cpu_rates.append(args.round_rows / cpu)
+        out.phase_rates.append(args.round_rows / max(change["timings"]["add_cpu_s"], 1e-6))
+        live.update(zip(new_keys, new))
+        doomed = [str(k) for k in rng.choice(sorted(live), args.round_rows, replace=False)]
+        started = time.monotonic()
+        change, _, _ = needle(["index", "delete", "--index", index, "--keys", "-", "--wait-for", url], args.threads,
+                              stdin="\n".join(doomed) + "\n", nice=args.writer_nice)  # fmt: skip
+        out.delete_visible.append((time.monotonic(), set(doomed)))
+        out.spans.append(("delete_until_visible", started, out.delete_visible[-1][0]))
+        for key in doomed:
+            del live[key]
+        log({"phase": "round", "round": round_number, "add_s": round(seconds, 2),
+             "add_rows_per_s": round(out.add_rates[-1]), "add_rows_per_cpu_s": round(out.add_cpu_rates[-1]),
+             "visible_after_return_s": round(out.visible[-1], 3), "deleted": change["deleted"]})  # fmt: skip
+    out.windows = {"idle_start": idle_start, "idle_end": idle_end, "busy_start": busy_start, "busy_end": busy_end,
+                   "changes_end": time.monotonic()}  # fmt: skip
+    return out
+
+
+def deleted_returned(load: Load, delete_visible: list[tuple[float, set[str]]]) -> int:
+    """Deleted keys in the answers that started after their delete returned (with --wait-for: visible)."""
+    gone_by: list[set[str]] = []  # the keys deleted by the end of each delete, cumulated
+    for _, keys in delete_visible:
+        gone_by.append((gone_by[-1] if gone_by else set()) | keys)
+    times = [at for at, _ in delete_visible]
+    count = 0
+    for started, _, keys in load.records:
+        done = bisect.bisect_right(times, started)  # deletes that had returned when it started
+        if done:
+            count += len(gone_by[done - 1].intersection(keys))
+    return count
+
+
+def rate_figures(changes: Changes, build_rate: float, writer_nice: int) -> dict:
+    """The add rates against the build's add phase (rows per second on one thread, alone)."""
+    median = {name: float(np.median(getattr(changes, name))) for name in ("add_rates", "add_cpu_rates", "phase_rates")}
+    return {
+        "build_add_rows_per_s": round(build_rate),
+        "live_add_rows_per_s": round(median["add_rates"]),
+        "live_add_rows_per_cpu_s": round(median["add_cpu_rates"]),
+        # per core: the add command's rows per CPU second (its whole process: start, key checks,
+        # encoding, files, drift) against the build's add phase on one thread, alone on the machine
+        "add_rate_vs_build": round(median["add_cpu_rates"] / build_rate, 3),
+        # the add phase alone (reading, encoding, writing the segment: the command's timings.add_cpu_s)
+        # against the build's, like for like: what the command's fixed work (start, imports, key
+        # checks, drift report, publishing) leaves out
+        "add_phase_rate_vs_build": round(median["phase_rates"] / build_rate, 3),
+        # per wall second, while sharing the cores with the loaded server
+        "add_rate_vs_build_wall": round(median["add_rates"] / build_rate, 3),
+        "writer_nice": writer_nice,  # the add/delete commands' and, during the rounds, the driver's
+    }
+
+
+def latency_figures(load: Load, windows: dict[str, float], idle_s: float) -> dict:
+    """p50/p99 (ms) idle, with one more core busy and no change, and during the rounds."""
+    idle = load.latencies(windows["idle_start"], windows["idle_start"] + idle_s)
+    busy = load.latencies(windows["busy_start"], windows["busy_end"])
+    during = load.latencies(windows["busy_end"], windows["changes_end"])
+
+    def ms(seconds: np.ndarray, q: int) -> float:
+        return round(float(np.percentile(seconds, q)) * 1000, 2)
+
+    return {
+        "p50_idle_ms": ms(idle, 50),
+        "p99_idle_ms": ms(idle, 99),
+        "p50_during_changes_ms": ms(during, 50),
+        "p99_during_changes_ms": ms(during, 99),
+        "p99_ratio_during_changes": round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 3),
+        # no change, one process busy at the writers' nice: what any work beside the server costs it
+        # on this box, the floor of the ratio above (2 vCPUs: the server, its client and one more)
+        "p50_busy_core_ms": ms(busy, 50),
+        "p99_busy_core_ms": ms(busy, 99),
+        "p99_ratio_busy_core": round(float(np.percentile(busy, 99) / np.percentile(idle, 99)), 3),
+    }
+
+
+def against_fresh(
+    args: argparse.Namespace, work: Path, live: dict[str, np.ndarray], xq: np.ndarray, served: list[list[str]]
+) -> dict:
+    """Recall@1000 of the served answers and of a fresh build over the same live rows (against
+    brute force), and the RSS of a process that opened each and answered the queries."""
+    from index.search import load_index
+    from tests.helpers_index import write_descriptor_file
 
     truth = brute_force_keys(live, xq, 1000)
     fresh_keys = sorted(live)
     fresh_vectors = np.stack([live[k] for k in fresh_keys])
     shutil.rmtree(work / "fresh_desc", ignore_errors=True)
-    from tests.helpers_index import write_descriptor_file
-
     for number, start in enumerate(range(0, len(fresh_keys), FILE_ROWS)):
         write_descriptor_file(work / "fresh_desc", f"g{number:06d}", number, fresh_vectors[start : start + FILE_ROWS],
                    fresh_keys[start : start + FILE_ROWS])  # fmt: skip
     needle(["index", "build", "--descriptors", str(work / "fresh_desc"), "--out", str(work / "fresh"),
             "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe)], args.threads)  # fmt: skip
-    from index.search import load_index
-
     fresh = load_index(work / "fresh")
     _, I = fresh.search(xq, 1000)
-    recall_fresh = recall(fresh.keys_of(I), truth)
-    recall_served = recall(served, truth)
+    recall_fresh, recall_served = recall(fresh.keys_of(I), truth), recall(served, truth)
     rss_live = memory_of(work / "index", work / "queries.npy", args.threads)["rss"]
     rss_fresh = memory_of(work / "fresh", work / "queries.npy", args.threads)["rss"]
-    record = {
-        "n": args.n,
-        "dim": args.dim,
-        "shards": args.shards,
-        "rounds": args.rounds,
-        "round_rows": args.round_rows,
-        "threads": args.threads,
-        "live_rows": len(live),
-        "queries_during_run": len(load.records),
-        "query_errors": load.errors,
-        "deleted_returned": deleted_returned,
-        "build_add_rows_per_s": round(build_rate),
-        "live_add_rows_per_s": round(float(np.median(add_rates))),
-        "live_add_rows_per_cpu_s": round(float(np.median(add_cpu_rates))),
-        # per core: the add command's rows per CPU second (its whole process: start, key checks,
-        # encoding, files, drift) against the build's add phase on one thread, alone on the machine
-        "add_rate_vs_build": round(float(np.median(add_cpu_rates)) / build_rate, 3),
-        # the add phase alone (reading, encoding, writing the segment: the command's timings.add_cpu_s)
-        # against the build's, like for like: what the command's fixed work (start, imports, key
-        # checks, drift report, publishing) leaves out
-        "add_phase_rate_vs_build": round(float(np.median(phase_rates)) / build_rate, 3),
-        # per wall second, while sharing the cores with the loaded server
-        "add_rate_vs_build_wall": round(float(np.median(add_rates)) / build_rate, 3),
-        "writer_nice": args.writer_nice,  # the add/delete commands' and, during the rounds, the driver's
-        "visible_after_return_s": round(max(visible), 3),
-        "reload_interval_s": args.reload_interval,
-        "p50_idle_ms": round(float(np.percentile(idle, 50)) * 1000, 2),
-        "p99_idle_ms": round(float(np.percentile(idle, 99)) * 1000, 2),
-        "p50_during_changes_ms": round(float(np.percentile(during, 50)) * 1000, 2),
-        "p99_during_changes_ms": round(float(np.percentile(during, 99)) * 1000, 2),
-        "p99_ratio_during_changes": round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 3),
-        # no change, one process busy at the writers' nice: what any work beside the server costs it
-        # on this box, the floor of the ratio above (2 vCPUs: the server, its client and one more)
-        "p50_busy_core_ms": round(float(np.percentile(busy, 50)) * 1000, 2),
-        "p99_busy_core_ms": round(float(np.percentile(busy, 99)) * 1000, 2),
-        "p99_ratio_busy_core": round(float(np.percentile(busy, 99) / np.percentile(idle, 99)), 3),
+    return {
         "recall_at_1000_served": round(recall_served, 4),
         "recall_at_1000_fresh": round(recall_fresh, 4),
         "recall_gap_vs_fresh": round(recall_fresh - recall_served, 4),
         "compact_rss_bytes": rss_live,
         "fresh_rss_bytes": rss_fresh,
         "compact_rss_vs_fresh": round(rss_live / rss_fresh, 3),
-        "nprobe": args.nprobe,
     }
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
-    return record
 
 
 def bench_parser(doc: str | None, n: int) -> argparse.ArgumentParser:
