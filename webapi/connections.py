@@ -37,7 +37,7 @@ both.
 Bodies are bounded by webapi.guard (``body_timeout``, the sizes). The subclass touches only what
 both uvicorn protocols share: ``connections``, ``cycle`` (its ``response_complete``),
 ``transport``, ``loop``, ``connection_made``/``data_received``/``connection_lost`` and
-``on_response_complete``; tests/test_service_limits.py runs it on both.
+``on_response_complete``; tests/test_serve_connections.py runs it on both.
 """
 
 from __future__ import annotations
