@@ -20,6 +20,7 @@ from index.search import load_index
 from index.shard import open_shard
 from index.shard_files import shard_names, verify_shard
 from ingest.descriptors import (
+    DescriptorFileError,
     descriptor_schema,
     fixed_size_list,
     list_column,
@@ -326,3 +327,45 @@ def test_long_shortlists_are_re_scored_in_chunks_with_the_same_scores(monkeypatc
     monkeypatch.setattr(merge, "RESCORE_CHUNK", 33)
     np.testing.assert_array_equal(merge.inner_products_at(vectors, positions, xq), whole)
     assert np.isneginf(whole[:, ::7]).all() and np.isfinite(whole[positions >= 0]).all()
+
+
+def test_a_one_part_shard_adopts_its_parts_files_as_a_merge_would_write_them(tmp_path):
+    """A shard made of one part (every ``needle index add`` segment) renames the part's index and
+    vectors into place: the same vectors and the same answers as merging them through copies; a
+    part whose vectors have the wrong shape is refused, naming it."""
+    import faiss
+
+    from index.build_shard import adopt_part, concatenate_vectors, merge_parts
+    from index.layout import INDEX_FILE, VECTORS_FILE
+
+    xb = clustered_unit_vectors(600, 16, seed=4).astype(np.float32)
+    index = faiss.index_factory(16, "IVF8,PQ4x4fsr", faiss.METRIC_INNER_PRODUCT)
+    index.train(xb)
+    index.add_with_ids(xb, np.arange(600, dtype=np.int64) * 3)
+    answers = {}
+    for name in ("adopted", "merged"):
+        directory = tmp_path / name
+        directory.mkdir()
+        faiss.write_index(index, str(directory / "part_000.faiss"))
+        np.save(directory / "part_000.vectors.f16.npy", xb.astype(np.float16))
+        if name == "adopted":
+            assert adopt_part(directory / "part_000.faiss", directory / "part_000.vectors.f16.npy", directory, 16) == (
+                600,
+                600,
+            )
+            assert sorted(p.name for p in directory.iterdir()) == sorted([INDEX_FILE, VECTORS_FILE])
+        else:
+            assert merge_parts([str(directory / "part_000.faiss")], directory / INDEX_FILE) == 600
+            assert concatenate_vectors([directory / "part_000.vectors.f16.npy"], directory / VECTORS_FILE, 16) == 600
+        answers[name] = faiss.read_index(str(directory / INDEX_FILE)).search(xb[:20], 10)
+        np.testing.assert_array_equal(np.load(directory / VECTORS_FILE), xb.astype(np.float16))
+    np.testing.assert_array_equal(answers["adopted"][1], answers["merged"][1])
+    np.testing.assert_array_equal(answers["adopted"][0], answers["merged"][0])
+
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    faiss.write_index(index, str(wrong / "part_000.faiss"))
+    np.save(wrong / "part_000.vectors.f16.npy", xb[:, :8].astype(np.float16))
+    with pytest.raises(DescriptorFileError, match=r"shape \(600, 8\)"):
+        adopt_part(wrong / "part_000.faiss", wrong / "part_000.vectors.f16.npy", wrong, 16)
+    assert not (wrong / INDEX_FILE).exists()  # nothing renamed into place
