@@ -134,10 +134,10 @@ def test_query_aps_expansion_equals_the_query_paths_arithmetic():
 
 
 def test_bench_glue_scores_every_pass_and_reports(monkeypatch, capsys):
-    """bench/rerank.py's held_out_by_source on fake scoring passes: each (tokens, threshold,
+    """bench/rerank_scoring.py's held_out_by_source on fake scoring passes: each (tokens, threshold,
     pairs) scored once, the defaults found in the grid, a table printed."""
     spec = importlib.util.spec_from_file_location(
-        "bench_rerank_main", Path(__file__).resolve().parents[1] / "bench" / "rerank.py"
+        "bench_rerank_scoring", Path(__file__).resolve().parents[1] / "bench" / "rerank_scoring.py"
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
