@@ -34,6 +34,12 @@ def write_float16_npy_header(out: Any, n_rows: int, dim: int) -> None:
     )
 
 
+def check_part_vectors(vectors: np.ndarray, dim: int) -> None:
+    """A part's vectors are (n, ``dim``) float16, else a DescriptorFileError naming their shape."""
+    if vectors.ndim != 2 or vectors.shape[1] != dim or vectors.dtype != np.float16:
+        raise DescriptorFileError(f"part vectors of shape {vectors.shape} {vectors.dtype}, expected (n, {dim}) float16")
+
+
 def concatenate_vectors(part_paths: list[Path], out_path: Path, dim: int, chunk_rows: int = 1 << 16) -> int:
     """The parts' float16 vectors, in order, as one ``.npy`` file (streamed in chunks); returns rows."""
     parts = [np.load(path, mmap_mode="r") for path in part_paths]
@@ -41,10 +47,7 @@ def concatenate_vectors(part_paths: list[Path], out_path: Path, dim: int, chunk_
     with atomic_path(out_path) as tmp, open(tmp, "wb") as out:
         write_float16_npy_header(out, n_rows, dim)
         for vectors in parts:
-            if vectors.ndim != 2 or vectors.shape[1] != dim or vectors.dtype != np.float16:
-                raise DescriptorFileError(
-                    f"part vectors of shape {vectors.shape} {vectors.dtype}, expected (n, {dim}) float16"
-                )
+            check_part_vectors(vectors, dim)
             for start in range(0, len(vectors), chunk_rows):
                 out.write(np.ascontiguousarray(vectors[start : start + chunk_rows]).tobytes())
     del parts
@@ -150,13 +153,12 @@ def merge_shard_files(directory: Path, files: list[FileInfo], tasks: list[PartTa
 
 def adopt_part(index_path: Path, vectors_path: Path, directory: Path, dim: int) -> tuple[int, int]:
     """A shard made of one part: the part's index and vectors renamed to the shard's (checked as
-    ``concatenate_vectors`` checks them; a rename is atomic) instead of copied through a merge;
+    a merge checks them: ``check_part_vectors``; a rename is atomic) instead of copied through a merge;
     returns (vectors indexed, rows)."""
     import faiss
 
     vectors = np.load(vectors_path, mmap_mode="r")
-    if vectors.ndim != 2 or vectors.shape[1] != dim or vectors.dtype != np.float16:
-        raise DescriptorFileError(f"part vectors of shape {vectors.shape} {vectors.dtype}, expected (n, {dim}) float16")
+    check_part_vectors(vectors, dim)
     rows = len(vectors)
     del vectors
     ntotal = int(faiss.read_index(str(index_path)).ntotal)
