@@ -1,5 +1,5 @@
 """Exact k-NN over a memory-mapped float16 database (the ILIAS baseline) with each backend of
-index/gpu.py: ``faiss-cpu`` (faiss.knn per chunk), ``torch`` on the CPU, and where a GPU exists
+index/gpu/engine.py: ``faiss-cpu`` (faiss.knn per chunk), ``torch`` on the CPU, and where a GPU exists
 ``torch`` on CUDA and ``faiss-gpu`` (knn_gpu).
 
 Writes an n x d float16 ``.npy`` of random unit vectors (in blocks, never all in memory; queries
@@ -54,7 +54,7 @@ def make_queries(xb: np.ndarray, nq: int, seed: int) -> np.ndarray:
 
 def backends(device: str) -> list[tuple[str, str, str | None]]:
     """(label, exact_search device, backend) of every backend available for ``device``."""
-    from index.gpu import faiss_gpus, torch_cuda_available
+    from index.gpu.engine import faiss_gpus, torch_cuda_available
 
     runs = []
     if device in ("auto", "cpu"):
@@ -91,7 +91,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
-    from index.gpu import chunks_of, default_chunk_rows, exact_search
+    from index.gpu.engine import chunks_of, default_chunk_rows, exact_search
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         path = Path(tmp) / "xb.f16.npy"

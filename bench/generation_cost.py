@@ -3,8 +3,8 @@ generation back to back, so that the box's drift (±25 % within minutes on the 2
 all of them alike.
 
 Builds an IVF-PQ index over ``--n`` synthetic rows in ``--shards`` shards, adds ``--adds`` rounds of
-``--add-rows`` rows (small segments: index/segment_merge.py searches them as one), then deletes
-``--delete-rows`` random keys (delete sets: index/deletes.py skips them by over-fetching). Then, in
+``--add-rows`` rows (small segments: index/live/segment_merge.py searches them as one), then deletes
+``--delete-rows`` random keys (delete sets: index/live/deletes.py skips them by over-fetching). Then, in
 this process, for each query (k=100) in turn it times one search of each variant, in an order that
 alternates:
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from live_index import FILE_ROWS, bench_parser, log, make_vectors, needle, run_bench, write_files  # noqa: E402
 
-from index.generations import latest_number, location_of  # noqa: E402
+from index.live.generations import latest_number, location_of  # noqa: E402
 
 
 def make_index(args: argparse.Namespace, work: Path) -> tuple[Path, dict[str, int]]:
@@ -70,7 +70,7 @@ def timed(search, xq: np.ndarray) -> tuple[float, tuple[np.ndarray, np.ndarray]]
 
 
 def run(args: argparse.Namespace) -> dict:
-    import index.deletes as deletes
+    import index.live.deletes as deletes
     from index.search import load_index
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="needle-generation-cost-"))

@@ -254,7 +254,7 @@ def stage_ingest(run: Run, model: str) -> dict[str, float]:
 def stage_aliked(run: Run, global_img_s: float | None) -> None:
     import torch
 
-    from embed.locals import build_local_extractor
+    from embed.locals.extract import build_local_extractor
 
     torch.set_num_threads(1 if run.device == "cuda" else run.cpus)
     ext = build_local_extractor("aliked-n16", None, run.device)
@@ -394,11 +394,11 @@ def stage_spatial(run: Run) -> None:
 
 
 def stage_exact(run: Run) -> None:
-    """Resident vs streamed exact search (index.gpu_resident) over n x d float16."""
+    """Resident vs streamed exact search (index.gpu.resident) over n x d float16."""
     import torch
 
-    from index.gpu import chunks_of, exact_search
-    from index.gpu_resident import ResidentDatabase
+    from index.gpu.engine import chunks_of, exact_search
+    from index.gpu.resident import ResidentDatabase
 
     n, d, nq, k = (20_000, 64, 10, 10) if run.dry else (10_000_000, 512, 1000, 1000)
     rng = np.random.default_rng(0)

@@ -1,7 +1,7 @@
 """Index at a scale this machine cannot run (100M x 512): memory and build time extrapolated from
 measured ``bench/index_scale.py`` runs, component by component. Prints one JSON line.
 
-The plan is what ``needle index build`` would choose (``index.factory.plan_index``). Every other
+The plan is what ``needle index build`` would choose (``index.build.factory.plan_index``). Every other
 figure comes from the measured runs, taking the least favourable run for each term:
 
 - index bytes per vector = the plan's code bytes + the measured overhead beyond the code (ids,
@@ -46,7 +46,7 @@ def load_runs(paths: list[str]) -> list[dict]:
 
 
 def extrapolate(runs: list[dict], n: int, d: int, budget: str, shards: int, parts: int) -> dict:
-    from index.factory import parse_bytes, plan_index
+    from index.build.factory import parse_bytes, plan_index
 
     plan = plan_index(n, d, parse_bytes(budget))
     overhead_per_vector = max(r["bytes_per_vector"] - r["code_bytes"] for r in runs)

@@ -199,8 +199,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from index.build import IDS_FILE, INDEX_FILE, INFOS_FILE, VECTORS_FILE
-    from index.build_shard import concatenate_vectors, merge_parts
+    from index.build.shard import concatenate_vectors, merge_parts
+    from index.build.stage import IDS_FILE, INDEX_FILE, INFOS_FILE, VECTORS_FILE
     from index.memory import process_memory
     from index.search import load_index
     from index.shard_files import index_file_paths

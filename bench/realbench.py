@@ -90,8 +90,8 @@ def main() -> None:
 
     from cluster.ingest_job import main as ingest
     from eval.evaluate import EvalConfig, evaluate
-    from index.build import IndexConfig
-    from index.build import main as build_index
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build_index
     from ingest.config import IngestConfig
 
     if not REALBENCH.is_dir():

@@ -98,7 +98,7 @@ from rerank_setup import (  # noqa: E402
     train_ames,
 )
 
-from embed.local_presets import DEFAULT_LOCALS  # noqa: E402  (torch-free: the registry of presets)
+from embed.locals.presets import DEFAULT_LOCALS  # noqa: E402  (torch-free: the registry of presets)
 
 BYTES_PER_IMAGE = TIMED_TOKENS * BYTES_PER_TOKEN + 8  # the timed setting's local bytes per image
 
@@ -265,7 +265,7 @@ def global_vectors(bench: Bench) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def defaults_with_expansion(bench: Bench, variants: list[dict], result: dict) -> Defaults:
-    """The defaults' figures: SP, then α-QE where the token kind's is on (embed.local_presets.RERANK_BY_KIND),
+    """The defaults' figures: SP, then α-QE where the token kind's is on (embed.locals.presets.RERANK_BY_KIND),
     their mAP per image source, and α-QE chosen per fold (a row each)."""
     from rerank.expand import ExpansionConfig
     from rerank.rerank import RerankConfig, with_kind_defaults

@@ -51,7 +51,7 @@ class CandidateDescriptors:
     def __init__(
         self, source: str, index, itq_path: str | None, work: Path, locals_preset: str, keypoints: int | None = None
     ):
-        from embed.locals import build_local_extractor
+        from embed.locals.extract import build_local_extractor
 
         self.source, self.index, self.work = source, index, work
         self.extract_seconds, self.extracted = 0.0, 0

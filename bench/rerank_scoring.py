@@ -27,7 +27,7 @@ CHAMFER_WEIGHTS = (0.0, 0.15, 0.3, 0.5)
 # Query expansion after verification: (results looked at, inliers needed, alpha) tried per fold
 QE_GRID = tuple((top, inliers, alpha) for top in (1, 2, 3, 5) for inliers in (5, 10, 20) for alpha in (0.0, 3.0))
 # Query-side token variants (no storage cost) by token kind: (name, scales, tokens per scale); the
-# defaults are embed.local_presets.RERANK_BY_KIND (Lite0 100 at each of 0.75/1/1.5, ALIKED 300 at 1).
+# defaults are embed.locals.presets.RERANK_BY_KIND (Lite0 100 at each of 0.75/1/1.5, ALIKED 300 at 1).
 QUERY_TOKEN_VARIANTS = {
     "cnn": (("query_5_scales", (0.5, 0.75, 1.0, 1.5, 2.0), 100), ("query_150_per_scale", (0.75, 1.0, 1.5), 150)),
     "aliked": (("query_200", (1.0,), 200), ("query_500", (1.0,), 500)),

@@ -62,7 +62,7 @@ def ingest_all(
     import ray
 
     from cluster.ingest_job import main as ingest
-    from embed.local_presets import get_local_preset
+    from embed.locals.presets import get_local_preset
     from embed.train_itq import TrainITQConfig
     from embed.train_itq import main as train_itq
     from ingest.config import IngestConfig
@@ -159,7 +159,7 @@ def query_tokens_with_projections(
     projections that asymmetric matching scores; cached in the work directory."""
     import pickle
 
-    from embed.locals import build_local_extractor
+    from embed.locals.extract import build_local_extractor
     from ingest.images import decode_resized
 
     setting = "" if scales is None and top_k is None else f"_{'-'.join(map(str, scales or ()))}_{top_k}"
@@ -252,8 +252,8 @@ class Bench:
 def ingest_and_index(args: argparse.Namespace, work: Path) -> tuple[list[dict], str | None, Any]:
     """realbench packed into ``work``, ingested and indexed (unless ``--reuse`` finds the index):
     its rows, the ITQ file and the loaded index."""
-    from index.build import IndexConfig
-    from index.build import main as build_index
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build_index
     from index.search import load_index
 
     rows, _ = pack_realbench(REALBENCH, work / "shards")
@@ -266,7 +266,7 @@ def ingest_and_index(args: argparse.Namespace, work: Path) -> tuple[list[dict], 
 
 def prepare(args: argparse.Namespace, work: Path) -> Bench:
     """Ingestion and the index, each query's shortlist, the group folds and the query-side tokens."""
-    from embed.local_presets import get_local_preset
+    from embed.locals.presets import get_local_preset
     from eval.evaluate import read_query_tokens
     from rerank.ensemble import ap_of_order
     from rerank.rerank import RerankConfig, with_kind_defaults

@@ -168,8 +168,8 @@ def adaptation_study(
     from embed.augment import main as make_classes
     from embed.whiten import learned_whitening, pca_whitening
     from eval.evaluate import EvalConfig, evaluate
-    from index.build import IndexConfig
-    from index.build import main as build_index
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build_index
     from ingest.config import IngestConfig
 
     timings = {}
@@ -231,8 +231,8 @@ def ilias_check(work: Path, descriptors: Path, keys: dict[str, list[str]], distr
     from eval.evaluate import EvalConfig, evaluate, load_truth
     from eval.ilias import evaluate_results, load_ilias, read_results_pickle
     from eval.scaling import scan_keys, write_subset
-    from index.build import IndexConfig
-    from index.build import main as build_index
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build_index
     from ingest.descriptors import list_descriptor_files
 
     queries, dataset_dir = write_ilias_layout(keys, distractors, work / "ilias_realbench")

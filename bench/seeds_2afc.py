@@ -1,5 +1,5 @@
 """2AFC on realbench: accuracy of each similarity model, majority vote and the context-sensitive
-ensemble (similarity/twoafc_*.py) on triplets with a known answer; one JSON line last.
+ensemble (similarity/twoafc/*.py) on triplets with a known answer; one JSON line last.
 
 Triplets (``make_triplets``, seed 0): the 56 groups with two or more images are split in half
 (``val`` / ``test``, 28 groups each; the singleton and the 1,518 distractors are split in half too,
@@ -70,12 +70,12 @@ def run(realbench: Path, work: Path) -> dict:
 
 
 def _run(realbench: Path, work: Path) -> dict:
-    from similarity.twoafc_config import EnsembleConfig
-    from similarity.twoafc_ensemble import load_ensemble, train_ensemble
-    from similarity.twoafc_evaluation import Evaluation, evaluate_triplets, report
-    from similarity.twoafc_features import FeatureStore
-    from similarity.twoafc_mining import TripletConfig, make_triplets
-    from similarity.twoafc_triplets import read_triplets
+    from similarity.twoafc.config import EnsembleConfig
+    from similarity.twoafc.ensemble import load_ensemble, train_ensemble
+    from similarity.twoafc.evaluation import Evaluation, evaluate_triplets, report
+    from similarity.twoafc.features import FeatureStore
+    from similarity.twoafc.mining import TripletConfig, make_triplets
+    from similarity.twoafc.triplets import read_triplets
 
     start = time.perf_counter()
     store = FeatureStore(work / "features")

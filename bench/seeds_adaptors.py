@@ -55,8 +55,8 @@ def paired_bootstrap(net, stems, labels, mode, draws: int = 2000, seed: int = 0)
     import numpy as np
 
     from eval.class_retrieval import class_retrieval_per_query
-    from similarity.adaptors_config import FROZEN
-    from similarity.adaptors_evaluation import eval_descriptors
+    from similarity.adaptors.config import FROZEN
+    from similarity.adaptors.evaluation import eval_descriptors
 
     per_query = []
     for m in (mode, FROZEN):
@@ -75,11 +75,11 @@ def run(realbench: Path = REALBENCH, work: Path | None = None) -> dict:
     ensure_torchvision_importable()
     import torch
 
-    from similarity.adaptors_config import FROZEN, FUSED, AdaptorsConfig, mode_names
-    from similarity.adaptors_evaluation import class_images, evaluate_net
-    from similarity.adaptors_files import save_adaptors
-    from similarity.adaptors_net import build_adapted
-    from similarity.adaptors_training import stem_features, train_adaptors
+    from similarity.adaptors.config import FROZEN, FUSED, AdaptorsConfig, mode_names
+    from similarity.adaptors.evaluation import class_images, evaluate_net
+    from similarity.adaptors.files import save_adaptors
+    from similarity.adaptors.net import build_adapted
+    from similarity.adaptors.training import stem_features, train_adaptors
     from similarity.data import realbench_distractors, realbench_groups
 
     torch.set_num_threads(1)

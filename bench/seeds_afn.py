@@ -66,9 +66,9 @@ def _run(realbench: Path, work: Path | None) -> dict:
 
 
 def _measure(realbench: Path, work: Path | None) -> dict:
-    from similarity.afn_config import AdaptationFunctionError, AfnConfig, EvalConfig, FeatureConfig
-    from similarity.afn_evaluation import evaluate_splits
-    from similarity.afn_pair_features import pair_features_for, save_pair_features
+    from similarity.afn.config import AdaptationFunctionError, AfnConfig, EvalConfig, FeatureConfig
+    from similarity.afn.evaluation import evaluate_splits
+    from similarity.afn.pair_features import pair_features_for, save_pair_features
 
     work = Path(work or tempfile.mkdtemp(prefix="needle-afn-"))
     work.mkdir(parents=True, exist_ok=True)

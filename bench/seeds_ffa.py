@@ -1,11 +1,11 @@
 """Foreground feature averaging on realbench: top-1 / mAP within groups, K=2 k-means ARI and
-odd-one-out accuracy (eval/groups.py) with and without FFA (similarity/ffa_*.py); one JSON line last.
+odd-one-out accuracy (eval/groups.py) with and without FFA (similarity/ffa/*.py); one JSON line last.
 
 EfficientNet-Lite0 with the shipped ImageNet weights, images at longer side 384. Rows:
 
 - ``last_avg`` / ``last_gem``: tokens = the last feature map (1280 channels, stride 32), pooled by
   mean / GeM p=3 (``last_gem``'s baseline is needle's global descriptor);
-- ``s16_avg``: tokens = the stride-16 stage (112 channels, block 4, as embed/locals.py), mean;
+- ``s16_avg``: tokens = the stride-16 stage (112 channels, block 4, as embed/locals/extract.py), mean;
 - ``d300_last_avg``: as ``last_avg`` with 300 seeded distractors added to the pool, each a group
   of one (harder retrieval; the odd image of a trial is then mostly a distractor).
 
@@ -71,7 +71,7 @@ class MemoTokens:
 
 def _descriptors(conf, images, tokens, cache: Path) -> tuple[np.ndarray, dict]:
     """FFA descriptors of ``images``, cached under ``cache`` by configuration and image count."""
-    from similarity.ffa_descriptors import ffa_descriptors
+    from similarity.ffa.descriptors import ffa_descriptors
 
     tag = hashlib.sha1(json.dumps([dataclasses.asdict(conf), len(images)], sort_keys=True).encode()).hexdigest()[:16]
     path = cache / f"{tag}.npz"
@@ -110,9 +110,9 @@ def run(realbench: Path, work: Path) -> dict:
     import torch
 
     from eval.groups import GroupEvalConfig
-    from similarity.ffa_config import FFAConfig
-    from similarity.ffa_stages import load_images, load_items
-    from similarity.ffa_tokens import TokenMaps
+    from similarity.ffa.config import FFAConfig
+    from similarity.ffa.stages import load_images, load_items
+    from similarity.ffa.tokens import TokenMaps
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -5,7 +5,7 @@ Builds an IVF-PQ index over ``--n`` synthetic rows in ``--shards`` shards, then 
 files of ``--file-rows`` rows one at a time (each add writes one new segment). After the build and
 after each add, it opens the current generation in this process (``load_index``) and times
 single-query searches (k=100) for ``--seconds``, twice: as served (the small segments searched as
-one FAISS index: index/segment_merge.py) and each segment by itself (``merge_small=False``), and
+one FAISS index: index/live/segment_merge.py) and each segment by itself (``merge_small=False``), and
 checks that both give the same answers; last, it compacts (``compact --keep 1``: small
 segments merged) and times the result. Every generation is timed again in a second pass, in the
 same order, so that the box's drift shows. One process, ``--threads`` threads: the searches alone,
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from live_index import bench_parser, log, make_vectors, needle, run_bench, write_files  # noqa: E402
 
-from index.generations import latest_number, location_of  # noqa: E402
+from index.live.generations import latest_number, location_of  # noqa: E402
 
 TIMES = ("p50_ms", "p99_ms", "by_segment_p50_ms", "by_segment_p99_ms")
 

@@ -63,7 +63,7 @@ hostile_clients = bench_module("hostile_clients")  # at import: the spawned clie
 def build_index(work: Path, n: int, d: int, parts: int = 4) -> Path:
     import importlib.util
 
-    from index.build import IndexConfig, main
+    from index.build.stage import IndexConfig, main
 
     spec = importlib.util.spec_from_file_location("index_scale", ROOT / "bench" / "index_scale.py")
     index_scale = importlib.util.module_from_spec(spec)

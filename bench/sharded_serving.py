@@ -114,7 +114,7 @@ def generate(directory: Path, n: int, d: int, parts: int, tokens: bool, seed: in
 
 def build(work: Path, n: int, args: argparse.Namespace) -> tuple[Path, np.ndarray, float]:
     """(index directory, queries, build seconds), reused from ``work`` when there."""
-    from index.build import IndexConfig, main
+    from index.build.stage import IndexConfig, main
 
     tokens = n <= args.tokens_max
     out, desc = work / "index", work / "desc"

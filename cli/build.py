@@ -101,7 +101,7 @@ def _train_itq(args: argparse.Namespace) -> int:
 
 
 def _local_presets(args: argparse.Namespace) -> int:
-    from embed.local_presets import LOCAL_PRESETS
+    from embed.locals.presets import LOCAL_PRESETS
 
     for name, conf in sorted(LOCAL_PRESETS.items()):
         scales = "/".join(f"{s:g}" for s in conf.scales)
@@ -113,7 +113,7 @@ def _local_presets(args: argparse.Namespace) -> int:
 
 
 def _index_build(args: argparse.Namespace) -> int:
-    from index.build import IndexConfig
+    from index.build.stage import IndexConfig
 
     conf = config_from_args(IndexConfig, args, **({"kind": "flat"} if args.exact else {}))
     if args.ray:
@@ -121,7 +121,7 @@ def _index_build(args: argparse.Namespace) -> int:
 
         main(conf, args.descriptors, _index_out(args.out), args.address)
     else:
-        from index.build import main
+        from index.build.stage import main
 
         main(conf, args.descriptors, _index_out(args.out))
     return 0
@@ -222,7 +222,7 @@ def add_build_parsers(sub: argparse._SubParsersAction) -> None:
     )
     add_config_flags(
         b,
-        "index.build:IndexConfig",
+        "index.build.stage:IndexConfig",
         skip=("flat_threshold", "seed", "locals"),
         overrides={"kind": {"choices": ("auto", "flat", "ivfpq")}},
     )

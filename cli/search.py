@@ -50,7 +50,7 @@ def add_rerank_flags(p: argparse.ArgumentParser) -> None:
                 "metavar": "TOP",
                 "help": "α-QE after SP: average the query with the re-ranked top TOP results that have "
                 "--rerank-qe-min-inliers inliers, then score the shortlist again (0: none; default: the "
-                "index's token kind's own, embed.local_presets.RERANK_BY_KIND)",
+                "index's token kind's own, embed.locals.presets.RERANK_BY_KIND)",
             },
             "min_inliers": {"flag": "--rerank-qe-min-inliers", "default": None},
             "alpha": {"flag": "--rerank-qe-alpha", "default": None},

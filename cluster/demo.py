@@ -3,7 +3,7 @@
 1. build the demo tars from scikit-image photos (ingest.demo_data)
 2. start a local Ray head on 127.0.0.1 only, every port free (or use the running cluster at ``--address``)
 3. submit ``needle ingest --shards ... --out ...`` as a Ray job (cluster.local_ray.submit_job)
-   (globals and the default local tokens, ``--locals aliked-n16``: embed.local_presets.DEFAULT_LOCALS)
+   (globals and the default local tokens, ``--locals aliked-n16``: embed.locals.presets.DEFAULT_LOCALS)
 4. stop the head it started; build the index and its local store; evaluate mAP@1k global-only and
    re-ranked with spatial verification; write ``report.json``
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import write_json_atomic
-from embed.local_presets import DEFAULT_LOCALS
+from embed.locals.presets import DEFAULT_LOCALS
 from ingest.demo_data import DemoConfig, build_demo
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,8 @@ def main(conf: DemoRunConfig, workdir: Path) -> Path:
     """Run the demo in ``workdir``; returns the path of its JSON report."""
     from cluster.local_ray import start_head, submit_job
     from eval.evaluate import EvalConfig, evaluate, load_ground_truth
-    from index.build import IndexConfig
-    from index.build import main as build_index
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build_index
     from rerank.rerank import RerankConfig
 
     workdir = Path(workdir)

@@ -1,10 +1,10 @@
 """``needle index build`` on Ray: the add step's parts run as parallel Ray tasks.
 
-index/build.py chains the steps that do the work (index/build_*.py: plan, train, add, shard);
-this module only supplies the runners: for a local output, the parts (index/build_add.py
+index/build/stage.py chains the steps that do the work (index/build/*.py: plan, train, add, shard);
+this module only supplies the runners: for a local output, the parts (index/build/add.py
 ``build_part``) as tasks on the driver's node (the output is on its disk), each reading its range
 of Parquet files and writing its part files inside its shard's directory; for an ``s3://`` output,
-one task per shard (index/build_s3.py ``build_shard_task``) that builds the shard on its node's
+one task per shard (index/build/s3.py ``build_shard_task``) that builds the shard on its node's
 local disk and uploads it with a commit marker (no shared filesystem), retried where a task dies
 (``max_retries``).
 """
@@ -15,11 +15,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from index.build import IndexConfig
-from index.build import main as build_index
-from index.build_add import build_part
-from index.build_plan import PartTask
-from index.build_s3 import build_shard_task
+from index.build.add import build_part
+from index.build.plan import PartTask
+from index.build.s3 import build_shard_task
+from index.build.stage import IndexConfig
+from index.build.stage import main as build_index
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def gather_with_progress(refs: list[Any], desc: str, unit: str) -> list[Any]:
 
 
 def ray_part_runner(cpus_per_part: float = 1, task: Any = build_part):
-    """A runner for index.build.main that executes the parts of a local build as Ray tasks, with a
+    """A runner for index.build.stage.main that executes the parts of a local build as Ray tasks, with a
     progress bar. The tasks read and write paths on the driver's disk, so they run on the driver's
     node (pinned: no filesystem shared between nodes is assumed); a build across nodes writes to
     ``s3://`` (``ray_shard_runner``)."""
@@ -59,7 +59,7 @@ def ray_part_runner(cpus_per_part: float = 1, task: Any = build_part):
 
 
 def ray_shard_runner(cpus_per_shard: int = 1, max_retries: int = 3):
-    """A runner for index.build.main's S3 shard tasks: one Ray task per shard, retried up to
+    """A runner for index.build.stage.main's S3 shard tasks: one Ray task per shard, retried up to
     ``max_retries`` times where it dies or fails (a retried task rebuilds its shard and uploads
     it again; the commit marker goes last)."""
 

@@ -109,7 +109,7 @@ def make_batch_decoder(decoder: str, gpu: bool, device: str, processes: int) -> 
 
 def make_local_extractor(conf: IngestConfig, device: str = "cpu"):
     """The local-token extractor a job's configuration asks for."""
-    from embed.locals import build_local_extractor
+    from embed.locals.extract import build_local_extractor
     from embed.registry import RANDOM
 
     # local_itq "none": descriptors only, no codes (e.g. to learn an ITQ projection)

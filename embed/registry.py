@@ -1,5 +1,5 @@
 """The registry, torch-free: named presets of global-descriptor models over timm and open_clip (the
-local-token presets are embed/local_presets.py's). Building the models is embed/models.py's job;
+local-token presets are embed/locals/presets.py's). Building the models is embed/models.py's job;
 reading a preset costs no torch import (a generic ``timm:``/``open_clip:`` spec imports its library
 to read the published config).
 

@@ -3,7 +3,7 @@
 (``conv_head``, ``bn2``), run in that order, with the intermediate feature maps taken where asked.
 
 The one copy for every caller that needs more than the backbone's final map: local tokens of one
-stage (:class:`CNNStageTokens`, embed/locals.py and FFA), the adaptation function's multi-stage
+stage (:class:`CNNStageTokens`, embed/locals/extract.py and FFA), the adaptation function's multi-stage
 features, the 2AFC multi-stage model, and the adaptors, which cache the stem and the stages before
 the first adapted one (:func:`stem_modules`) and add the head after the last (:func:`head_map`).
 """

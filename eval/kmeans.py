@@ -2,7 +2,7 @@
 
 The one copy that both k-means users run: the grouped evaluation (eval/groups.py, K=2 splits of
 the images of two groups, best of several restarts) and the adaptors' pseudo-labels
-(similarity/adaptors_clusters.py, 8 to 128 clusters of about 1,500 descriptors, one run).
+(similarity/adaptors/clusters.py, 8 to 128 clusters of about 1,500 descriptors, one run).
 
 They differ in three numerical choices, which :class:`KMeansConfig` keeps as settings so that each
 caller gets, for a seed, exactly the clusters it has always got:

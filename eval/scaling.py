@@ -81,7 +81,7 @@ class ScalingConfig:
     k: int = 1000  # rank cut-off of mAP@k
     nprobe: int | None = None  # IVF lists visited per query; None: the index's default
     nlist: int | None = None  # IVF lists; None: the builder's choice for each size
-    memory_budget: str = "8GB"  # index build budget (index/build.py)
+    memory_budget: str = "8GB"  # index build budget (index/build/stage.py)
     shortlist: int = 1000  # global candidates re-ranked in the +rerank modes
     rerank_lambda: float | None = None  # weight of the global score in the re-ranking ensemble (None: EnsembleConfig's)
     ames: str | None = None  # AMES checkpoint for +ames
@@ -211,8 +211,8 @@ def run_size(
     conf: ScalingConfig, subset: Path, truth: GroundTruth, n_distractors: int, work: Path, with_locals: bool
 ) -> list[dict[str, Any]]:
     """Build each base index over one subset and evaluate every mode on it."""
-    from index.build import IndexConfig
-    from index.build import main as build_index
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build_index
     from index.search import load_index
     from rerank.ensemble import EnsembleConfig
     from rerank.rerank import RerankConfig

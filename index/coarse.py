@@ -1,5 +1,5 @@
 """One coarse assignment for many IVF segments: the segments of a living index's shards (index
-files added by ``needle index add``, index/add_rows.py) are encoded with the build's trained
+files added by ``needle index add``, index/live/add_rows.py) are encoded with the build's trained
 quantizer, so a query's nearest lists are the same in every segment. Searching each segment with
 ``index.search`` assigns the query again per segment (the OPQ rotation and a scan of every
 centroid: ~0.3 ms per query and segment at 4,096 lists x 512 dims); here it is done once and each
@@ -112,7 +112,7 @@ class CoarseAssignment:
 
 
 def assign(stage: CoarseStage, xq: np.ndarray, params: Any) -> CoarseAssignment:
-    """The lists ``params`` (``index.merge.search_params``: nprobe, the HNSW depth) make a search
+    """The lists ``params`` (``index.build.merge.search_params``: nprobe, the HNSW depth) make a search
     of ``stage``'s index scan for the (nq, d) float32 queries ``xq``."""
     import faiss
 

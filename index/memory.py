@@ -1,5 +1,5 @@
 """Memory of a process, and what the machine has left, as Linux accounts it: for serving reports,
-benchmarks and the fit rule of resident vectors (index/gpu_resident.py).
+benchmarks and the fit rule of resident vectors (index/gpu/resident.py).
 
 RSS counts every resident page, including pages of memory-mapped files (index shards, the float16
 refine vectors) that the kernel can drop and re-read at will; PSS divides shared pages among the

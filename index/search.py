@@ -2,7 +2,7 @@
 
 ``search(xq, k) -> (D, I)``: scores (inner product = cosine) and Parquet ``row`` ids, best first,
 -1 where fewer than k results exist; each shard's shortlist re-scored exactly and merged as the
-coordinator of shards served elsewhere merges them (index/merge.py), so both answer alike.
+coordinator of shards served elsewhere merges them (index/build/merge.py), so both answer alike.
 
 The shards (index/shard.py) are searched one by one in this process; shards/shard_actor.py runs
 the same ``Shard`` code for one shard directory where it is served. Rows are addressed by a
@@ -32,17 +32,17 @@ import pyarrow.compute as pc
 from core.errors import NeedleInputError
 from core.quoting import short_repr
 from core.tokens import LocalTokens
-from index.deletes import DeleteSet, read_delete_set
+from index.build.merge import checked_queries, inner_products_at, merge_shortlists, shortlist_size, trim_to_shortlist
 from index.errors import IndexFileError, UnknownKeyError
-from index.generations import read_view
-from index.gpu import check_device
+from index.gpu.engine import check_device
 from index.images import ImageSource
 from index.keys import KeyStore, has_key_files
 from index.layout import IDS_FILE, INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE, VECTORS_FILE
+from index.live.deletes import DeleteSet, read_delete_set
+from index.live.generations import read_view
+from index.live.row_map import DenseRows, RowMap, row_map_of
+from index.live.segment_merge import MergedSegments, grouped_candidates, merged_groups
 from index.locals import LocalStore, open_local_store
-from index.merge import checked_queries, inner_products_at, merge_shortlists, shortlist_size, trim_to_shortlist
-from index.row_map import DenseRows, RowMap, row_map_of
-from index.segment_merge import MergedSegments, grouped_candidates, merged_groups
 from index.shard import Shard, is_valid_descriptor, make_shard, warm_coarse
 from index.shard_files import (
     ShardedKeys,
@@ -87,7 +87,7 @@ class SearchIndex:
     path: Path
     keys: KeyStore | ShardedKeys | None = None  # the key lookup files; None for an index built before them (scans)
     layout: ShardLayout | None = None  # the shard directories (None: an index built before them, files at the top)
-    merge_small: bool = True  # search a living index's small segments as one FAISS index (index/segment_merge.py)
+    merge_small: bool = True  # search a living index's small segments as one FAISS index (index/live/segment_merge.py)
 
     @property
     def d(self) -> int:
@@ -119,7 +119,7 @@ class SearchIndex:
         self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Every part's ``(D_index, I, D_exact)`` members of the ``kk`` best candidates among all
-        shards (a part: a segment, or a group of small ones searched as one, index/segment_merge.py):
+        shards (a part: a segment, or a group of small ones searched as one, index/live/segment_merge.py):
         only those are re-scored (kk rows per query, not kk per shard). cluster/serve.py asks its
         Ray actors instead."""
         found = grouped_candidates(self.shards, self.merged_segments, xq, kk, nprobe)
@@ -352,7 +352,7 @@ def load_shard_directories(
     device: str = "auto",
     reused: dict[str, tuple[dict[str, Any], Shard]] | None = None,
 ) -> SearchIndex:
-    """An index of shard directories (a generation's segments: index.generations.view_infos):
+    """An index of shard directories (a generation's segments: index.live.generations.view_infos):
     each opened and checked by itself with its delete set, then checked against the top-level
     infos; positions run over the shards in order. ``reused``: segments already open in this
     process (``reused_segments``), taken over where their files are the ones this generation names."""
@@ -409,7 +409,7 @@ def load_shard_directories(
 def reused_segments(served: SearchIndex | None, path: Path, device: str) -> dict[str, tuple[dict[str, Any], Shard]]:
     """{segment name: (its entry in ``served``'s generation, its open Shard)} of an index open in
     this process at ``path`` with its shards (nothing otherwise). Segment directories are written
-    once under a name never used again (index/live_writer.py), so a later generation that names
+    once under a name never used again (index/live/writer.py), so a later generation that names
     one names the same files: serving it again costs no reading, no mapping and no FAISS load."""
     if served is None or not served.shards or served.layout is None or Path(served.path) != path:
         return {}

@@ -5,14 +5,14 @@ process (index/search.py) or by a shard actor (shards/shard_actor.py), with the 
 FAISS file of a directory built before shard directories and that directory's shared files.
 
 A flat (exact) shard is searched by its FAISS index on the CPU, unless a GPU backend is present
-(faiss-gpu, or torch with CUDA: index/gpu.py) and the search is large enough to pay for copying
+(faiss-gpu, or torch with CUDA: index/gpu/engine.py) and the search is large enough to pay for copying
 the vectors to the GPU: at least ``GPU_EXACT_MIN_QUERIES`` queries over at least
 ``GPU_EXACT_MIN_VECTORS`` vectors. Then it scans its rows of the memory-mapped float16 vectors in
-chunks with ``index.gpu.exact_search`` (the ILIAS baseline). ``device`` ("auto" | "cpu" | "cuda")
+chunks with ``index.gpu.engine.exact_search`` (the ILIAS baseline). ``device`` ("auto" | "cpu" | "cuda")
 overrides the choice; "cuda" scans on the GPU at any size.
 
 With ``device="cuda"`` (and torch seeing CUDA) a flat shard keeps its vectors on the GPU from its
-first scan on (``index.gpu_resident.keep_resident``: float16, where they fit beside 10 % of the
+first scan on (``index.gpu.resident.keep_resident``: float16, where they fit beside 10 % of the
 GPU's memory left free), and scans them there; where they do not fit it says so in a warning and
 each scan streams them with the copy overlapped (the torch backend). "auto" streams: it takes no
 GPU memory for good without being asked.
@@ -30,14 +30,14 @@ from typing import Any
 import numpy as np
 
 from core.joined_keys import JoinedKeys
+from index.build.merge import float16_inner_products, inner_products_at, search_params, sort_by_score, tie_margin
 from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_key, coarse_stage, same_coarse, search_assigned
-from index.deletes import DeleteSet, search_live
 from index.errors import IndexFileError
-from index.gpu import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
-from index.gpu_resident import ResidentDatabase, keep_resident
+from index.gpu.engine import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
+from index.gpu.resident import ResidentDatabase, keep_resident
+from index.live.deletes import DeleteSet, search_live
+from index.live.row_map import RowMap, row_map_of
 from index.locals import LocalStore, open_local_store
-from index.merge import float16_inner_products, inner_products_at, search_params, sort_by_score, tie_margin
-from index.row_map import RowMap, row_map_of
 from index.shard_files import ShardFiles, open_shard_files, read_faiss, read_infos_and_vectors
 from ingest.descriptors import STATUS_OK
 
@@ -57,7 +57,7 @@ class Shard:
 
     index: Any  # FAISS index, ids = Parquet row ids
     vectors: np.ndarray  # (N, d) float16 memory map of the directory's vectors (this shard reads its rows)
-    row_map: RowMap  # row ids -> positions in ``vectors`` (index/row_map.py)
+    row_map: RowMap  # row ids -> positions in ``vectors`` (index/live/row_map.py)
     exact: bool  # a flat index: its scores need no re-scoring
     nprobe: int  # default lists visited
     quantizer_ef: int | None  # HNSW coarse quantizer depth recorded by the build
@@ -373,7 +373,7 @@ def make_shard(
     deletes: DeleteSet | None = None,
 ) -> Shard:
     """A shard over ``vectors`` whose positions its infos give (the old directory's infos, or a
-    shard directory's ``shard_infos.json``: ``index.row_map``), less the rows ``deletes`` names."""
+    shard directory's ``shard_infos.json``: ``index.live.row_map``), less the rows ``deletes`` names."""
     return Shard(
         index,
         vectors,

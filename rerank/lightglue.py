@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.errors import NeedleInputError
-from embed.local_aliked import packaged_weights
+from embed.locals.aliked import packaged_weights
 
 WEIGHTS_FILE = "pretrained_weights/aliked_lightglue.pth"
 INPUT_DIM = 128  # ALIKED's descriptors

@@ -66,7 +66,7 @@ class MatchConfig:
     """Which nearest neighbours count as tentative correspondences."""
 
     # Keep a match only within this many differing bits (of 128), 0..128; None: the token kind's own
-    # where the re-ranking knows it (embed.local_presets.RERANK_BY_KIND: Lite0 32, ALIKED 28), else 32.
+    # where the re-ranking knows it (embed.locals.presets.RERANK_BY_KIND: Lite0 32, ALIKED 28), else 32.
     max_distance: int | None = None
     mutual: bool = True  # also require the candidate token's nearest query token to be this query token
     # Score the query's float ITQ projections (where its tokens carry them: image queries) against

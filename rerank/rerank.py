@@ -46,7 +46,7 @@ class RerankConfig:
     spatial: SpatialConfig = field(default_factory=SpatialConfig)  # spatial verification thresholds
     ames: str | None = None  # AMES checkpoint (method ames)
     # Query-side extraction factors of the base resolution, and tokens kept at each; None: the token
-    # kind's own (embed.local_presets.RERANK_BY_KIND: Lite0 3 x 100 at 0.75/1/1.5, ALIKED 300 at 1).
+    # kind's own (embed.locals.presets.RERANK_BY_KIND: Lite0 3 x 100 at 0.75/1/1.5, ALIKED 300 at 1).
     query_scales: tuple[float, ...] | None = None
     query_top_k: int | None = None
     db_tokens: int | None = None  # use only each candidate's best this many tokens (None: all stored)
@@ -70,14 +70,14 @@ class RerankConfig:
 
 def with_kind_defaults(conf: RerankConfig, kind: str | None) -> RerankConfig:
     """``conf`` with what it leaves open (None) set to the token kind's own settings
-    (embed.local_presets.RERANK_BY_KIND); kind None (not known): no expansion, no Chamfer term, the
+    (embed.locals.presets.RERANK_BY_KIND); kind None (not known): no expansion, no Chamfer term, the
     query side left open, MatchConfig's generic threshold."""
     ensemble = conf.ensemble
     if kind is None:
         if ensemble.chamfer_weight is None:
             ensemble = replace(ensemble, chamfer_weight=0.0)
         return replace(conf, expansion=conf.expansion or ExpansionConfig(), ensemble=ensemble)
-    from embed.local_presets import RERANK_BY_KIND
+    from embed.locals.presets import RERANK_BY_KIND
 
     if kind not in RERANK_BY_KIND:
         raise NeedleInputError(f"unknown local-token kind {kind!r}; known: {sorted(RERANK_BY_KIND)}")

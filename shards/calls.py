@@ -38,7 +38,7 @@ class ShardCalls(Protocol):
         self, xq: np.ndarray, kk: int, nprobe: int | None, refine: bool
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ShardKeys]:
         """(index scores, row ids, exact scores, keys) of this shard's best ``kk`` candidates
-        (``index.shard.Shard.search``); the coordinator merges every shard's (index.merge)."""
+        (``index.shard.Shard.search``); the coordinator merges every shard's (index.build.merge)."""
         ...
 
     def keys_of(self, rows: np.ndarray) -> list[str | None]:

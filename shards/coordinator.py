@@ -5,7 +5,7 @@ rows (no id table, vectors, key files or local store), and answers the query pat
 ``shards.calls.ShardCalls``:
 
 - ``search``: every shard returns its shortlist with its keys; the merge is
-  ``index.merge.merge_shortlists``, the single index's own, so D and I (ties included) are
+  ``index.build.merge.merge_shortlists``, the single index's own, so D and I (ties included) are
   identical to ``load_index`` over the same data;
 - ``keys_of``, ``position_of``, ``vector_of``, ``tokens_of_key``, ``vectors_of_rows``, ``thumbnail``: routed to
   the shard that owns a row (by its Parquet shard id, from the top-level infos), or asked of
@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.quoting import short_repr
+from index.build.merge import checked_queries, merge_shortlists, shortlist_size
 from index.errors import UnknownKeyError
-from index.merge import checked_queries, merge_shortlists, shortlist_size
 from shards.calls import ReplicaFailed, ShardBackend, ShardCalls, Traffic, replica_health
 from shards.messages import count_unwired
 from shards.routing import RowRouter
@@ -120,7 +120,7 @@ class ShardedIndex:
     def has_locals(self) -> bool:
         return bool(self.infos.get("locals"))
 
-    # The same checks and shortlist size as the single index (index.merge's, which SearchIndex uses).
+    # The same checks and shortlist size as the single index (index.build.merge's, which SearchIndex uses).
     def check_queries(self, xq: np.ndarray, k: int) -> np.ndarray:
         return checked_queries(xq, k, self.d)
 

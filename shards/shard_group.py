@@ -16,7 +16,7 @@ them costs more than it saves (measured on the 2-core box: 3 members' searches 2
 another, 3.1 ms in 3 threads).
 
 Members' searches of one query batch run in two steps: every member's candidates by index score,
-then only the members of the batch's shortlist among them (index.merge.trim_to_shortlist) are
+then only the members of the batch's shortlist among them (index.build.merge.trim_to_shortlist) are
 re-scored and given keys, and only they go back; the merge at the coordinator is unchanged and
 exact. A group of G shards thus re-scores kk rows per query, not G times kk. Arguments and
 answers travel as one typed message each way (shards/wire.py, shards/messages.py: no pickle, a
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from core.tokens import TokenBatch
-from index.merge import trim_to_shortlist
-from index.segment_merge import MergedSegments, merged_groups
+from index.build.merge import trim_to_shortlist
+from index.live.segment_merge import MergedSegments, merged_groups
 from index.shard import shared_assignments, warm_coarse
 from ingest.source_images import SourceImagesConfig
 from shards.calls import ShardCalls
@@ -94,7 +94,7 @@ class ShardGroup:
     ):
         self.members = [ShardActor(source, e["name"], stage, replica, e, images, node, device) for e in entries]
         warm_coarse([member.shard for member in self.members])  # which segments share one assignment
-        # a living index's small segments searched as one FAISS index (index/segment_merge.py)
+        # a living index's small segments searched as one FAISS index (index/live/segment_merge.py)
         self.merged: list[MergedSegments] = merged_groups([member.shard for member in self.members])
         self.address = address
         self.threads = max(1, min(threads, len(self.members)))  # members answering at once
@@ -179,7 +179,7 @@ class ShardGroup:
 
     def searched(self, calls: list[tuple[int, tuple]]) -> list[tuple[str, Any]]:
         """Members' ``search`` answers, each batch of the same arguments trimmed to its shortlist
-        among the members before re-scoring and keys (``index.merge.trim_to_shortlist``)."""
+        among the members before re-scoring and keys (``index.build.merge.trim_to_shortlist``)."""
         out: list[tuple[str, Any]] = [("error", RuntimeError("not answered"))] * len(calls)
         for slots in batches_of(calls, search_key):
             xq, kk, nprobe, refine = calls[slots[0]][1]

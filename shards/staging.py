@@ -30,9 +30,9 @@ from typing import Any
 from core.atomic import atomic_path, write_json_atomic
 from core.hashing import file_sha256
 from core.storage import StorageError, copy_file_under, is_s3, read_file_under
-from index.deletes import DeleteSet, read_delete_set
 from index.errors import IndexFileError
 from index.layout import INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE
+from index.live.deletes import DeleteSet, read_delete_set
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,9 @@ def read_index_infos(
     source: str | Path, endpoint_url: str | None = None, generation: int | None = None
 ) -> dict[str, Any]:
     """A generation (default: the newest) of an index of shard directories as the top-level infos
-    (index.generations.view_infos: all a coordinator reads), checked to list its shards (segments)
+    (index.live.generations.view_infos: all a coordinator reads), checked to list its shards (segments)
     with their rows, vectors and bytes."""
-    from index.generations import read_view
+    from index.live.generations import read_view
 
     url = source_url(source)
     read_json(url, INFOS_FILE, endpoint_url)  # an IndexFileError naming the file where it is missing

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 
-from index.build import IndexConfig, main
-from index.gpu import WORST
+from index.build.stage import IndexConfig, main
+from index.gpu.engine import WORST
 
 CPU_BACKENDS = ("faiss-cpu", "torch")  # torch on the CPU: the CUDA backend's code, run in CI
 

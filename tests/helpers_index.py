@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc
 
-from index.build import INFOS_FILE, SHARD_INFOS_FILE
+from index.build.stage import INFOS_FILE, SHARD_INFOS_FILE
 from index.keys import write_key_files
 from index.shard_files import read_ids
 from ingest.descriptors import descriptor_schema, fixed_size_list, make_row_id, write_parquet_atomic
@@ -124,8 +124,8 @@ def write_descriptors_with_tokens(
     local: dict = {"extractor": "local", "scales": [1.0, 0.5]}
     if aliked:
         from core.hashing import file_sha256
-        from embed.local_presets import ALIKED_ITQ
-        from embed.locals import resolve_itq
+        from embed.locals.extract import resolve_itq
+        from embed.locals.presets import ALIKED_ITQ
 
         _, itq_path = resolve_itq(ALIKED_ITQ)
         local.update(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from helpers_index import write_descriptors_with_tokens, write_source_tars
 
-from index.build import IndexConfig, main
+from index.build.stage import IndexConfig, main
 from shards.coordinator import ShardedIndex
 from shards.local_shards import LocalShards
 from shards.shard_actor import ShardActor

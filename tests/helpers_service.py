@@ -9,7 +9,7 @@ import zlib
 import pytest
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 
-from index.build import IndexConfig, main
+from index.build.stage import IndexConfig, main
 from index.search import load_index
 
 IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=8, points_per_list=50, nprobe=4, refine_factor=3)

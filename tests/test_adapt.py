@@ -102,8 +102,8 @@ def test_adapt_train_stage_from_parquet_and_csv(tmp_path):
 
 @pytest.mark.parametrize("kind", ["flat", "ivfpq"])
 def test_index_built_through_an_adapter_holds_adapted_vectors(tmp_path, kind):
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from index.search import load_index
     from query.retrieve import adapt_queries
 

@@ -36,7 +36,7 @@ def run(n: int, shards: int, n_train: int, nlist: int) -> dict:
 def test_extrapolation_recovers_the_model(tmp_path):
     from index_extrapolate import extrapolate, load_runs
 
-    from index.factory import parse_bytes, plan_index
+    from index.build.factory import parse_bytes, plan_index
 
     paths = []
     for name, r in {"1m": run(10**6, 2, 262144, 4096), "10m": run(10**7, 2, 819200, 16384)}.items():

@@ -177,7 +177,7 @@ def test_commands_default_to_the_configs_defaults():
     from embed.whiten import WhitenConfig
     from eval.evaluate import EvalConfig
     from eval.scaling import ScalingConfig
-    from index.build import IndexConfig
+    from index.build.stage import IndexConfig
     from ingest.config import IngestConfig
     from ingest.pack import PackConfig
     from query.recorded import QueryFiles
@@ -216,7 +216,7 @@ def test_commands_default_to_the_configs_defaults():
 def test_renamed_flags_reach_their_fields():
     from embed.whiten import WhitenConfig
     from eval.scaling import ScalingConfig
-    from index.build import IndexConfig
+    from index.build.stage import IndexConfig
     from ingest.pack import PackConfig
     from query.retrieve import QueryConfig
 

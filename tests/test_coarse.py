@@ -6,15 +6,15 @@ import faiss
 import numpy as np
 import pytest
 
-from index.add_rows import AddConfig
-from index.add_rows import main as add
-from index.build import IndexConfig
-from index.build import main as build
+from index.build.merge import merge_shortlists, search_params, trim_to_shortlist
+from index.build.stage import IndexConfig
+from index.build.stage import main as build
 from index.coarse import assign, coarse_key, coarse_stage, same_coarse, search_assigned
-from index.delete_rows import DeleteConfig
-from index.delete_rows import main as delete
-from index.deletes import DeleteSet
-from index.merge import merge_shortlists, search_params, trim_to_shortlist
+from index.live.add_rows import AddConfig
+from index.live.add_rows import main as add
+from index.live.delete_rows import DeleteConfig
+from index.live.delete_rows import main as delete
+from index.live.deletes import DeleteSet
 from index.search import load_index
 from index.shard import shared_assignments, with_selector
 from tests.helpers_index import clustered_unit_vectors, write_descriptor_file

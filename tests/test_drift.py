@@ -1,4 +1,4 @@
-"""The drift report's coarse assignment (index/drift.py): a flat quantizer's lists by one matrix
+"""The drift report's coarse assignment (index/live/drift.py): a flat quantizer's lists by one matrix
 product per block equal FAISS's own search of the quantizer, for inner-product and L2 quantizers,
 with and without an OPQ rotation; a graph quantizer keeps FAISS's search."""
 
@@ -6,7 +6,7 @@ import faiss
 import numpy as np
 import pytest
 
-from index.drift import coarse_assign, nearest_rows
+from index.live.drift import coarse_assign, nearest_rows
 from tests.helpers_index import clustered_unit_vectors
 
 
@@ -37,8 +37,8 @@ def test_nearest_rows_by_blocks():
 def test_sampled_rows_equal_the_whole_batch_widened_then_sampled(tmp_path):
     """``needle index add`` reads only the drawn rows of its segments: the same rows, in the same
     order, as widening every row, dropping the zero rows (images that failed; -0.0 too) and drawing."""
-    from index.add_rows import sample_indexed_rows
-    from index.drift import sample_positions
+    from index.live.add_rows import sample_indexed_rows
+    from index.live.drift import sample_positions
 
     rng = np.random.default_rng(3)
     parts = []

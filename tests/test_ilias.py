@@ -54,8 +54,8 @@ def test_benchmark_ap_equals_needle_ap_without_ties():
 def ilias_like(tmp_path, photos, extractor):
     """Tars named by instance (the ILIAS id layout): each instance tar holds a query view and two
     positives; a distractor tar holds other photos. Returns (index dir, ground truth, dataset dir)."""
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from ingest.pipeline import process_shard
 
     names = list(photos)
@@ -189,8 +189,8 @@ def ilias_dataset(tmp_path, photos, extractor):
     """The real ILIAS workflow: instance tars of positives and a distractor tar form the database;
     the query images sit in their own instance-named tars, ingested on their own. Returns
     (index dir, query descriptor dir, dataset dir)."""
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from ingest.pipeline import process_shard
 
     names = list(photos)

@@ -9,9 +9,9 @@ import pytest
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 
 from core.errors import NeedleInputError
-from index.build import IDS_FILE, INFOS_FILE, IndexConfig, main
+from index.build.merge import search_params
+from index.build.stage import IDS_FILE, INFOS_FILE, IndexConfig, main
 from index.errors import IndexFileError, UnknownKeyError
-from index.merge import search_params
 from index.search import load_index
 from index.shard_files import read_ids
 from ingest.descriptors import DescriptorFileError, make_row_id
@@ -186,7 +186,7 @@ def test_infos_record_how_it_was_made(tmp_path, collection):
 
 
 def test_plan_follows_size_and_budget():
-    from index.factory import parse_bytes, plan_index
+    from index.build.factory import parse_bytes, plan_index
 
     assert plan_index(50_000, 512, parse_bytes("8GB")).factory == "IDMap2,Flat"
     big = plan_index(100_000_000, 512, parse_bytes("8GB"))
@@ -208,7 +208,7 @@ def test_hnsw_quantizer_plan_builds_and_searches(tmp_path, collection):
     # fewer graph candidates than the lists they want.
     import faiss
 
-    from index.build import hnsw_quantizer
+    from index.build.stage import hnsw_quantizer
 
     assert index.infos["quantizer_ef"] == conf.quantizer_ef == 128
     graph = hnsw_quantizer(faiss.read_index(str(tmp_path / "index" / "shard_000" / "index.faiss")))

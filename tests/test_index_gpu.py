@@ -1,4 +1,4 @@
-"""index/gpu.py: exact search over memory-mapped chunks equals FAISS's flat search on every
+"""index/gpu/engine.py: exact search over memory-mapped chunks equals FAISS's flat search on every
 backend (the torch one also runs on the CPU here) and its merge breaks ties by the smaller id.
 Tests marked ``gpu`` run the CUDA backends (and the GPU build) and compare them with the CPU."""
 
@@ -10,9 +10,9 @@ import pytest
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 
 from core.errors import NeedleInputError
-from index.build import IndexConfig, main
-from index.build_train import assigning_with
-from index.gpu import (
+from index.build.stage import IndexConfig, main
+from index.build.train import assigning_with
+from index.gpu.engine import (
     WORST,
     FaissCpu,
     TorchBackend,
@@ -26,8 +26,8 @@ from index.gpu import (
     sort_candidates,
     torch_cuda_available,
 )
-from index.gpu_resident import ResidentDatabase
-from index.gpu_stream import search_streamed
+from index.gpu.resident import ResidentDatabase
+from index.gpu.stream import search_streamed
 from index.search import load_index
 from tests.helpers_exact_search import (
     CPU_BACKENDS,
@@ -277,7 +277,7 @@ def test_gpu_kmeans_and_add_match_the_cpu(tmp_path, monkeypatch, factory):
     """A build with k-means and list assignment on the GPU finds the exact neighbours about as
     often as one on the CPU; from one trained index, (almost) every vector lands in the same
     list whether assigned on the GPU or by the CPU quantizer."""
-    import index.build_train as build_module
+    import index.build.train as build_module
 
     parts = [clustered_unit_vectors(5000, 32, seed=s) for s in range(2)]
     for s, xb in enumerate(parts):

@@ -1,4 +1,4 @@
-"""The GPU add's mechanics with its base index on the CPU (index.build_train.assigning_with):
+"""The GPU add's mechanics with its base index on the CPU (index.build.train.assigning_with):
 adding through a stand-in quantizer builds the index the CPU builds, and a stand-in of other
 centroids is refused."""
 
@@ -8,10 +8,10 @@ import pytest
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 
 from core.errors import NeedleInputError
-from index.build import IndexConfig, main
-from index.build_train import assigning_with, hnsw_quantizer, train
-from index.factory import IndexPlan
-from index.gpu import assignment_quantizer
+from index.build.factory import IndexPlan
+from index.build.stage import IndexConfig, main
+from index.build.train import assigning_with, hnsw_quantizer, train
+from index.gpu.engine import assignment_quantizer
 from index.search import load_index
 from tests.helpers_exact_search import list_assignment
 
@@ -59,7 +59,7 @@ def test_the_stand_in_for_an_hnsw_quantizer_assigns_exactly():
 def test_build_adds_through_the_stand_in_where_faiss_has_gpus(tmp_path, monkeypatch):
     """``main``'s parts add through ``add_quantizer``'s stand-in (here with its base on the CPU,
     as if FAISS had GPUs): the same index as the plain CPU build, with its own quantizer saved."""
-    import index.build_train as build_module
+    import index.build.train as build_module
 
     for s in range(2):
         write_descriptor_file(tmp_path / "desc", f"{s:06d}", s, clustered_unit_vectors(1500, 32, seed=s))

@@ -1,4 +1,4 @@
-"""index/gpu_resident.py and index/gpu_stream.py, run here on the CPU: a database kept on the
+"""index/gpu/resident.py and index/gpu/stream.py, run here on the CPU: a database kept on the
 device and the streamed engine equal FAISS's flat search and exact_search (padding and ties
 included), and what fits on the device (or in CPU memory) decides between them."""
 
@@ -7,10 +7,10 @@ import pytest
 
 import index.shard as search_module
 from core.errors import NeedleInputError
-from index.gpu import WORST, chunks_of, exact_search
-from index.gpu_resident import ResidentDatabase, fits_on_device, keep_resident, resident_nbytes
-from index.gpu_stream import search_streamed
-from index.gpu_topk import GROUP, grouped_topk, plan_blocks
+from index.gpu.engine import WORST, chunks_of, exact_search
+from index.gpu.resident import ResidentDatabase, fits_on_device, keep_resident, resident_nbytes
+from index.gpu.stream import search_streamed
+from index.gpu.topk import GROUP, grouped_topk, plan_blocks
 from index.search import load_index
 from tests.helpers_exact_search import assert_same_neighbours, flat_search, random_data, reference
 
@@ -165,7 +165,7 @@ def test_fit_rule_and_the_warning_when_it_does_not_fit(caplog):
     kept = keep_resident(lambda: chunks_of(xb, 30), 100, 8, "cpu")
     assert kept is not None and len(kept.parts) == 1  # one block of the announced rows
     np.testing.assert_array_equal(kept.search(xq, 5)[1], flat_search(xq, xb, 5, "ip")[1])
-    with caplog.at_level("WARNING", logger="index.gpu_resident"):
+    with caplog.at_level("WARNING", logger="index.gpu.resident"):
         assert keep_resident(lambda: chunks_of(xb, 30), 1 << 50, 8, "cpu", label="big shard") is None
     assert "big shard" in caplog.text and "do not fit" in caplog.text and "streams them" in caplog.text
 

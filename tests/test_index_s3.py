@@ -11,8 +11,8 @@ import pytest
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 
 from core.storage import MARKER_SUFFIX, s3_client
-from index.build import INFOS_FILE, SHARD_INFOS_FILE, IndexConfig, main
-from index.build_s3 import build_shard_task
+from index.build.s3 import build_shard_task
+from index.build.stage import INFOS_FILE, SHARD_INFOS_FILE, IndexConfig, main
 from index.search import load_index
 
 pytestmark = [pytest.mark.s3]
@@ -136,8 +136,8 @@ def test_other_urls_are_refused(descriptors, url):
 
 
 def test_a_shard_task_fetches_the_parts_its_node_cannot_see(s3_endpoint, bucket, descriptors, tmp_path):
-    from index.build_plan import FileInfo
-    from index.build_s3 import fetch_source
+    from index.build.plan import FileInfo
+    from index.build.s3 import fetch_source
     from ingest.descriptors import DescriptorFileError
 
     client, name = bucket

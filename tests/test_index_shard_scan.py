@@ -9,8 +9,8 @@ from helpers_index import clustered_unit_vectors, write_descriptor_file
 
 import index.shard as search_module
 from core.errors import NeedleInputError
-from index.build import IndexConfig, main
-from index.gpu import exact_search, gpu_backend_available
+from index.build.stage import IndexConfig, main
+from index.gpu.engine import exact_search, gpu_backend_available
 from index.search import load_index
 from tests.helpers_exact_search import CPU_BACKENDS, assert_same_neighbours
 

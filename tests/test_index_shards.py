@@ -13,7 +13,7 @@ import pyarrow.ipc
 import pytest
 from helpers_index import clustered_unit_vectors, to_old_layout
 
-from index.build import INFOS_FILE, SHARD_INFOS_FILE, IndexConfig, main
+from index.build.stage import INFOS_FILE, SHARD_INFOS_FILE, IndexConfig, main
 from index.errors import IndexFileError, UnknownKeyError
 from index.locals import read_token_records
 from index.search import load_index
@@ -268,7 +268,7 @@ def test_trimmed_shortlists_merge_to_the_same_answer(seed):
     """Shards searched together re-score only their members of their joint shortlist: the merge
     of the trimmed parts, re-scored, equals the merge of every part re-scored in full (coarse
     scores: many ties; padding)."""
-    from index.merge import merge_shortlists, trim_to_shortlist
+    from index.build.merge import merge_shortlists, trim_to_shortlist
 
     rng = np.random.default_rng(seed)
     nq, kk, k = 4, 12, 5
@@ -301,7 +301,7 @@ def test_trimmed_shortlists_merge_to_the_same_answer(seed):
 def test_a_rows_exact_score_does_not_depend_on_the_rows_beside_it(d):
     """Re-scoring: a row's float16 inner product is the same to the bit whichever rows share its
     block (how the index is sharded and served decides that), and equals a float64 reference."""
-    from index.merge import float16_inner_products
+    from index.build.merge import float16_inner_products
 
     rng = np.random.default_rng(d)
     block = rng.normal(size=(600, d)).astype(np.float16)
@@ -316,7 +316,7 @@ def test_a_rows_exact_score_does_not_depend_on_the_rows_beside_it(d):
 def test_long_shortlists_are_re_scored_in_chunks_with_the_same_scores(monkeypatch):
     """inner_products_at reads a query's rows in chunks of RESCORE_CHUNK (memory bounded however
     long the shortlist a request asks): every score as in one block, padding still -inf."""
-    import index.merge as merge
+    import index.build.merge as merge
 
     rng = np.random.default_rng(3)
     vectors = rng.normal(size=(500, 16)).astype(np.float16)
@@ -335,7 +335,7 @@ def test_a_one_part_shard_adopts_its_parts_files_as_a_merge_would_write_them(tmp
     part whose vectors have the wrong shape is refused, naming it."""
     import faiss
 
-    from index.build_shard import adopt_part, concatenate_vectors, merge_parts
+    from index.build.shard import adopt_part, concatenate_vectors, merge_parts
     from index.layout import INDEX_FILE, VECTORS_FILE
 
     xb = clustered_unit_vectors(600, 16, seed=4).astype(np.float32)

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 from helpers_index import clustered_unit_vectors, to_old_layout, write_descriptor_file
 
-from index.build import IndexConfig, main
+from index.build.stage import IndexConfig, main
 from index.errors import UnknownKeyError
 from index.keys import KEY_FILES, KEY_OFFSETS_FILE, KEYS_FILE, SLICED_MAX, KeyFileError, KeyStore, write_key_files
 from index.search import load_index

@@ -160,16 +160,16 @@ def test_cycle_finder_finds_a_cycle():
         "core.checkpoint",
         "core.tokens",
         "embed.registry",
-        "embed.local_presets",
+        "embed.locals.presets",
         "embed.pca",
-        "index.build",
+        "index.build.stage",
         "eval.kmeans",
         "similarity.cli",
-        "similarity.afn_cli",
-        "similarity.adaptors_cli",
-        "similarity.ffa_cli",
-        "similarity.twoafc_cli",
-        "similarity.twoafc_registry",
+        "similarity.afn.cli",
+        "similarity.adaptors.cli",
+        "similarity.ffa.cli",
+        "similarity.twoafc.cli",
+        "similarity.twoafc.registry",
         "ingest.source_images",
         "shards.coordinator",  # the coordinator of shards stays small: its RSS is a target of issue 20
         "cluster.serve",
@@ -219,6 +219,36 @@ def test_cluster_holds_the_ray_layer_and_nothing_else():
 
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
+MAX_FOLDER_ENTRIES = 15  # modules and sub-folders of one product folder: more, and it wants rooms
+MAX_SHARED_PREFIX = 3  # files of one folder whose names start alike (``build_*``): more, and they are a room
+
+
+def _product_folders() -> list[Path]:
+    return sorted(
+        folder
+        for floor in FLOORS
+        for folder in [ROOT / floor, *(ROOT / floor).rglob("*")]
+        if folder.is_dir() and folder.name != "__pycache__"
+    )
+
+
+def test_every_folder_reads_as_a_map():
+    """The house reads as its map: no product folder holds more than MAX_FOLDER_ENTRIES modules
+    and rooms, and no name prefix (the part before the first ``_``) is shared by more than
+    MAX_SHARED_PREFIX modules of one folder: systems told apart only by prefixes get a room."""
+    crowded, prefixed = [], []
+    for folder in _product_folders():
+        entries = [p for p in folder.iterdir() if p.name != "__pycache__" and (p.is_dir() or p.suffix == ".py")]
+        if len(entries) > MAX_FOLDER_ENTRIES:
+            crowded.append(f"{folder.relative_to(ROOT)}: {len(entries)} entries")
+        prefixes: dict[str, list[str]] = {}
+        for module in folder.glob("*.py"):
+            if module.stem != "__init__":
+                prefixes.setdefault(module.stem.split("_")[0], []).append(module.name)
+        prefixed += [
+            f"{folder.relative_to(ROOT)}: {sorted(names)}" for names in prefixes.values() if len(names) > MAX_SHARED_PREFIX
+        ]
+    assert not crowded and not prefixed, "\n".join(crowded + prefixed)
 
 
 def test_no_product_file_or_function_too_long():

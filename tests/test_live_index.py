@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 
 from core.errors import NeedleInputError
-from index.add_rows import AddConfig, DuplicateKeyError
-from index.add_rows import main as add
-from index.build import IndexConfig
-from index.build import main as build
-from index.compact import CompactConfig
-from index.compact import main as compact
-from index.delete_rows import DeleteConfig, read_keys
-from index.delete_rows import main as delete
+from index.build.stage import IndexConfig
+from index.build.stage import main as build
 from index.errors import UnknownKeyError
-from index.generations import GenerationConflict, latest_number, location_of, read_manifest
-from index.live_writer import WriterBusy, writing
+from index.live.add_rows import AddConfig, DuplicateKeyError
+from index.live.add_rows import main as add
+from index.live.compact import CompactConfig
+from index.live.compact import main as compact
+from index.live.delete_rows import DeleteConfig, read_keys
+from index.live.delete_rows import main as delete
+from index.live.generations import GenerationConflict, latest_number, location_of, read_manifest
+from index.live.writer import WriterBusy, writing
 from index.search import load_index
 from ingest.descriptors import make_row_id
 from tests.helpers_index import clustered_unit_vectors, write_descriptor_file
@@ -171,7 +171,7 @@ def test_two_writers_the_second_fails_and_nothing_is_lost(flat):
     with writing(index_dir), pytest.raises(WriterBusy, match="another writer"):
         delete(DeleteConfig(), keys[:1], index_dir)
     # two writers on S3-like terms (no lock): both start from generation 0, the second to publish loses
-    from index.live_writer import Writer, next_shards
+    from index.live.writer import Writer, next_shards
 
     location = location_of(index_dir)
     a = Writer(location, json.loads((index_dir / "index_infos.json").read_text()), read_manifest(location), tmp)

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from core.storage import s3_client
-from index.build import IndexConfig
-from index.build import main as build
-from index.generations import latest_number, location_of
+from index.build.stage import IndexConfig
+from index.build.stage import main as build
+from index.live.generations import latest_number, location_of
 from index.search import load_index
 from tests.helpers_index import clustered_unit_vectors, write_descriptor_file
 from tests.test_live_index import D, Live, assert_exact

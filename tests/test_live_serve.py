@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.build import IndexConfig
-from index.build import main as build
-from index.delete_rows import DeleteConfig
-from index.delete_rows import main as delete
+from index.build.stage import IndexConfig
+from index.build.stage import main as build
 from index.errors import UnknownKeyError
+from index.live.delete_rows import DeleteConfig
+from index.live.delete_rows import main as delete
 from index.search import load_index
 from tests.helpers_index import clustered_unit_vectors, write_descriptor_file
 from tests.test_live_index import D
@@ -161,8 +161,8 @@ def test_ray_shards_switch_generations_together(flat_index, ray_local):
     the new generation's actors like the index loaded in one process; the old actors stop."""
     from cluster.index_job import ray_part_runner
     from cluster.serve import ShardServing, follow_index
-    from index.add_rows import AddConfig
-    from index.add_rows import main as add
+    from index.live.add_rows import AddConfig
+    from index.live.add_rows import main as add
     from shards.staging import StageConfig
 
     serving = ShardServing(stage=StageConfig(copy_local=False))

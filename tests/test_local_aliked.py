@@ -1,4 +1,4 @@
-"""ALIKED keypoint tokens (embed/local_aliked.py): the deformable convolution against a per-pixel
+"""ALIKED keypoint tokens (embed/locals/aliked.py): the deformable convolution against a per-pixel
 reference, the whole network against the reference implementation that ships with its weights,
 and the tokens through LocalExtractor and spatial verification."""
 
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import NeedleInputError
-from embed.local_aliked import AlikedTokens, AlikedWeightsMissing, aliked_weights_path, deform_conv2d
-from embed.local_presets import KEYPOINT_KINDS, LOCAL_KINDS, RERANK_BY_KIND
-from embed.locals import build_local_extractor
+from embed.locals.aliked import AlikedTokens, AlikedWeightsMissing, aliked_weights_path, deform_conv2d
+from embed.locals.extract import build_local_extractor
+from embed.locals.presets import KEYPOINT_KINDS, LOCAL_KINDS, RERANK_BY_KIND
 from embed.registry import RANDOM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one intra-op thread
@@ -268,8 +268,8 @@ def test_an_aliked_index_re_ranks_image_queries_with_300_query_keypoints(tmp_pat
 
     from conftest import jpeg_bytes, write_tar
 
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from index.search import load_index
     from ingest.pipeline import process_shard
     from query.retrieve import QueryConfig, query, query_local_extractor, token_kind

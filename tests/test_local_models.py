@@ -1,5 +1,5 @@
-"""Local token models: the AMES detector head and ViT patch tokens (embed/local_vit.py), kornia
-SIFT / RootSIFT (embed/local_sift.py), and both through LocalExtractor."""
+"""Local token models: the AMES detector head and ViT patch tokens (embed/locals/vit.py), kornia
+SIFT / RootSIFT (embed/locals/sift.py), and both through LocalExtractor."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from torch import nn
 
 from core.errors import NeedleInputError
 from embed.itq import train_itq
-from embed.local_presets import LocalConfig
-from embed.local_vit import SpatialAttention2d, ViTAmesTokens, build_vit_ames, grid_size, load_detector_weights
-from embed.locals import LocalExtractor
+from embed.locals.extract import LocalExtractor
+from embed.locals.presets import LocalConfig
+from embed.locals.vit import SpatialAttention2d, ViTAmesTokens, build_vit_ames, grid_size, load_detector_weights
 from embed.registry import RANDOM, WeightsError
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "ames_state_dict_shapes.json"
@@ -135,7 +135,7 @@ class _PatchMeanViT(nn.Module):
 def test_vit_token_grid_cells_cover_the_input_evenly(hw: tuple[int, int]):
     """Cell (i, j) of the grid sees the input region [j W/w, (j+1) W/w) x [i H/h, (i+1) H/h): the
     token at that cell of a ramp image (value = pixel x or y) is the centre of that region, which is
-    where embed.locals._grid_tokens puts it."""
+    where embed.locals.extract._grid_tokens puts it."""
     height, width = hw
     model = ViTAmesTokens(_PatchMeanViT(), SpatialAttention2d(3)).eval()
     ys, xs = torch.meshgrid(torch.arange(height) + 0.5, torch.arange(width) + 0.5, indexing="ij")
@@ -237,7 +237,7 @@ def test_local_extractor_vit_ames_two_aspect_ratios(vit_extractor: LocalExtracto
 
 @pytest.fixture(scope="module")
 def sift():
-    from embed.local_sift import SiftTokens
+    from embed.locals.sift import SiftTokens
 
     return SiftTokens().eval().to("cpu")
 

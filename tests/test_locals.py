@@ -102,15 +102,15 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 
 @pytest.fixture(scope="session")
 def local_extractor():
-    from embed.local_presets import LITE0_ITQ, LocalConfig
-    from embed.locals import LocalExtractor
+    from embed.locals.extract import LocalExtractor
+    from embed.locals.presets import LITE0_ITQ, LocalConfig
 
     return LocalExtractor(LocalConfig(resolution=192, top_k=30, itq=LITE0_ITQ, keep_desc=True))
 
 
 def test_cnn_tokens_follow_the_image_content(local_extractor, photos):
     """Cropping 32 px (two stride-16 cells) off the left moves the same tokens 32 px left."""
-    from embed.locals import _resize
+    from embed.locals.extract import _resize
 
     image = _resize(photos["astronaut"], 192)
     cropped = np.ascontiguousarray(image[:, 32:])
@@ -129,12 +129,12 @@ def test_cnn_tokens_follow_the_image_content(local_extractor, photos):
 
 
 def test_multi_scale_tokens_per_scale_and_codes(photos):
-    from embed.local_presets import LITE0_ITQ, LocalConfig
-    from embed.locals import LocalExtractor
+    from embed.locals.extract import LocalExtractor
+    from embed.locals.presets import LITE0_ITQ, LocalConfig
 
     ex = LocalExtractor(LocalConfig(resolution=128, scales=(0.75, 1.0, 1.5), per_scale=True, top_k=12, itq=LITE0_ITQ))
     assert ex.resolution == 192
-    from embed.locals import _resize
+    from embed.locals.extract import _resize
 
     image = _resize(photos["coffee"], ex.resolution)
     [described] = ex.describe([image])
@@ -148,8 +148,8 @@ def test_multi_scale_tokens_per_scale_and_codes(photos):
 
 def test_local_extractor_refuses_missing_or_mismatched_itq(tmp_path):
     from core.errors import NeedleInputError
-    from embed.local_presets import LocalConfig
-    from embed.locals import LocalExtractor
+    from embed.locals.extract import LocalExtractor
+    from embed.locals.presets import LocalConfig
 
     with pytest.raises(NeedleInputError, match="ITQ"):
         LocalExtractor(LocalConfig(resolution=64, itq=None))
@@ -202,8 +202,8 @@ def test_schema_v2_rows_carry_their_tokens(local_descriptors, local_extractor):
 
 @pytest.mark.parametrize("shards", [1, 2])
 def test_local_store_returns_each_rows_tokens_exactly(tmp_path, local_descriptors, shards):
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from index.errors import IndexFileError
     from index.locals import LocalStoreError, read_token_records
     from index.search import load_index
@@ -283,8 +283,8 @@ def test_ensemble_map_equals_the_metric_and_grid_search_uses_validation_only():
 def test_query_and_eval_rerank_with_local_tokens(tmp_path, local_descriptors, capsys, caplog):
     from cli.main import main as cli
     from eval.evaluate import EvalConfig, evaluate
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from rerank.rerank import RerankConfig
 
     out = build(IndexConfig(kind="flat"), local_descriptors, tmp_path / "idx")
@@ -339,8 +339,8 @@ def test_ames_train_cli_and_ames_reranking(tmp_path, local_descriptors, photos):
     from PIL import Image
 
     from cli.main import main as cli
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from rerank.ames import load_ames
 
     images = tmp_path / "images"
@@ -407,8 +407,8 @@ def test_ames_train_cli_and_ames_reranking(tmp_path, local_descriptors, photos):
 def test_serve_reranks_key_and_image_queries_with_evidence(tmp_path, local_descriptors, tiny_shards):
     import tarfile
 
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from index.search import load_index
     from rerank.rerank import RerankConfig
     from webapi.query_service import QueryService
@@ -434,8 +434,8 @@ def test_serve_image_queries_go_through_the_adapter_and_rerank_per_request(tmp_p
     import tarfile
 
     from embed.adapt import LinearAdapter, save_adapter
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from index.search import load_index
     from rerank.rerank import RerankConfig
     from webapi.query_service import QueryService
@@ -458,8 +458,8 @@ def test_serve_image_queries_go_through_the_adapter_and_rerank_per_request(tmp_p
 @pytest.mark.ray
 def test_ray_sharded_index_reranks_like_the_single_process_one(tmp_path, local_descriptors, ray_local):
     from cluster.serve import serve_sharded
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from index.search import load_index
     from query.retrieve import QueryConfig, search, stored_tokens
     from rerank.expand import ExpansionConfig

@@ -232,7 +232,7 @@ def image_index(tmp_path_factory, photos, plain):
     """A flat index of the six photos, described at RES by the default extractor."""
     from helpers_index import write_descriptor_file
 
-    from index.build import IndexConfig, main
+    from index.build.stage import IndexConfig, main
     from ingest.images import decode_resized
 
     root = tmp_path_factory.mktemp("image_index")
@@ -355,7 +355,7 @@ def clip_index(tmp_path_factory):
     from helpers_index import clustered_unit_vectors, write_descriptor_file
 
     from embed.registry import describe
-    from index.build import IndexConfig, main
+    from index.build.stage import IndexConfig, main
 
     root = tmp_path_factory.mktemp("clip_index")
     write_descriptor_file(root / "desc", "000000", 0, clustered_unit_vectors(40, 512, seed=3))

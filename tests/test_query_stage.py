@@ -10,7 +10,7 @@ from helpers_index import clustered_unit_vectors, write_descriptor_file
 
 @pytest.fixture(scope="module")
 def index_dir(tmp_path_factory):
-    from index.build import IndexConfig, main
+    from index.build.stage import IndexConfig, main
 
     root = tmp_path_factory.mktemp("query_stage")
     for s in range(2):

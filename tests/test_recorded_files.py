@@ -76,7 +76,7 @@ def test_default_weights_recorded_on_another_machine_are_found_in_the_package():
 
 
 def test_local_files_check_itq_and_detector(tmp_path):
-    from embed.local_presets import LITE0_ITQ
+    from embed.locals.presets import LITE0_ITQ
     from embed.registry import resolve_package_file
 
     itq = resolve_package_file(LITE0_ITQ)
@@ -108,7 +108,7 @@ def test_local_files_check_itq_and_detector(tmp_path):
 
 
 def test_aliked_weights_recorded_elsewhere_are_found_in_the_installed_wheel(tmp_path):
-    from embed.local_aliked import aliked_weights_path
+    from embed.locals.aliked import aliked_weights_path
 
     installed = aliked_weights_path()
     info = {
@@ -131,8 +131,8 @@ def test_aliked_weights_recorded_elsewhere_are_found_in_the_installed_wheel(tmp_
 def small_index(tmp_path, photos, extractor):
     """A flat index of the default model (packaged weights), built through an adapter."""
     from embed.adapt import LinearAdapter, save_adapter
-    from index.build import IndexConfig
-    from index.build import main as build
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from ingest.pipeline import process_shard
 
     names = list(photos)[:4]

@@ -8,14 +8,14 @@ import weakref
 
 import numpy as np
 
-from index.add_rows import AddConfig
-from index.add_rows import main as add
-from index.build import IndexConfig
-from index.build import main as build
-from index.compact import CompactConfig
-from index.compact import main as compact
-from index.delete_rows import DeleteConfig
-from index.delete_rows import main as delete
+from index.build.stage import IndexConfig
+from index.build.stage import main as build
+from index.live.add_rows import AddConfig
+from index.live.add_rows import main as add
+from index.live.compact import CompactConfig
+from index.live.compact import main as compact
+from index.live.delete_rows import DeleteConfig
+from index.live.delete_rows import main as delete
 from index.search import load_index
 from tests.helpers_index import clustered_unit_vectors, write_descriptor_file
 

@@ -112,8 +112,8 @@ def test_ingest_s3_to_s3_then_index(s3_endpoint, buckets, ray_local, tmp_path):
     info = json.loads(client.get_object(Bucket=dst, Key="desc/ingest_info.json")["Body"].read())
     assert info["shards_ok"] == 2 and info["images"] == 6
     # The index builds from the committed parts on S3 and knows how they were made.
-    from index.build import IndexConfig
-    from index.build import main as build_index
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build_index
     from index.search import load_index
 
     client.put_object(Bucket=dst, Key="desc/999999.parquet", Body=b"an upload without its marker")

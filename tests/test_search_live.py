@@ -1,4 +1,4 @@
-"""Deleted rows skipped by over-fetching (index/deletes.py ``search_live``): the same best live
+"""Deleted rows skipped by over-fetching (index/live/deletes.py ``search_live``): the same best live
 candidates as FAISS's IDSelector finds, whether the over-fetch holds enough live rows, the probed
 lists run out, or deletes gathered around a query send it back to the selector."""
 
@@ -6,8 +6,8 @@ import faiss
 import numpy as np
 import pytest
 
-from index.deletes import OVERFETCH_MAX_SHARE, DeleteSet, search_live
-from index.merge import sort_by_score, tie_margin
+from index.build.merge import sort_by_score, tie_margin
+from index.live.deletes import OVERFETCH_MAX_SHARE, DeleteSet, search_live
 from index.shard import with_selector
 from tests.helpers_index import clustered_unit_vectors
 

@@ -1,4 +1,4 @@
-"""Small segments searched as one FAISS index (index/segment_merge.py): a living index answers as
+"""Small segments searched as one FAISS index (index/live/segment_merge.py): a living index answers as
 when each segment is searched by itself (``merge_small=False``), to the bit, for the index kinds
 the build makes, with deleted rows skipped; each member's part holds only its own rows."""
 
@@ -9,15 +9,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from index.add_rows import AddConfig
-from index.add_rows import main as add
-from index.build import IndexConfig
-from index.build import main as build
-from index.delete_rows import DeleteConfig
-from index.delete_rows import main as delete
-from index.row_map import row_column
+from index.build.stage import IndexConfig
+from index.build.stage import main as build
+from index.live.add_rows import AddConfig
+from index.live.add_rows import main as add
+from index.live.delete_rows import DeleteConfig
+from index.live.delete_rows import main as delete
+from index.live.row_map import row_column
+from index.live.segment_merge import SMALL_SHARE, merged_groups, owners_of
 from index.search import load_index
-from index.segment_merge import SMALL_SHARE, merged_groups, owners_of
 from ingest.descriptors import ROW_SHARD_SHIFT
 from tests.helpers_index import clustered_unit_vectors, write_descriptor_file
 
@@ -109,7 +109,7 @@ def test_owners_table_and_a_file_in_two_segments():
 
 
 def test_segments_that_cannot_be_merged_are_searched_alone(tmp_path, monkeypatch, caplog):
-    import index.segment_merge as segment_merge
+    import index.live.segment_merge as segment_merge
 
     def refuse(shards):
         raise ValueError("Parquet files [10] in two segments")
@@ -127,8 +127,8 @@ def test_segments_that_cannot_be_merged_are_searched_alone(tmp_path, monkeypatch
 def test_a_shard_group_searches_its_small_segments_as_one(tmp_path):
     """--ray-shards: the segments one actor serves (a ShardGroup, here in this process) search
     their small ones as one index, and the group's answers merge to the in-process index's."""
-    from index.generations import read_view
-    from index.merge import merge_shortlists
+    from index.build.merge import merge_shortlists
+    from index.live.generations import read_view
     from shards.messages import answer_request, pack_request, unpack_answers
     from shards.shard_group import ShardGroup
     from shards.staging import StageConfig

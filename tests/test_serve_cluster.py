@@ -15,7 +15,7 @@ import pytest
 from helpers_index import write_descriptors_with_tokens, write_source_tars
 
 from core.storage import MARKER_SUFFIX, s3_client
-from index.build import IndexConfig, main
+from index.build.stage import IndexConfig, main
 from index.search import load_index
 from ingest.source_images import thumbnail_jpeg
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers_index import clustered_unit_vectors, write_descriptor_file
 
-from index.build import IndexConfig, main
+from index.build.stage import IndexConfig, main
 from index.search import load_index
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -397,7 +397,7 @@ def test_parallel_worst_case_images_stay_within_the_memory_bound(tmp_path, tiny_
 
     from PIL import Image
 
-    from index.build import main as build
+    from index.build.stage import main as build
     from ingest.pipeline import process_shard
     from webapi.limits import ServiceLimits
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from index.build import SHARD_INFOS_FILE
+from index.build.stage import SHARD_INFOS_FILE
 from index.errors import IndexFileError
 from index.search import load_index
 from shards.coordinator import ShardsUnavailable

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from index.merge import merge_shortlists
+from index.build.merge import merge_shortlists
 from index.search import load_index
 from query.retrieve import stored_tokens
 from rerank.rerank import RerankConfig

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers_index import write_descriptors_with_tokens
 
-from index.build import SHARD_INFOS_FILE, IndexConfig, main
+from index.build.stage import SHARD_INFOS_FILE, IndexConfig, main
 from index.errors import UnknownKeyError
 from index.search import load_index
 from query.retrieve import QueryConfig, search, stored_tokens

@@ -14,8 +14,8 @@ from PIL import Image
 
 from eval import twoafc as metric
 from similarity.data import SimilarityDataError, load_groups, load_rgb, realbench_distractors
-from similarity.twoafc_mining import TripletConfig, make_triplets
-from similarity.twoafc_triplets import read_triplets, resolve_split, write_triplets
+from similarity.twoafc.mining import TripletConfig, make_triplets
+from similarity.twoafc.triplets import read_triplets, resolve_split, write_triplets
 from tests.helpers_2afc import _image, _one_thread  # noqa: F401  (_one_thread: an autouse fixture)
 
 # --------------------------------------------------------------------------------------------------

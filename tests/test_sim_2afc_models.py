@@ -11,13 +11,13 @@ import pytest
 from PIL import Image
 
 from similarity.data import SimilarityDataError, load_rgb
-from similarity.twoafc_config import EnsembleConfig, EvalConfig
-from similarity.twoafc_ensemble import load_ensemble, train_ensemble
-from similarity.twoafc_evaluation import evaluate
-from similarity.twoafc_features import FeatureStore, context_descriptors, triplet_scores
-from similarity.twoafc_models import ChamferTokens, ColourHistogram, GlobalCosine, MultiStageCosine, TinyImage
-from similarity.twoafc_registry import get_model, register_model
-from similarity.twoafc_triplets import read_triplets
+from similarity.twoafc.config import EnsembleConfig, EvalConfig
+from similarity.twoafc.ensemble import load_ensemble, train_ensemble
+from similarity.twoafc.evaluation import evaluate
+from similarity.twoafc.features import FeatureStore, context_descriptors, triplet_scores
+from similarity.twoafc.models import ChamferTokens, ColourHistogram, GlobalCosine, MultiStageCosine, TinyImage
+from similarity.twoafc.registry import get_model, register_model
+from similarity.twoafc.triplets import read_triplets
 from tests.helpers_2afc import _image, _one_thread  # noqa: F401  (_one_thread: an autouse fixture)
 
 # --------------------------------------------------------------------------------------------------

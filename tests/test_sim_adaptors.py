@@ -1,4 +1,4 @@
-"""Adaptors with attention fusion on a frozen backbone (similarity/adaptors_*.py): the k-means pseudo
+"""Adaptors with attention fusion on a frozen backbone (similarity/adaptors/*.py): the k-means pseudo
 labels, the adapted network and its fusion against brute force, training, the adaptors file and the CLI."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _torch_setup():
 
 
 def test_kmeans_fixed_point_and_blobs():
-    from similarity.adaptors_clusters import pseudo_labels as kmeans
+    from similarity.adaptors.clusters import pseudo_labels as kmeans
 
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(5, 8)) * 10
@@ -48,8 +48,8 @@ def test_kmeans_fixed_point_and_blobs():
 
 
 def test_kmeans_no_empty_cluster_and_errors():
-    from similarity.adaptors_clusters import pseudo_labels as kmeans
-    from similarity.adaptors_config import AdaptorsError
+    from similarity.adaptors.clusters import pseudo_labels as kmeans
+    from similarity.adaptors.config import AdaptorsError
 
     x = np.concatenate([np.zeros((10, 2)), np.ones((2, 2))])  # many duplicates: clusters could empty
     _, labels = kmeans(x, 4, seed=0)
@@ -61,7 +61,7 @@ def test_kmeans_no_empty_cluster_and_errors():
 
 
 def test_nearest_neighbours_brute_force():
-    from similarity.adaptors_clusters import nearest_neighbours
+    from similarity.adaptors.clusters import nearest_neighbours
 
     rng = np.random.default_rng(3)
     x = rng.integers(0, 3, (20, 4)).astype(float)  # integer vectors: many tied similarities
@@ -101,8 +101,8 @@ def test_vit_frozen_path_is_the_backbone_and_zero_adaptors_are_identity():
     import torch
     import torch.nn.functional as F
 
-    from similarity.adaptors_config import FUSED
-    from similarity.adaptors_net import make_adapted_net
+    from similarity.adaptors.config import FUSED
+    from similarity.adaptors.net import make_adapted_net
 
     torch.manual_seed(0)
     vit = tiny_vit()
@@ -120,7 +120,7 @@ def test_cnn_frozen_path_is_the_global_model():
 
     from embed.models import GlobalModel
     from embed.registry import get_model_config
-    from similarity.adaptors_net import make_adapted_net
+    from similarity.adaptors.net import make_adapted_net
 
     torch.manual_seed(0)
     lite = tiny_lite0()
@@ -146,7 +146,7 @@ def _randomise_adaptors(net, seed: int = 0):
 def test_fusion_matches_brute_force(kind):
     import torch
 
-    from similarity.adaptors_net import make_adapted_net
+    from similarity.adaptors.net import make_adapted_net
 
     torch.manual_seed(0)
     backbone = tiny_vit() if kind == "vit" else tiny_lite0()
@@ -178,7 +178,7 @@ def test_fusion_matches_brute_force(kind):
 def test_attention_propagation_loss_brute_force():
     import torch
 
-    from similarity.adaptors_training import attention_propagation_loss
+    from similarity.adaptors.training import attention_propagation_loss
 
     g = torch.Generator().manual_seed(0)
     bank = torch.softmax(torch.randn(10, 2, 3, generator=g), -1)
@@ -200,9 +200,9 @@ def _state(module):
 def test_training_keeps_backbone_frozen_and_only_adaptors_learn(kind):
     import torch
 
-    from similarity.adaptors_config import FUSED, AdaptorsConfig
-    from similarity.adaptors_net import make_adapted_net
-    from similarity.adaptors_training import train_adaptor, train_fusion
+    from similarity.adaptors.config import FUSED, AdaptorsConfig
+    from similarity.adaptors.net import make_adapted_net
+    from similarity.adaptors.training import train_adaptor, train_fusion
 
     torch.manual_seed(0)
     backbone = tiny_vit() if kind == "vit" else tiny_lite0()
@@ -244,10 +244,10 @@ def test_training_keeps_backbone_frozen_and_only_adaptors_learn(kind):
 def test_train_adaptors_is_deterministic_and_round_trips(tmp_path):
     import torch
 
-    from similarity.adaptors_config import FUSED, AdaptorsConfig
-    from similarity.adaptors_files import load_adaptors, save_adaptors
-    from similarity.adaptors_net import make_adapted_net
-    from similarity.adaptors_training import train_adaptors
+    from similarity.adaptors.config import FUSED, AdaptorsConfig
+    from similarity.adaptors.files import load_adaptors, save_adaptors
+    from similarity.adaptors.net import make_adapted_net
+    from similarity.adaptors.training import train_adaptors
 
     conf = AdaptorsConfig(granularities=(2, 3), epochs=1, fusion_epochs=1, batch_size=4, neighbours=2)
     outs = []
@@ -288,9 +288,9 @@ def test_train_adaptors_is_deterministic_and_round_trips(tmp_path):
 
 
 def test_bad_inputs_are_typed_errors(tmp_path):
-    from similarity.adaptors_config import AdaptorsError, parse_ints
-    from similarity.adaptors_files import load_adaptors
-    from similarity.adaptors_net import make_adapted_net
+    from similarity.adaptors.config import AdaptorsError, parse_ints
+    from similarity.adaptors.files import load_adaptors
+    from similarity.adaptors.net import make_adapted_net
 
     with pytest.raises(AdaptorsError, match="stages must be increasing"):
         make_adapted_net(tiny_vit(), granularities=(2,), pooling="cls", stages=(2, 1))
@@ -310,7 +310,7 @@ def test_bad_inputs_are_typed_errors(tmp_path):
 
 
 def test_training_images_of_a_realbench_directory_are_its_distractors_only(tmp_path):
-    from similarity.adaptors_images import training_images
+    from similarity.adaptors.images import training_images
 
     (tmp_path / "images").mkdir()
     (tmp_path / "distractors").mkdir()
@@ -433,7 +433,7 @@ def test_cli_bad_input_exits_2(tmp_path):
 def test_untrained_fusion_is_the_mean_of_the_adaptors():
     import torch
 
-    from similarity.adaptors_net import make_adapted_net
+    from similarity.adaptors.net import make_adapted_net
 
     torch.manual_seed(0)
     net = make_adapted_net(tiny_lite0(), granularities=(2, 3, 4), pooling="gem", stages=(6,)).eval()

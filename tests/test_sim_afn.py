@@ -1,4 +1,4 @@
-"""The adaptation function (similarity/afn_*.py) and asymmetric recall (eval/pairs.py):
+"""The adaptation function (similarity/afn/*.py) and asymmetric recall (eval/pairs.py):
 every fast computation against an explicit reference, pair sources, features, training, the CLI."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from PIL import Image
 from core.errors import NeedleInputError
 from eval.metrics import rank_by_score
 from eval.pairs import asymmetric_recall, asymmetric_recall_from_scores, cosine_matrix, own_column_ranks
-from similarity.afn_config import HEAD, MODEL_FORMAT, AdaptationFunctionError, AfnConfig, EvalConfig, FeatureConfig
-from similarity.afn_evaluation import evaluate_splits, split_indices
-from similarity.afn_features import build_layer_model, extract_features
-from similarity.afn_model import fit_afn, fit_pca, load_model, save_model
-from similarity.afn_pair_features import PairFeatures
-from similarity.afn_pairs import load_pairs
-from similarity.afn_training import symmetric_loss, train_adaptation
+from similarity.afn.config import HEAD, MODEL_FORMAT, AdaptationFunctionError, AfnConfig, EvalConfig, FeatureConfig
+from similarity.afn.evaluation import evaluate_splits, split_indices
+from similarity.afn.features import build_layer_model, extract_features
+from similarity.afn.model import fit_afn, fit_pca, load_model, save_model
+from similarity.afn.pair_features import PairFeatures
+from similarity.afn.pairs import load_pairs
+from similarity.afn.training import symmetric_loss, train_adaptation
 from similarity.data import SimilarityDataError
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Foreground feature averaging (similarity/ffa_*.py): the masks, pooling and descriptors against
+"""Foreground feature averaging (similarity/ffa/*.py): the masks, pooling and descriptors against
 brute-force references, the real Lite0 token maps and the CLI."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from PIL import Image
 
 from eval.groups import GroupEvalConfig, GroupEvalError
-from similarity.ffa_config import FFAConfig, FFAError
-from similarity.ffa_descriptors import crop_resized, ffa_descriptors, foreground_box, pool_tokens
-from similarity.ffa_masks import (
+from similarity.ffa.config import FFAConfig, FFAError
+from similarity.ffa.descriptors import crop_resized, ffa_descriptors, foreground_box, pool_tokens
+from similarity.ffa.masks import (
     FullMask,
     NormMask,
     PCAMask,
@@ -229,7 +229,7 @@ def test_empty_masks_fall_back_and_bad_masks_are_named():
 
 
 def test_mask_choice_follows_the_config():
-    from similarity.ffa_masks import get_mask_fn
+    from similarity.ffa.masks import get_mask_fn
 
     assert get_mask_fn(FFAConfig(mask="pca", pca_threshold=0.5)) == PCAMask(0.5)
     assert get_mask_fn(FFAConfig(mask="norm", norm_fraction=0.3)) == NormMask(0.3)
@@ -252,7 +252,7 @@ def test_config_is_checked():
 def lite0_tokens():
     import torch
 
-    from similarity.ffa_tokens import TokenMaps
+    from similarity.ffa.tokens import TokenMaps
 
     torch.set_num_threads(1)
     return TokenMaps()

@@ -27,10 +27,10 @@ def web_index(tmp_path_factory, photos, extractor):
     """Two tars of three photos (the second mirrored), ingested with global and local features,
     a flat index with its local store, the ingestion's manifest naming the tars, a ground truth
     and an eval report, and a scaling plot."""
-    from embed.local_presets import LITE0_ITQ, LocalConfig
-    from embed.locals import LocalExtractor
-    from index.build import IndexConfig
-    from index.build import main as build
+    from embed.locals.extract import LocalExtractor
+    from embed.locals.presets import LITE0_ITQ, LocalConfig
+    from index.build.stage import IndexConfig
+    from index.build.stage import main as build
     from ingest.pipeline import process_shard
 
     root = tmp_path_factory.mktemp("web")

@@ -48,7 +48,7 @@ SERVER_SIDE = frozenset(
         "embed.adapt.AdapterError",
         "embed.itq.ITQFileError",
         "embed.pca.PCAError",
-        "embed.local_aliked.AlikedWeightsMissing",
+        "embed.locals.aliked.AlikedWeightsMissing",
         "index.keys.KeyFileError",
         "index.locals.LocalStoreError",
         "ingest.descriptors.DescriptorFileError",

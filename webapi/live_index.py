@@ -1,7 +1,7 @@
 """Serving an index that changes: ``LiveIndex`` follows its newest generation without a restart.
 
 A thread checks every ``reload_interval`` seconds which generation is the newest
-(index.generations.latest_number: one small read, or two). When there is a newer one, it opens it
+(index.live.generations.latest_number: one small read, or two). When there is a newer one, it opens it
 beside the one served (``open_generation(number, served)``: a ``SearchIndex`` in this process,
 which takes over the served one's unchanged segments, or a coordinator and a new set of shard
 actors under ``--ray-shards``), then switches new requests to it in one

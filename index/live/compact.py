@@ -1,0 +1,285 @@
+"""``needle index compact``: segments rewritten without their deleted rows, small ones merged.
+
+In each shard, the segments that hold deleted rows and those much smaller than the shard's largest
+(``merge_below``) are rewritten together as one segment of their live rows, in ascending row id
+order (``"row_order": "sorted"``: index/live/row_map.py). The new segment's FAISS index is the build's
+trained index with those rows' stored vectors added (the codes an add would give them), its
+vectors, ids, keys and local tokens are gathered from the old segments, and no byte of a deleted
+row is copied. Every answer stays the same: the live rows, their vectors and codes are unchanged.
+
+The next generation names the new segments. Older generations stay readable (a server may still
+answer from one) until ``keep`` says how many of the newest to keep: then the files no kept
+generation names are removed, with the older manifests. Files that no manifest names (a writer
+killed before it published) are removed on every run.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc
+
+from core.atomic import atomic_path, write_atomic, write_json_atomic
+from core.errors import NeedleInputError
+from core.kill_points import kill_point
+from index.build.shard import IDS_SCHEMA, _checksum, write_float16_npy_header, write_keys_of_ids
+from index.keys import KEY_FILES
+from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
+from index.live.generations import (
+    DELETES_DIR,
+    latest_number,
+    manifest_name,
+    read_manifest,
+    segments_of,
+)
+from index.live.writer import Writer, build_fields, writing
+from index.locals import TOKEN_DTYPE, SegmentInfo, _save_npy, locals_infos, open_local_store
+from index.shard import is_valid_descriptor
+from index.shard_files import ShardFiles, open_shard_files
+from ingest.descriptors import ROW_SHARD_SHIFT
+
+log = logging.getLogger(__name__)
+CHUNK_ROWS = 1 << 15  # rows gathered at a time (vectors, tokens)
+
+
+@dataclass(frozen=True)
+class CompactConfig:
+    keep: int | None = None  # keep the files of the newest N generations, remove older ones (None: keep all)
+    merge_below: float = 0.25  # also rewrite segments under this share of their shard's largest segment
+    s3_endpoint_url: str | None = None  # S3-compatible endpoint for an s3:// index
+
+
+def main(conf: CompactConfig, index: Path | str) -> dict[str, Any]:
+    """Compact ``index`` as its next generation (where anything is to rewrite), then remove what
+    ``conf.keep`` leaves behind; returns what changed."""
+    if conf.keep is not None and conf.keep < 1:
+        raise NeedleInputError(f"--keep must be at least 1 (the newest generation), got {conf.keep}")
+    with writing(index, conf.s3_endpoint_url) as writer:
+        change: dict[str, Any] = {"command": "compact", "generation": None, "rewritten": [], "removed": []}
+        shards, rewritten = [], []
+        for shard in writer.parent["shards"]:
+            chosen = chosen_segments(shard["segments"], conf.merge_below)
+            if not chosen:
+                shards.append(shard)
+                continue
+            name = writer.segment_name(int(shard["shard"]))
+            entry = rewrite(writer, [shard["segments"][i] for i in chosen], name, int(shard["shard"]))
+            writer.commit_segment(name)
+            kept = [s for i, s in enumerate(shard["segments"]) if i not in chosen]
+            shards.append({"shard": shard["shard"], "segments": [*kept, {**entry, "deleted": None}]})
+            rewritten.append(
+                {"shard": shard["shard"], "from": [shard["segments"][i]["name"] for i in chosen], "to": name}
+            )
+        if rewritten:
+            removed_rows = sum(int((s.get("deleted") or {}).get("rows", 0)) for s in segments_of(writer.parent))
+            change.update(rewritten=rewritten, removed_rows=removed_rows)
+            change["generation"] = writer.publish(shards, change)["generation"]
+        change["removed"] = remove_unreferenced(writer, conf.keep)
+        return change
+
+
+def chosen_segments(segments: list[dict[str, Any]], merge_below: float) -> list[int]:
+    """The segments of one shard to rewrite together: those with deleted rows and the small ones
+    (under ``merge_below`` of the largest); nothing where that is one segment without deletes."""
+    largest = max(int(s["rows"]) for s in segments)
+    chosen = [
+        i
+        for i, s in enumerate(segments)
+        if (s.get("deleted") or {}).get("rows") or int(s["rows"]) < merge_below * largest
+    ]
+    if len(chosen) == 1 and not (segments[chosen[0]].get("deleted") or {}).get("rows"):
+        return []
+    return chosen
+
+
+def rewrite(writer: Writer, segments: list[dict[str, Any]], name: str, shard: int) -> dict[str, Any]:
+    """One segment ``name`` of the live rows of ``segments``, ascending by row id; its manifest entry."""
+    opened = []
+    for segment in segments:
+        listed = list(writer.segment_infos(segment["name"])["checksums"])
+        opened.append(open_shard_files(writer.segment_dir(segment["name"], listed), with_index=False))
+    live = live_rows(writer, segments, opened)  # (row, segment, position), ascending by row
+    directory = writer.new_segment_dir(name)
+    write_rows_table(opened, live, directory / IDS_FILE)
+    write_keys_of_ids(directory / IDS_FILE, directory)
+    indexed = write_vectors_and_index(writer, opened, live, directory)
+    first_infos = opened[0].infos
+    names = [INDEX_FILE, VECTORS_FILE, IDS_FILE, *KEY_FILES]
+    local = None
+    if first_infos.get("locals"):
+        local = write_tokens(opened, live, directory)
+        names += [local.tokens, local.offsets]
+    files, offsets = file_entries(opened, live)
+    infos = {
+        **build_fields(first_infos),
+        "shard": shard,
+        "name": name,
+        "rows": len(live[0]),
+        "ntotal": indexed,
+        "row_order": "sorted",  # live rows only, ascending by row id (index/live/row_map.py)
+        "files": files,
+        "shard_offsets": offsets,
+        "rejected_non_finite": 0,
+        "locals": locals_infos([local], (first_infos["locals"] or {}).get("extractor"), len(live[0]))
+        if local
+        else None,
+        "checksums": {file: _checksum(directory / file) for file in names},
+        "compacted_from": [s["name"] for s in segments],
+    }
+    write_json_atomic(infos, directory / SHARD_INFOS_FILE)
+    summary = {
+        "name": name,
+        "rows": infos["rows"],
+        "ntotal": indexed,
+        "bytes": sum(c["bytes"] for c in infos["checksums"].values()),
+    }
+    return {**summary, "parquet_shard_ids": sorted(int(i) for i in offsets)}
+
+
+def live_rows(writer: Writer, segments: list[dict[str, Any]], opened: list[ShardFiles]) -> tuple[np.ndarray, ...]:
+    """(rows, segment, position) of the segments' rows not deleted, ascending by row id."""
+    rows, which, positions = [], [], []
+    for number, (segment, files) in enumerate(zip(segments, opened)):
+        column = files.ids["row"].to_numpy()
+        keep = ~np.isin(column, writer.deleted_rows(segment))
+        rows.append(column[keep])
+        which.append(np.full(int(keep.sum()), number, np.int64))
+        positions.append(np.flatnonzero(keep))
+    all_rows = np.concatenate(rows)
+    order = np.argsort(all_rows, kind="stable")
+    return all_rows[order], np.concatenate(which)[order], np.concatenate(positions)[order]
+
+
+def chunks(live: tuple[np.ndarray, ...]):
+    """The live rows in runs of at most CHUNK_ROWS, each split by its segment (reads in order)."""
+    rows, which, positions = live
+    for start in range(0, len(rows), CHUNK_ROWS):
+        stop = min(start + CHUNK_ROWS, len(rows))
+        yield start, stop, which[start:stop], positions[start:stop]
+
+
+def write_rows_table(opened: list[ShardFiles], live: tuple[np.ndarray, ...], path: Path) -> None:
+    """The id table of the live rows, in order, as one record batch (index.live.row_map reads its row column whole)."""
+    parts = []
+    for _, _, which, positions in chunks(live):
+        gathered = [opened[s].ids.take(pa.array(positions[which == s])) for s in range(len(opened))]
+        order = np.argsort(np.argsort(which, kind="stable"), kind="stable")  # back to row order
+        parts.append(pa.concat_tables(gathered).take(pa.array(order)))
+    table = pa.concat_tables(parts).cast(IDS_SCHEMA).combine_chunks() if parts else IDS_SCHEMA.empty_table()
+    with atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, IDS_SCHEMA) as out:
+        out.write_table(table, max_chunksize=max(1, table.num_rows))
+
+
+def gather(arrays: list[Any], which: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``arrays[which[i]][positions[i]]`` for every i, each segment's rows read in ascending order."""
+    out = None
+    for s in np.unique(which):
+        take = np.flatnonzero(which == s)
+        block = np.asarray(arrays[s][positions[take]])
+        if out is None:
+            out = np.empty((len(which), *block.shape[1:]), block.dtype)
+        out[take] = block
+    return out if out is not None else np.zeros((0,), np.float16)
+
+
+def write_vectors_and_index(
+    writer: Writer, opened: list[ShardFiles], live: tuple[np.ndarray, ...], directory: Path
+) -> int:
+    """The live rows' float16 vectors, and the trained index with those of them that a search can
+    return (status ok, finite, not zero: what the build added) added under their row ids; returns
+    how many it holds."""
+    import faiss
+
+    index = faiss.read_index(str(writer.trained_empty()))
+    dim = int(opened[0].infos["dim"])
+    indexed = 0
+    statuses = [f.ids["status"].to_numpy(zero_copy_only=False) for f in opened]  # once, not per chunk
+    with atomic_path(directory / VECTORS_FILE) as tmp, open(tmp, "wb") as out:
+        write_float16_npy_header(out, len(live[0]), dim)
+        for start, stop, which, positions in chunks(live):
+            block = gather([f.vectors for f in opened], which, positions).reshape(-1, dim)
+            out.write(np.ascontiguousarray(block, np.float16).tobytes())
+            status = gather(statuses, which, positions)
+            ok = np.array([is_valid_descriptor(v, s) for v, s in zip(block, status)], bool)
+            if ok.any():
+                index.add_with_ids(np.ascontiguousarray(block[ok], np.float32), live[0][start:stop][ok])
+                indexed += int(ok.sum())
+    write_atomic(directory / INDEX_FILE, lambda tmp: faiss.write_index(index, str(tmp)))
+    return indexed
+
+
+def write_tokens(opened: list[ShardFiles], live: tuple[np.ndarray, ...], directory: Path) -> SegmentInfo:
+    """The live rows' local tokens as one segment (``locals_000``), in order."""
+    stores = [open_local_store(f.directory, f.infos) for f in opened]
+    offsets = [np.zeros(1, np.int64)]
+    total, longest = 0, 0
+    with atomic_path(directory / "locals_000.tokens.bin") as tmp, open(tmp, "wb") as out:
+        for _, _, which, positions in chunks(live):
+            for s, position in zip(which.tolist(), positions.tolist()):
+                store = stores[s]
+                records = store.records(position) if store is not None else np.zeros(0, TOKEN_DTYPE)
+                out.write(records.tobytes())
+                total += len(records)
+                longest = max(longest, len(records))
+                offsets.append(np.array([total], np.int64))
+    offsets_array = np.concatenate(offsets)
+    write_atomic(directory / "locals_000.offsets.npy", lambda tmp: _save_npy(tmp, offsets_array))
+    return SegmentInfo("locals_000.tokens.bin", "locals_000.offsets.npy", 0, len(live[0]), total, longest)
+
+
+def file_entries(opened: list[ShardFiles], live: tuple[np.ndarray, ...]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Every Parquet file the old segments were made from (those whose rows are all deleted too:
+    ``needle index add`` must still know them, or re-running it would bring them back), with its
+    live rows and first position here; and the first positions of those with live rows."""
+    rows = live[0]
+    ids = rows >> ROW_SHARD_SHIFT
+    files, offsets = [], {}
+    for f in (f for o in opened for f in o.infos["files"]):
+        pid = int(f["shard_id"])
+        first = int(np.searchsorted(ids, pid))
+        count = int(np.searchsorted(ids, pid, side="right")) - first
+        files.append({**f, "offset": first if count else -1, "live_rows": count})
+        if count:
+            offsets[str(pid)] = first
+    return files, offsets
+
+
+def remove_unreferenced(writer: Writer, keep: int | None) -> list[str]:
+    """Remove the files no kept generation names: with ``keep``, the newest ``keep`` generations
+    are kept (older manifests go too); always, the files of writers that never published (named
+    for a generation that exists, by no manifest)."""
+    location = writer.location
+    newest = latest_number(location)
+    first_kept = max(0, newest - keep + 1) if keep is not None else 0
+    referenced: set[str] = set()
+    for number in range(first_kept, newest + 1):
+        try:
+            manifest = read_manifest(location, number)
+        except Exception:  # a generation already removed
+            continue
+        for segment in segments_of(manifest):
+            referenced.add(segment["name"])
+            if segment.get("deleted"):
+                referenced.add(segment["deleted"]["file"])
+    candidates = [n for n in location.list("") if re.fullmatch(r"(shard_\d+|seg_\d+_s\d+_[0-9a-f]+)", n)]
+    candidates += location.list(DELETES_DIR)
+    doomed = [n for n in candidates if n not in referenced and written_by(n) <= newest]
+    if keep is not None:
+        doomed += [manifest_name(n) for n in range(1, first_kept) if location.read_bytes(manifest_name(n)) is not None]
+    if doomed:
+        kill_point("removing")
+        location.remove(sorted(doomed))
+        log.info("removed %d files and directories no kept generation names", len(doomed))
+    return sorted(doomed)
+
+
+def written_by(name: str) -> int:
+    """The generation a segment or delete file was written for (0: the build's shard directories)."""
+    match = re.search(r"(?:seg_|deletes/)(\d+)_", name)
+    return int(match.group(1)) if match else 0

@@ -1,0 +1,342 @@
+"""What ``needle index add``, ``delete`` and ``compact`` share: one writer's session over an index
+(a directory or an ``s3://`` prefix), from the generation it starts on to the one it publishes.
+
+A writer reads the newest generation (its *parent*), writes new files under names no other writer
+uses (``seg_<generation>_s<shard>_<token>/`` segments, ``deletes/<generation>_<segment>_<token>.npy``),
+then publishes the next generation's manifest (index.live.generations.publish). Nothing it writes is
+visible before that, and nothing published is ever changed. A local index also takes an advisory
+lock (``generations/writer.lock``, released by the kernel even on ``kill -9``), so a second local
+writer fails at once with the first one's pid; on S3 (no locks) the exclusive create of the
+manifest is what refuses the second. A writer that fails removes what it wrote; one that was
+killed leaves unreferenced files, which ``needle index compact`` removes (``orphans``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import json
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.errors import NeedleInputError
+from core.kill_points import kill_point
+from index.errors import IndexFileError
+from index.keys import KEY_FILES
+from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
+from index.live.deletes import merge_rows, read_delete_set
+from index.live.generations import (
+    DELETES_DIR,
+    GENERATIONS_DIR,
+    MANIFEST_FORMAT,
+    TRAINED_EMPTY_FILE,
+    LocalLocation,
+    Location,
+    base_infos,
+    generation_zero,
+    location_of,
+    manifest_totals,
+    publish,
+    read_manifest,
+    segments_of,
+)
+
+log = logging.getLogger(__name__)
+LOCK_FILE = f"{GENERATIONS_DIR}/writer.lock"
+
+
+class WriterBusy(NeedleInputError):
+    """Another writer holds the index's writer lock."""
+
+
+@dataclass
+class Writer:
+    """One writer's session: the parent generation, where new files go, what it created."""
+
+    location: Location
+    infos: dict[str, Any]  # the build's index_infos.json
+    parent: dict[str, Any]  # the manifest of the generation this writer starts from
+    scratch: Path  # this session's scratch directory (removed at the end)
+    token: str = field(default_factory=lambda: secrets.token_hex(4))  # in every name this writer writes
+    created: list[str] = field(default_factory=list)  # names under the index it wrote (removed on failure)
+    maps: dict[str, np.ndarray] = field(default_factory=dict)  # published segments' vectors, memory-mapped
+
+    @property
+    def local(self) -> bool:
+        return isinstance(self.location, LocalLocation)
+
+    @property
+    def number(self) -> int:
+        """The generation this writer publishes."""
+        return int(self.parent["generation"]) + 1
+
+    @property
+    def root(self) -> Path:
+        """Where new segments are built: the index directory itself, or (S3) the scratch directory."""
+        return Path(self.location.url) if isinstance(self.location, LocalLocation) else self.scratch / "new"
+
+    def segment_name(self, shard: int) -> str:
+        return f"seg_{self.number:06d}_s{shard:03d}_{self.token}"
+
+    def new_segment_dir(self, name: str) -> Path:
+        directory = self.root / name
+        directory.mkdir(parents=True)
+        self.created.append(name)
+        return directory
+
+    def commit_segment(self, name: str) -> None:
+        """Make a built segment part of the index's storage: every file its ``shard_infos.json``
+        lists, then that file last (S3; a local segment is already in place)."""
+        directory = self.root / name
+        if not self.local:
+            infos = json.loads((directory / SHARD_INFOS_FILE).read_text())
+            for file in infos["checksums"]:
+                self.location.upload(f"{name}/{file}", directory / file)
+            self.location.upload(f"{name}/{SHARD_INFOS_FILE}", directory / SHARD_INFOS_FILE)
+        kill_point("segment_written")
+
+    def segment_file(self, segment: str, file: str) -> Path:
+        """A local path of one file of a published segment (S3: fetched once into the scratch)."""
+        if self.local:
+            return Path(self.location.url) / segment / file
+        target = self.scratch / "fetched" / segment / file
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.location.download(f"{segment}/{file}", target)
+        return target
+
+    def segment_dir(self, segment: str, files: list[str]) -> Path:
+        """A local directory holding ``files`` of a published segment (and its ``shard_infos.json``)."""
+        for file in [SHARD_INFOS_FILE, *files]:
+            path = self.segment_file(segment, file)
+        return path.parent
+
+    def segment_infos(self, segment: str) -> dict[str, Any]:
+        return json.loads(self.segment_file(segment, SHARD_INFOS_FILE).read_text())
+
+    def deleted_rows(self, entry: dict[str, Any]) -> np.ndarray:
+        """The rows a segment's delete set in the parent holds (empty where none)."""
+        recorded = entry.get("deleted")
+        if not recorded:
+            return np.zeros(0, np.int64)
+        file = self.fetch_top(recorded["file"])
+        return read_delete_set(file, int(recorded["indexed"]), f"{file} (segment {entry['name']})").rows
+
+    def fetch_top(self, name: str) -> Path:
+        """A local path of a file at the top of the index (S3: fetched into the scratch)."""
+        if self.local:
+            return Path(self.location.url) / name
+        target = self.scratch / "fetched" / name
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.location.download(name, target)
+        return target
+
+    def write_deletes(self, segment: str, rows: np.ndarray, indexed: int) -> dict[str, Any]:
+        """A segment's delete set for the generation this writer publishes; its manifest entry."""
+        name = f"{DELETES_DIR}/{self.number:06d}_{segment}_{self.token}.npy"
+        local = self.scratch / name  # moved into the index (local) or uploaded (S3)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with open(local, "wb") as f:
+            np.save(f, np.asarray(rows, np.int64))
+            f.flush()
+            os.fsync(f.fileno())
+        self.created.append(name)
+        self.location.upload(name, local)
+        kill_point("deletes_written")
+        return {"file": name, "rows": len(rows), "indexed": int(indexed)}
+
+    def row_vector(self, segment: str, position: int) -> np.ndarray:
+        """The float16 vector of one row of a published segment (S3: one ranged read)."""
+        return self.row_vectors(segment, position, 1)[0]
+
+    def row_vectors(self, segment: str, start: int, count: int) -> np.ndarray:
+        """The float16 vectors of rows ``start:start + count`` of a published segment (S3: one
+        ranged read after the ``.npy`` header's)."""
+        if self.local:
+            if segment not in self.maps:
+                self.maps[segment] = np.load(self.segment_file(segment, VECTORS_FILE), mmap_mode="r")
+            return np.asarray(self.maps[segment][start : start + count])
+        from core.storage import read_range
+
+        url = f"{self.location.url}/{segment}/{VECTORS_FILE}"
+        endpoint = getattr(self.location, "endpoint_url", None)
+        head = io.BytesIO(read_range(url, 0, 128, endpoint))  # np.save pads its header to 128 bytes
+        np.lib.format.read_magic(head)
+        shape, _, dtype = np.lib.format.read_array_header_1_0(head)
+        count = max(0, min(count, shape[0] - start))
+        size = shape[1] * dtype.itemsize
+        data = read_range(url, head.tell() + start * size, size * count, endpoint)
+        return np.frombuffer(data, dtype).reshape(count, shape[1])
+
+    def trained_empty(self) -> Path:
+        """The build's trained index with no vectors (its coarse quantizer and PQ): written once
+        beside the generations from a segment's index, then reused by every add."""
+        import faiss
+
+        target = self.scratch / "trained.faiss"
+        if self.location.read_bytes(TRAINED_EMPTY_FILE) is not None:
+            self.location.download(TRAINED_EMPTY_FILE, target)
+            return target
+        first = segments_of(self.parent)[0]["name"]
+        index = faiss.read_index(str(self.segment_file(first, INDEX_FILE)))
+        index.reset()
+        faiss.write_index(index, str(target))
+        with contextlib.suppress(FileExistsError):  # another writer wrote the same file first
+            self.location.create_exclusive(TRAINED_EMPTY_FILE, target.read_bytes())
+        return target
+
+    def publish(self, shards: list[dict[str, Any]], change: dict[str, Any]) -> dict[str, Any]:
+        """Publish the next generation with ``shards`` (each shard's segments) and ``change``."""
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "generation": self.number,
+            "parent": int(self.parent["generation"]),
+            "created_unix": round(time.time(), 3),
+            "writer": {"host": os.uname().nodename, "pid": os.getpid(), "token": self.token},
+            "change": change,
+            "shards": shards,
+        }
+        manifest["totals"] = manifest_totals(manifest)
+        kill_point("before_publish")
+        publish(self.location, manifest)
+        self.created.clear()  # published: nothing of it is removed any more
+        log.info("published generation %d of %s: %s", self.number, self.location.url, change.get("command"))
+        return manifest
+
+    def discard(self) -> None:
+        """Remove what this writer wrote but did not publish."""
+        if self.created:
+            log.info("removing the unpublished files of this writer: %s", ", ".join(self.created))
+            self.location.remove(self.created)
+            self.created.clear()
+
+
+class writing:
+    """``with writing(index, endpoint) as writer``: a writer session on the newest generation;
+    the lock (local) taken first; on any failure what the writer wrote is removed."""
+
+    def __init__(self, index: str | Path, endpoint_url: str | None = None):
+        self.location = location_of(index, endpoint_url)
+        if isinstance(self.location, LocalLocation) and not (self.location.root / "index_infos.json").is_file():
+            raise IndexFileError(f"{index} is not an index directory (no index_infos.json)")
+        self.lock: Any = None
+        self.writer: Writer | None = None
+
+    def __enter__(self) -> Writer:
+        generation_zero(base_infos(self.location))  # an index of another layout: refused before any file is made
+        if isinstance(self.location, LocalLocation):
+            self.lock = take_lock(self.location.root / LOCK_FILE)
+        try:
+            infos = base_infos(self.location)
+            parent = read_manifest(self.location)
+        except BaseException:
+            self.release()
+            raise
+        scratch = Path(tempfile.mkdtemp(prefix="needle-writer-"))
+        self.writer = Writer(self.location, infos, parent, scratch)
+        return self.writer
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        try:
+            if self.writer is not None:
+                if kind is not None:
+                    self.writer.discard()
+                shutil.rmtree(self.writer.scratch, ignore_errors=True)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            self.lock.close()
+            self.lock = None
+
+
+def take_lock(path: Path) -> Any:
+    """The writer lock (flock, non-blocking), or WriterBusy naming the holder's pid."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")  # noqa: SIM115 (held open for the session: the lock lives with it)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise WriterBusy(
+            f"another writer (pid {holder}) is changing {path.parent.parent}: wait for it to finish, then run "
+            "this command again"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+BUILD_FIELDS = (
+    "kind", "factory", "metric", "dim", "nprobe", "refine_factor", "quantizer_ef", "adapt", "faiss_version",
+    "trained_sha256",
+)  # fmt: skip
+
+
+def build_fields(shard_infos: dict[str, Any]) -> dict[str, Any]:
+    """What every segment's ``shard_infos.json`` records of the build, from one segment's: a new
+    segment is encoded with the same trained index and searched alike."""
+    return {name: shard_infos.get(name) for name in BUILD_FIELDS}
+
+
+def parent_files(writer: Writer) -> dict[int, dict[str, Any]]:
+    """Parquet shard id -> {"segment", "shard", "path", "rows"} of every Parquet file the parent holds."""
+    held = {}
+    for entry in segments_of(writer.parent):
+        for f in writer.segment_infos(entry["name"])["files"]:
+            held[int(f["shard_id"])] = {
+                "segment": entry["name"],
+                "shard": entry["shard"],
+                "path": f["path"],
+                "rows": f["rows"],
+            }
+    return held
+
+
+def next_shards(
+    writer: Writer, entries: dict[int, dict[str, Any]], deletes: dict[int, tuple[np.ndarray, int]]
+) -> list[dict[str, Any]]:
+    """The parent's shards with the new segments appended and the delete sets grown by ``deletes``
+    (parent segment number -> rows, of them indexed)."""
+    shards, number = [], 0
+    for shard in writer.parent["shards"]:
+        segments = []
+        for segment in shard["segments"]:
+            if number in deletes:
+                rows, indexed = deletes[number]
+                segment = grown_deletes(writer, segment, rows, indexed)
+            segments.append(segment)
+            number += 1
+        if shard["shard"] in entries:
+            segments.append({**entries[shard["shard"]], "deleted": None})
+        shards.append({"shard": shard["shard"], "segments": segments})
+    return shards
+
+
+def grown_deletes(writer: Writer, segment: dict[str, Any], rows: np.ndarray, indexed: int) -> dict[str, Any]:
+    """``segment`` with ``rows`` (``indexed`` of them with vectors) added to its delete set."""
+    old = writer.deleted_rows(segment)
+    rows = np.setdiff1d(np.asarray(rows, np.int64), old)
+    merged = merge_rows(old, rows)
+    before = int((segment.get("deleted") or {}).get("indexed", 0))
+    return {**segment, "deleted": writer.write_deletes(segment["name"], merged, before + indexed)}
+
+
+ID_FILES = [IDS_FILE, *KEY_FILES]  # what key lookups in a segment read
