@@ -387,14 +387,17 @@ def bench_parser(doc: str | None, n: int) -> argparse.ArgumentParser:
 
 def run_bench(args: argparse.Namespace, run: Any) -> None:
     """``run(args)`` with this process's threads and BLAS kernels those of ``needle`` (core/blas.py:
-    set before FAISS loads here), its record printed last and written to ``--out``."""
+    set before FAISS loads here), its record printed last and saved to ``--out`` (bench/record.py:
+    the run it replaces is appended to the benchmark's history)."""
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from core.blas import choose_openblas_core
 
     choose_openblas_core()
     record = run(args)
     if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        from record import save_result  # the run it replaces goes to the benchmark's history
+
+        save_result(record, args.out)
     log(record)
 
 

@@ -440,12 +440,14 @@ def summary(bench: Bench, defaults: Defaults, variants: list[dict], curve: list[
 
 
 def write_result(result: dict, out: str | None) -> None:
-    """The table, then the JSON line (also to ``out``)."""
+    """The table, then the JSON line (also saved to ``out``: bench/record.py keeps the run it
+    replaces in the benchmark's history)."""
     print_table(result)
-    line = json.dumps(result)
     if out:
-        Path(out).write_text(line + "\n")
-    print(line)
+        from record import save_result
+
+        save_result(result, out)
+    print(json.dumps(result))
 
 
 def main() -> None:
