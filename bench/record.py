@@ -20,7 +20,7 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +60,11 @@ def save_result(record: dict[str, Any], current: Path | str, label: str = "") ->
     current.parent.mkdir(parents=True, exist_ok=True)
     if current.is_file():
         previous = json.loads(current.read_text())
-        when = datetime.fromtimestamp(current.stat().st_mtime, timezone.utc).date().isoformat()
+        when = datetime.fromtimestamp(current.stat().st_mtime, UTC).date().isoformat()
         with open(history_path(current), "a") as history:
             history.write(history_line(previous, commit="unknown", date=when, label=previous.get("label", "")))
     stamped = {**record, "commit": record.get("commit", head_commit())}
-    stamped.setdefault("date", datetime.now(timezone.utc).date().isoformat())
+    stamped.setdefault("date", datetime.now(UTC).date().isoformat())
     if label:
         stamped["label"] = label
     tmp = current.with_name(f".{current.name}.{os.getpid()}.tmp")

@@ -65,8 +65,8 @@ def _add(args: argparse.Namespace) -> int:
     conf = config_from_args(AddConfig, args)
     run_parts = None
     if args.ray:
+        from cluster.connect import connect_ray
         from cluster.index_job import ray_part_runner
-        from cluster.ingest_job import connect_ray
 
         connect_ray(args.address)
         run_parts = ray_part_runner()

@@ -89,7 +89,7 @@ def main(conf: IndexConfig, descriptors: Any, output: Path | str, address: str |
     """Build the index with parallel parts on Ray (a local instance unless ``address`` or $RAY_ADDRESS)."""
     import ray
 
-    from cluster.ingest_job import connect_ray
+    from cluster.connect import connect_ray
 
     if not ray.is_initialized():
         connect_ray(address)

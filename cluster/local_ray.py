@@ -11,7 +11,7 @@ on every interface, unless multi-node clusters are off (``RAY_ENABLE_WINDOWS_OR_
 ``ray_constants.ENABLE_RAY_CLUSTER``): then the node IP stays 127.0.0.1 and every Ray process of
 the instance binds it (checked by tests/test_local_ray.py, listing the sockets each listens on).
 ``LOOPBACK_ENV`` carries that to ``ray start`` and its processes; ``local_ray_on_loopback`` to a
-``ray.init`` of a new local instance in this process (cluster.ingest_job.connect_ray).
+``ray.init`` of a new local instance in this process (cluster.connect.connect_ray).
 
 Ports. Every port of the head is chosen free (``HEAD_PORT_FLAGS``, and the two metrics ports Ray
 takes only from the environment), since Ray's fixed defaults clash with any other Ray on the

@@ -94,7 +94,7 @@ def open_index(
     (seconds), one that follows the index's newest generation (webapi.live_index.LiveIndex): under
     ``ray_shards`` each generation gets its own shard actors, stopped once no request uses them."""
     if ray_shards:
-        from cluster.ingest_job import connect_ray
+        from cluster.connect import connect_ray
 
         connect_ray(address)
     if reload_interval <= 0:

@@ -159,7 +159,7 @@ def run_ray_serve(
     import ray
     from ray import serve
 
-    from cluster.ingest_job import connect_ray
+    from cluster.connect import connect_ray
     from cluster.serve import ray_app
 
     if conf.replicas < 1:

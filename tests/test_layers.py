@@ -246,7 +246,9 @@ def test_every_folder_reads_as_a_map():
             if module.stem != "__init__":
                 prefixes.setdefault(module.stem.split("_")[0], []).append(module.name)
         prefixed += [
-            f"{folder.relative_to(ROOT)}: {sorted(names)}" for names in prefixes.values() if len(names) > MAX_SHARED_PREFIX
+            f"{folder.relative_to(ROOT)}: {sorted(names)}"
+            for names in prefixes.values()
+            if len(names) > MAX_SHARED_PREFIX
         ]
     assert not crowded and not prefixed, "\n".join(crowded + prefixed)
 

@@ -232,7 +232,7 @@ def test_no_job_agent_and_a_held_port_says_which(dashboard):
 CONNECT_AND_LIST = """
 import json, os, sys
 import ray  # before connect_ray: Ray has read its settings already
-from cluster.ingest_job import connect_ray
+from cluster.connect import connect_ray
 sys.path.insert(0, {tests!r})
 from test_local_ray import non_loopback_listeners
 
@@ -286,7 +286,7 @@ def test_a_local_ray_started_by_needle_listens_on_loopback_only(tmp_path):
 CONNECT_AND_WAIT = """
 import json, os, stat, sys
 import ray  # before connect_ray: Ray has read its settings already (connect_ray reads them again)
-from cluster.ingest_job import connect_ray
+from cluster.connect import connect_ray
 
 connect_ray(None)
 path = os.environ["RAY_AUTH_TOKEN_PATH"]
