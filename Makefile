@@ -40,8 +40,9 @@ format: install
 test: install browser lint
 	$(BIN)/python -m pytest -m "not gpu" -q
 
+# The quick tier for the edit-test loop: no slow, Ray, S3 or GPU tests, and none may take a minute.
 test-fast: install
-	$(BIN)/python -m pytest -m "not gpu and not slow and not ray and not s3" -q
+	$(BIN)/python -m pytest -m "not gpu and not slow and not ray and not s3" -q --timeout 60
 
 clean:
 	rm -rf demo_run .pytest_cache

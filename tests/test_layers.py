@@ -141,6 +141,48 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return components
 
 
+# The rooms inside a package and the rooms of the same package each may import besides its ground
+# (the package's own top-level modules: ``index/*.py``, ``similarity/*.py``, ...; the floors below
+# are open to every room as to any module of the package). The search core reads what the build
+# and the living index write, so the ground itself may import the rooms.
+ROOMS = {
+    "index.build": {"index.gpu"},  # the offline build (trains and adds on a GPU where there is one)
+    "index.live": {"index.build", "index.gpu"},  # the living index: a generation's segments are built
+    "index.gpu": set(),  # the GPU engines
+    "embed.locals": set(),  # the local-token extractors
+    "similarity.afn": set(),  # the four methods of the seed papers, each by itself
+    "similarity.adaptors": set(),
+    "similarity.ffa": set(),
+    "similarity.twoafc": set(),
+}
+
+
+def _room(module: str) -> str | None:
+    return next((room for room in ROOMS if module == room or module.startswith(room + ".")), None)
+
+
+def test_every_room_is_declared():
+    rooms = {
+        _module_name(init.parent)
+        for floor in FLOORS
+        for init in (ROOT / floor).rglob("__init__.py")
+        if init.parent.parent != ROOT
+    }
+    assert rooms == set(ROOMS), f"rooms on disk {sorted(rooms)}, declared in ROOMS {sorted(ROOMS)}"
+
+
+def test_rooms_import_only_their_ground_and_declared_rooms():
+    crossing = sorted(
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        if (room := _room(module))
+        for target in targets
+        if (other := _room(target)) and other.split(".")[0] == room.split(".")[0]
+        if other != room and other not in ROOMS[room]
+    )
+    assert not crossing, "imports between rooms not declared in ROOMS:\n" + "\n".join(crossing)
+
+
 def test_no_module_cycles():
     cycles = _cycles(_graph())
     assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
