@@ -26,8 +26,9 @@ browser:
 demo: install
 	$(BIN)/needle demo --workdir demo_run
 
-# mypy: the low floors and the index protocols (query/index_protocol.py; shards/calls.py and the
-# coordinator and shard actor that implement them); the other packages are read, not reported on.
+# mypy: the low floors and the index protocols (query/index_protocol.py and query/live_index.py, the
+# index that follows generations; shards/calls.py and the coordinator and shard actor that
+# implement them); the other packages are read, not reported on.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

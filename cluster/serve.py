@@ -91,7 +91,7 @@ def open_index(
 ) -> Any:
     """The index to search: its shards in Ray actors with ``ray_shards`` (joining ``address``, else
     $RAY_ADDRESS, else a local instance), else loaded in this process. With ``reload_interval``
-    (seconds), one that follows the index's newest generation (webapi.live_index.LiveIndex): under
+    (seconds), one that follows the index's newest generation (query.live_index.LiveIndex): under
     ``ray_shards`` each generation gets its own shard actors, stopped once no request uses them."""
     if ray_shards:
         from cluster.connect import connect_ray
@@ -107,11 +107,11 @@ def open_index(
 
 
 def follow_index(path: str | Path, reload_interval: float, serving: ShardServing | None = None) -> Any:
-    """The index at ``path`` following its newest generation (webapi.live_index.LiveIndex), checked
+    """The index at ``path`` following its newest generation (query.live_index.LiveIndex), checked
     every ``reload_interval`` seconds: loaded in this process, or with ``serving`` in Ray shard
     actors (Ray initialised), a set per generation, stopped once no request uses it."""
     from index.live.generations import latest_number, location_of
-    from webapi.live_index import LiveIndex
+    from query.live_index import LiveIndex
 
     location = location_of(path, serving.stage.endpoint_url if serving is not None else None)
     if serving is not None:

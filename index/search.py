@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -253,6 +253,10 @@ class SearchIndex:
     def request(self, partial: bool = False) -> Iterator[WholeRequest]:
         """``Index.request``: no shard can be missing here."""
         yield WholeRequest(partial)
+
+    def pinned(self) -> AbstractContextManager[SearchIndex]:
+        """``Index.pinned``: this index is one generation, never changed once open."""
+        return nullcontext(self)
 
     def prefetch_keys(self, keys: list[str], with_tokens: bool = False) -> None:
         """``Index.prefetch_keys``: nothing to fetch ahead, every key is looked up here when asked."""

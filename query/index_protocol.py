@@ -6,6 +6,12 @@ elsewhere, which routes each call to the shards that own the rows). The query pa
 which kind it holds: where they differ (a request that may miss shards, the replicas' health, the
 keys looked up in one call to every shard, where thumbnails and local scores are made), each
 answers in its own way, the in-process one trivially.
+
+An index is one generation of a living index (docs/live_index.md): ``query.live_index.LiveIndex``
+follows the newest of them and is an ``Index`` too. So every index declares what living asks:
+its ``generation``, its first-use work done ahead (``warm``) and the one way a request is pinned
+to one generation (``pinned``); an index that never changes answers its own generation, warms
+what it has, and pins to itself.
 """
 
 from __future__ import annotations
@@ -58,6 +64,21 @@ class Index(Protocol):
     @property
     def has_locals(self) -> bool:
         """Whether the index was built with local tokens (re-ranking needs them)."""
+        ...
+
+    @property
+    def generation(self) -> int:
+        """The generation this index answers from (0: as built)."""
+        ...
+
+    def warm(self) -> None:
+        """Do now the work a first request would otherwise do (none where there is none)."""
+        ...
+
+    def pinned(self) -> AbstractContextManager[Index]:
+        """The one way to pin a request to a generation: ``with index.pinned() as view:`` gives the
+        ``Index`` of one generation, and every call to ``index`` from this thread inside the block
+        is answered by it too (an index that never changes: itself)."""
         ...
 
     def check_queries(self, xq: np.ndarray, k: int) -> np.ndarray:

@@ -31,7 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +137,13 @@ class ShardedIndex:
             yield state
         finally:
             _REQUEST.reset(token)
+
+    def pinned(self) -> AbstractContextManager[ShardedIndex]:
+        """``Index.pinned``: these shards serve one generation (a newer one gets new shard actors)."""
+        return nullcontext(self)
+
+    def warm(self) -> None:
+        """``Index.warm``: nothing here (each shard actor warms its shard as it starts)."""
 
     def state(self) -> RequestState:
         return _REQUEST.get() or RequestState()

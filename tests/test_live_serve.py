@@ -19,9 +19,9 @@ from index.errors import UnknownKeyError
 from index.live.delete_rows import DeleteConfig
 from index.live.delete_rows import main as delete
 from index.search import load_index
+from query.live_index import LiveIndex
 from tests.helpers_index import clustered_unit_vectors, write_descriptor_file
 from tests.test_live_index import D
-from webapi.live_index import LiveIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,6 +30,9 @@ class Fake:
     def __init__(self, generation):
         self.generation = generation
         self.closed = False
+
+    def warm(self):  # Index.warm: what every generation offers, nothing to do here
+        pass
 
 
 def test_a_pinned_request_finishes_on_its_generation_and_the_old_one_closes_after():

@@ -103,8 +103,8 @@ def test_the_scrubber_reads_the_index_location_from_the_index_protocol(index, in
     """Issue 44, item 9: ``server_locations`` read ``getattr(index, "path", "")``, so an index object
     without the protocol's ``path`` had nothing scrubbed, silently; a following index (LiveIndex)
     passes its generation's path on."""
+    from query.live_index import LiveIndex
     from webapi.http_errors import server_locations
-    from webapi.live_index import LiveIndex
 
     assert str(index_dir.resolve()) in server_locations(index)
     live = LiveIndex(lambda n, _: index, lambda: 0, reload_interval=0)

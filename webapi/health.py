@@ -26,7 +26,6 @@ from query.index_protocol import Index
 from webapi.guard import Gate, busy_message
 from webapi.http_errors import json_response
 from webapi.limits import retry_after
-from webapi.live_index import pinned
 
 HEALTH_MAX_AGE = 1.0  # seconds an answer is reused for the same generation
 
@@ -74,7 +73,7 @@ class HealthCache:
         return json_response(*cached)
 
     def make(self) -> tuple[int, dict[str, Any]]:
-        with pinned(self.index):  # one generation's figures
+        with self.index.pinned():  # one generation's figures
             answer = health_answer(self.index)
         self.answer, self.at, self.refreshes = answer, time.monotonic(), self.refreshes + 1
         return answer

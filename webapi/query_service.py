@@ -131,7 +131,8 @@ class QueryService:
     def answering(self, partial: Any, call: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
         """``call()`` as one request to the shards: where ``partial`` allows it and shards were
         missing, each query's answer says so (``"partial": true``, ``"missing_shards"``)."""
-        with self.index.request(boolean(partial, "partial")) as state:  # in one process no shard is ever missing
+        # pinned: every index call of ``call`` answered by one generation; in one process no shard is ever missing
+        with self.index.pinned(), self.index.request(boolean(partial, "partial")) as state:
             out = call()
         if state.missing:
             for query in out:

@@ -39,7 +39,6 @@ from core.quoting import short_text
 from shards.coordinator import ShardsUnavailable
 from webapi.http_errors import error_response, is_server_side, request_id, scrub, server_locations
 from webapi.limits import FieldError, parse_json, short_repr
-from webapi.live_index import pinned
 
 if TYPE_CHECKING:
     from query.index_protocol import Index
@@ -252,7 +251,7 @@ async def guarded(request: Request, search: PageSearch, fn: Any, *args: Any) -> 
     from starlette.concurrency import run_in_threadpool
 
     def run() -> Any:
-        with pinned(search.service.index):  # every index call of the request: one generation
+        with search.service.index.pinned():  # every index call of the request: one generation
             return fn(*args)
 
     try:
