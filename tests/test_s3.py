@@ -6,9 +6,9 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from core.location import S3Location
 from core.storage import (
     MARKER_SUFFIX,
-    S3Storage,
     StorageError,
     copy_file_under,
     open_url,
@@ -53,7 +53,7 @@ def fail_first(client, operation: str, status: int = 500) -> list[str]:
 
 def test_injected_s3_failures_are_retried(s3_endpoint, buckets):
     _client, _src, dst = buckets
-    storage = S3Storage(f"s3://{dst}/x", s3_endpoint)
+    storage = S3Location(f"s3://{dst}/x", s3_endpoint)
     calls = fail_first(storage.client, "PutObject", 503)
     storage.write_json("a.json", {"ok": 1})
     assert len(calls) == 2 and storage.read_json("a.json") == {"ok": 1}
@@ -61,7 +61,7 @@ def test_injected_s3_failures_are_retried(s3_endpoint, buckets):
 
 def test_uncommitted_parts_are_invisible(s3_endpoint, buckets):
     client, _src, dst = buckets
-    storage = S3Storage(f"s3://{dst}/d", s3_endpoint)
+    storage = S3Location(f"s3://{dst}/d", s3_endpoint)
     client.put_object(Bucket=dst, Key="d/000000.parquet", Body=b"half an upload")
     assert storage.committed() == {}
     client.put_object(Bucket=dst, Key="d/000000.parquet" + MARKER_SUFFIX, Body=b'{"rows": 3}')
