@@ -27,7 +27,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from core.atomic import fsync_directory, replace_durably, write_synced
-from core.storage import MARKER_SUFFIX, error_code, is_s3, read_s3_range, s3_client, s3_key, split_s3
+from core.storage import (
+    MARKER_SUFFIX,
+    StorageError,
+    error_code,
+    is_s3,
+    read_s3_range,
+    s3_client,
+    s3_errors,
+    s3_key,
+    split_s3,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,7 @@ class Location(Protocol):
     def local_root(self) -> Path | None: ...  # the directory, or None where files are remote
     def url_of(self, name: str) -> str: ...
     def read_bytes(self, name: str) -> bytes | None: ...  # None: not there
+    def read_required(self, name: str) -> bytes: ...  # StorageError naming the file where unreadable
     def read_range(self, name: str, offset: int, size: int) -> bytes: ...
     def read_json(self, name: str) -> Any | None: ...  # None: not there
     def write_json(self, name: str, obj: Any) -> str: ...  # indented, sorted keys; returns the URL
@@ -93,6 +104,12 @@ class LocalLocation:
             return (self.root / name).read_bytes()
         except FileNotFoundError:
             return None
+
+    def read_required(self, name: str) -> bytes:
+        try:
+            return (self.root / name).read_bytes()
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.url_of(name)}: {exc}") from exc
 
     def read_range(self, name: str, offset: int, size: int) -> bytes:
         with open(self.root / name, "rb") as stream:
@@ -216,6 +233,12 @@ class S3Location:
             if error_code(exc) in S3_MISSING:
                 return None
             raise
+
+    def read_required(self, name: str) -> bytes:
+        try:
+            return bytes(self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read())
+        except s3_errors() as exc:
+            raise StorageError(f"cannot read {self.url}/{name}: {exc}") from exc
 
     def read_range(self, name: str, offset: int, size: int) -> bytes:
         """One ranged GET (none for ``size`` 0); OSError naming the object and range."""

@@ -133,36 +133,3 @@ def list_s3(url_pattern: str, endpoint_url: str | None = None) -> list[str]:
     paginator = s3_client(endpoint_url).get_paginator("list_objects_v2")
     keys = [o["Key"] for page in paginator.paginate(Bucket=bucket, Prefix=prefix) for o in page.get("Contents", [])]
     return sorted(f"s3://{bucket}/{k}" for k in keys if fnmatch.fnmatchcase(k, pattern))
-
-
-# --- a file under a root: a local directory or an s3:// prefix ----------------------------------
-
-
-def url_under(root: str, relative: str) -> str:
-    """The URL (or path) of ``relative`` under a local directory or an ``s3://`` prefix."""
-    if is_s3(root):
-        bucket, prefix = split_s3(root.rstrip("/"))
-        return f"s3://{bucket}/{s3_key(prefix, relative)}"
-    return str(Path(root) / relative)
-
-
-def read_file_under(root: str, relative: str, endpoint_url: str | None = None) -> bytes:
-    """The bytes of ``relative`` under a local directory or an ``s3://`` prefix; StorageError
-    naming the file where it cannot be read."""
-    url = url_under(root, relative)
-    if is_s3(url):
-        bucket, key = split_s3(url)
-        try:
-            return bytes(s3_client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read())
-        except s3_errors() as exc:
-            raise StorageError(f"cannot read {root}/{relative}: {exc}") from exc
-    try:
-        return Path(url).read_bytes()
-    except OSError as exc:
-        raise StorageError(f"cannot read {url}: {exc}") from exc
-
-
-def copy_file_under(root: str, relative: str, target: Path, endpoint_url: str | None = None) -> None:
-    """Copy ``relative`` under a local directory or an ``s3://`` prefix to the local path
-    ``target``, as it comes (see ``download``)."""
-    download(url_under(root, relative), target, endpoint_url)

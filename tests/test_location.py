@@ -10,7 +10,7 @@ import pytest
 
 from core.atomic import replace_durably
 from core.location import LocalLocation, S3Location, location_of, output_location
-from core.storage import MARKER_SUFFIX, s3_client
+from core.storage import MARKER_SUFFIX, StorageError, s3_client
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
@@ -47,6 +47,9 @@ def test_json_and_bytes(location):
     assert location.read_json("a.json") == {"a": [2], "b": 1}
     location.write_json("sub/c.json", {"c": 3})  # a directory is made where needed
     assert location.read_json("sub/c.json") == {"c": 3}
+    assert location.read_required("sub/c.json") == location.read_bytes("sub/c.json")
+    with pytest.raises(StorageError, match=r"sub/nope\.json"):  # the error names the file
+        location.read_required("sub/nope.json")
 
 
 def test_exclusive_create_and_replace(location):

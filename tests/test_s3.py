@@ -6,15 +6,8 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from core.location import S3Location
-from core.storage import (
-    MARKER_SUFFIX,
-    StorageError,
-    copy_file_under,
-    open_url,
-    read_file_under,
-    s3_client,
-)
+from core.location import S3Location, location_of
+from core.storage import MARKER_SUFFIX, StorageError, open_url, s3_client
 
 pytestmark = [pytest.mark.s3]
 
@@ -79,12 +72,13 @@ def test_files_under_a_prefix_read_and_copy_as_under_a_directory(s3_endpoint, bu
     local_root, name = str(tiny_shards[0].parent), tiny_shards[0].name
     expected = tiny_shards[0].read_bytes()
     for root in (f"s3://{src}/shards", local_root):
-        assert read_file_under(root, name, s3_endpoint) == expected
+        location = location_of(root, s3_endpoint)
+        assert location.read_required(name) == expected
         target = tmp_path / f"copy-{len(root)}"
-        copy_file_under(root, name, target, s3_endpoint)
+        location.download(name, target)
         assert target.read_bytes() == expected
         with pytest.raises(StorageError, match=r"nope\.tar"):  # the error names the file
-            read_file_under(root, "nope.tar", s3_endpoint)
+            location.read_required("nope.tar")
 
 
 @pytest.mark.ray
