@@ -25,7 +25,7 @@ from typing import Any
 
 from cluster.connect import connect_ray
 from core.errors import NeedleInputError
-from core.storage import storage_for
+from core.location import output_location
 from ingest.config import IngestConfig
 from ingest.shards import expand_shards, shard_ids, shard_name
 
@@ -277,7 +277,7 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
     when any shard failed."""
     import ray
 
-    storage = storage_for(output, conf.s3_endpoint_url)
+    storage = output_location(output, conf.s3_endpoint_url)
     previous = storage.read_json(INFO_FILE) or {}
     if not ray.is_initialized():
         connect_ray(conf.address)

@@ -110,7 +110,8 @@ def follow_index(path: str | Path, reload_interval: float, serving: ShardServing
     """The index at ``path`` following its newest generation (query.live_index.LiveIndex), checked
     every ``reload_interval`` seconds: loaded in this process, or with ``serving`` in Ray shard
     actors (Ray initialised), a set per generation, stopped once no request uses it."""
-    from index.live.generations import latest_number, location_of
+    from core.location import location_of
+    from index.live.generations import latest_number
     from query.live_index import LiveIndex
 
     location = location_of(path, serving.stage.endpoint_url if serving is not None else None)

@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never a partial one."""
+"""Atomic file writes: a reader sees the old file or the whole new one, never a partial one; the
+durable ones (``replace_durably``, ``write_synced``) also survive a crash right after them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 def temporary_path(path: Path) -> Path:
@@ -41,3 +42,40 @@ def write_atomic(path: Path | str, write: Callable[[Path], Any]) -> Path:
 def write_json_atomic(obj: Any, path: Path | str) -> Path:
     """``obj`` as indented JSON with sorted keys, written atomically."""
     return write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
+
+
+def fsync_directory(path: Path) -> None:
+    """Make a rename or link in ``path`` durable (a crash after it does not undo it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, write: Callable[[IO[bytes]], Any]) -> Path:
+    """Create ``path`` with ``write(stream)``, then flush and fsync it: its bytes are on disk before
+    the caller renames or links it into place."""
+    with open(path, "wb") as stream:
+        write(stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    return path
+
+
+def replace_durably(path: Path, data: bytes) -> Path:
+    """The one durable write: ``data`` into a hidden temporary file beside ``path`` (its name holds
+    the pid, so two processes never share one), fsynced, renamed onto ``path`` with ``os.replace``,
+    then the directory fsynced. Readers see the old file or the whole new one, and a crash after
+    the call keeps the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write_synced(tmp, lambda stream: stream.write(data))
+    os.replace(tmp, path)
+    fsync_directory(path.parent)
+    return path

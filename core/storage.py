@@ -1,6 +1,7 @@
-"""The one storage layer of needle: files under a local directory or an ``s3://`` prefix, read,
-copied, listed, uploaded and committed the same way by ingestion, the index build, shard staging
-and the source images of thumbnails.
+"""Files named by URL (a local path or ``s3://bucket/key``): open, read a range, download, list a
+glob, and the S3 helpers (client, URL parts, error codes) under core.location, the storage
+location (a local directory or an ``s3://`` prefix) that ingestion, the index build, the living
+index and shard staging write and read through.
 
 S3 goes through boto3 with the standard AWS credential chain (environment, config files, instance
 roles; credentials are never logged) and an optional ``endpoint_url`` for S3-compatible stores.
@@ -8,31 +9,18 @@ botocore retries throttling, 5xx and connection errors with exponential backoff 
 Not ``pyarrow.fs``: its S3 filesystem drops user metadata on upload (``x-amz-meta-sha256``, which
 an S3 index build checks to keep committed shards) and exposes no request hooks to inject faults
 in tests.
-
-Commit protocol. Local: write ``<name>.tmp`` then ``os.replace``. S3: upload the object, then
-write ``<name>.committed`` (a small JSON); readers list only objects that have their marker, so a
-half-finished upload of a killed worker is never read.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import json
-import logging
-import os
 import shutil
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
-from core.atomic import write_json_atomic
 from core.errors import NeedleDataError, NeedleInputError
 
-log = logging.getLogger(__name__)
-
-MARKER_SUFFIX = ".committed"
+MARKER_SUFFIX = ".committed"  # beside an S3 object: the upload is whole (core.location)
 S3_MAX_ATTEMPTS = 8  # botocore attempts per request, with exponential backoff between them
 MISSING_CODES = ("NoSuchKey", "404", "NoSuchBucket")  # S3 error codes of an object that is not there
 
@@ -111,10 +99,16 @@ def read_range(url: str, offset: int, size: int, endpoint_url: str | None = None
             return stream.read(size)
     if size == 0:
         return b""
+    return read_s3_range(s3_client(endpoint_url), url, offset, size)
+
+
+def read_s3_range(client: Any, url: str, offset: int, size: int) -> bytes:
+    """``size`` (> 0) bytes at ``offset`` of the S3 object ``url``, in one ranged GET with ``client``;
+    OSError naming the URL and range where they cannot be read whole."""
     bucket, key = split_s3(url)
     span = f"{offset}-{offset + size - 1}"
     try:
-        data = s3_client(endpoint_url).get_object(Bucket=bucket, Key=key, Range=f"bytes={span}")["Body"].read()
+        data = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={span}")["Body"].read()
     except s3_errors() as exc:
         raise OSError(f"{url}: bytes {span}: {exc}") from exc
     if len(data) != size:
@@ -139,181 +133,3 @@ def list_s3(url_pattern: str, endpoint_url: str | None = None) -> list[str]:
     paginator = s3_client(endpoint_url).get_paginator("list_objects_v2")
     keys = [o["Key"] for page in paginator.paginate(Bucket=bucket, Prefix=prefix) for o in page.get("Contents", [])]
     return sorted(f"s3://{bucket}/{k}" for k in keys if fnmatch.fnmatchcase(k, pattern))
-
-
-# --- a file under a root: a local directory or an s3:// prefix ----------------------------------
-
-
-def url_under(root: str, relative: str) -> str:
-    """The URL (or path) of ``relative`` under a local directory or an ``s3://`` prefix."""
-    if is_s3(root):
-        bucket, prefix = split_s3(root.rstrip("/"))
-        return f"s3://{bucket}/{s3_key(prefix, relative)}"
-    return str(Path(root) / relative)
-
-
-def read_file_under(root: str, relative: str, endpoint_url: str | None = None) -> bytes:
-    """The bytes of ``relative`` under a local directory or an ``s3://`` prefix; StorageError
-    naming the file where it cannot be read."""
-    url = url_under(root, relative)
-    if is_s3(url):
-        bucket, key = split_s3(url)
-        try:
-            return bytes(s3_client(endpoint_url).get_object(Bucket=bucket, Key=key)["Body"].read())
-        except s3_errors() as exc:
-            raise StorageError(f"cannot read {root}/{relative}: {exc}") from exc
-    try:
-        return Path(url).read_bytes()
-    except OSError as exc:
-        raise StorageError(f"cannot read {url}: {exc}") from exc
-
-
-def copy_file_under(root: str, relative: str, target: Path, endpoint_url: str | None = None) -> None:
-    """Copy ``relative`` under a local directory or an ``s3://`` prefix to the local path
-    ``target``, as it comes (see ``download``)."""
-    download(url_under(root, relative), target, endpoint_url)
-
-
-# --- an output location: where parts are committed and JSON records written ---------------------
-
-
-class Storage(Protocol):
-    url: str
-
-    def commit_file(self, name: str, local_file: Path, marker: dict[str, Any]) -> str: ...
-    def write_json(self, name: str, obj: Any) -> str: ...
-    def read_json(self, name: str) -> Any | None: ...
-    def committed(self) -> dict[str, dict[str, Any]]: ...
-    def local_scratch(self) -> Path: ...
-
-
-@dataclass
-class LocalStorage:
-    root: Path
-
-    @property
-    def url(self) -> str:
-        return str(self.root)
-
-    def __post_init__(self) -> None:
-        self.root = Path(self.root)
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def local_scratch(self) -> Path:
-        return self.root  # same file system: the final rename is atomic
-
-    def commit_file(self, name: str, local_file: Path, marker: dict[str, Any]) -> str:
-        target = self.root / name
-        os.replace(local_file, target)
-        return str(target)
-
-    def write_json(self, name: str, obj: Any) -> str:
-        return str(write_json_atomic(obj, self.root / name))
-
-    def read_json(self, name: str) -> Any | None:
-        path = self.root / name
-        return json.loads(path.read_text()) if path.is_file() else None
-
-    def committed(self) -> dict[str, dict[str, Any]]:
-        """Committed Parquet parts: name -> {"rows": n} (row count from the file's footer)."""
-        import pyarrow.parquet as pq
-
-        parts = {}
-        for path in sorted(self.root.glob("*.parquet")):
-            try:
-                parts[path.name] = {"rows": pq.ParquetFile(path).metadata.num_rows}
-            except Exception as exc:  # an unreadable part counts as not committed: it will be redone
-                log.warning("ignoring unreadable %s: %s", path, exc)
-        return parts
-
-
-@dataclass(frozen=True)
-class ObjectStat:
-    size: int
-    sha256: str | None  # the SHA-256 recorded as the object's metadata by ``upload``, if any
-
-
-@dataclass
-class S3Storage:
-    url: str
-    endpoint_url: str | None = None
-
-    def __post_init__(self) -> None:
-        self.url = self.url.rstrip("/")
-        self.bucket, self.prefix = split_s3(self.url)
-        self.client = s3_client(self.endpoint_url)
-        self._scratch: Path | None = None
-
-    def _key(self, name: str) -> str:
-        return s3_key(self.prefix, name)
-
-    def local_scratch(self) -> Path:
-        if self._scratch is None:
-            self._scratch = Path(tempfile.mkdtemp(prefix="needle-s3-"))
-        return self._scratch
-
-    def commit_file(self, name: str, local_file: Path, marker: dict[str, Any]) -> str:
-        self.upload(name, local_file)
-        self.client.put_object(
-            Bucket=self.bucket, Key=self._key(name + MARKER_SUFFIX), Body=json.dumps(marker).encode()
-        )
-        Path(local_file).unlink(missing_ok=True)
-        return f"s3://{self.bucket}/{self._key(name)}"
-
-    def upload(self, name: str, local_file: Path, sha256: str | None = None) -> None:
-        """Upload ``local_file`` as ``name``, with its SHA-256 (if given) as object metadata."""
-        extra = {"Metadata": {"sha256": sha256}} if sha256 else None
-        self.client.upload_file(str(local_file), self.bucket, self._key(name), ExtraArgs=extra)
-
-    def download(self, name: str, target: Path) -> None:
-        """Copy object ``name`` to the local path ``target``, as it comes."""
-        self.client.download_file(self.bucket, self._key(name), str(target))
-
-    def stat(self, name: str) -> ObjectStat | None:
-        """Size and recorded SHA-256 of object ``name``, or None where it cannot be seen."""
-        from botocore.exceptions import ClientError
-
-        try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self._key(name))
-        except ClientError:
-            return None
-        return ObjectStat(int(head.get("ContentLength", -1)), head.get("Metadata", {}).get("sha256"))
-
-    def write_json(self, name: str, obj: Any) -> str:
-        body = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-        self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=body)
-        return f"s3://{self.bucket}/{self._key(name)}"
-
-    def read_json(self, name: str) -> Any | None:
-        from botocore.exceptions import ClientError
-
-        try:
-            return json.loads(self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read())
-        except ClientError as exc:
-            if error_code(exc) in ("NoSuchKey", "404"):
-                return None
-            raise
-
-    def _list(self) -> Iterator[str]:
-        prefix = f"{self.prefix}/" if self.prefix else ""
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            for item in page.get("Contents", []):
-                yield item["Key"][len(prefix) :]
-
-    def committed(self) -> dict[str, dict[str, Any]]:
-        """Parquet parts that have their commit marker: name -> marker ({"rows": n, ...})."""
-        names = set(self._list())
-        parts = {}
-        for name in sorted(n for n in names if n.endswith(".parquet")):
-            if name + MARKER_SUFFIX in names:
-                body = self.client.get_object(Bucket=self.bucket, Key=self._key(name + MARKER_SUFFIX))["Body"].read()
-                parts[name] = json.loads(body)
-        return parts
-
-    def cleanup(self) -> None:
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-
-
-def storage_for(url: str | Path, endpoint_url: str | None = None) -> LocalStorage | S3Storage:
-    return S3Storage(str(url), endpoint_url) if is_s3(str(url)) else LocalStorage(Path(url))

@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core.errors import ImageDecodeError, ShardReadError
-from core.storage import Storage, open_url, storage_for
+from core.location import Location, output_location
+from core.storage import open_url
 from ingest.descriptors import (
     STATUS_ERROR,
     STATUS_OK,
@@ -191,7 +192,7 @@ def _mark_duplicate_keys(items: list[_Decoded], seen: set[str]) -> None:
 def process_shard(
     url: str,
     shard_id: int,
-    out: Path | str | Storage,
+    out: Path | str | Location,
     extractors: Sequence[Extractor],
     decode_threads: int = 2,
     chunk_size: int = CHUNK_SIZE,
@@ -202,7 +203,7 @@ def process_shard(
     overlap: bool = True,
 ) -> ShardResult:
     """Read shard ``url`` (local or ``s3://``), describe every image, commit ``<shard>.parquet``
-    into ``out`` (a directory, an ``s3://`` prefix or a Storage) atomically.
+    into ``out`` (a directory, an ``s3://`` prefix or a Location) atomically.
 
     Each sample becomes exactly one row; an undecodable sample becomes an ``error`` row. A shard
     that cannot be read to the end (missing, truncated) is returned as failed and writes nothing.
@@ -213,7 +214,7 @@ def process_shard(
     while the extractors work on this one (a GPU model); False: decode each chunk on all the
     threads, then run the extractors (a CPU model on the same cores: taking turns is faster).
     """
-    storage = out if hasattr(out, "commit_file") else storage_for(out, s3_endpoint_url)
+    storage = out if hasattr(out, "commit_file") else output_location(out, s3_endpoint_url)
     opener = functools.partial(open_url, endpoint_url=s3_endpoint_url)
     start = time.perf_counter()
     name = shard_name(url)

@@ -29,7 +29,8 @@ from typing import Any
 
 from core.atomic import atomic_path, write_json_atomic
 from core.hashing import file_sha256
-from core.storage import StorageError, copy_file_under, is_s3, read_file_under
+from core.location import Location, location_of
+from core.storage import StorageError, is_s3
 from index.errors import IndexFileError
 from index.layout import INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE
 from index.live.deletes import DeleteSet, read_delete_set
@@ -57,22 +58,27 @@ def source_url(source: str | Path) -> str:
     return text.rstrip("/") if is_s3(text) else str(Path(text).resolve())
 
 
-def read_source_bytes(source: str, relative: str, endpoint_url: str | None) -> bytes:
+def source_location(source: str | Path, endpoint_url: str | None) -> Location:
+    """The index location ``source`` (see ``source_url``) with its S3 endpoint."""
+    return location_of(source_url(source), endpoint_url)
+
+
+def read_source_bytes(source: Location, relative: str) -> bytes:
     """The bytes of ``relative`` under an index location, or IndexFileError naming it."""
     try:
-        return read_file_under(source, relative, endpoint_url)
+        return source.read_required(relative)
     except StorageError as exc:
         raise IndexFileError(str(exc)) from exc
 
 
-def read_json(source: str, relative: str, endpoint_url: str | None) -> dict[str, Any]:
-    data = read_source_bytes(source, relative, endpoint_url)
+def read_json(source: Location, relative: str) -> dict[str, Any]:
+    data = read_source_bytes(source, relative)
     try:
         value = json.loads(data)
     except ValueError as exc:
-        raise IndexFileError(f"{source}/{relative} is not JSON: {exc}") from exc
+        raise IndexFileError(f"{source.url}/{relative} is not JSON: {exc}") from exc
     if not isinstance(value, dict):
-        raise IndexFileError(f"{source}/{relative} is not a JSON object")
+        raise IndexFileError(f"{source.url}/{relative} is not a JSON object")
     return value
 
 
@@ -85,7 +91,7 @@ def read_index_infos(
     from index.live.generations import read_view
 
     url = source_url(source)
-    read_json(url, INFOS_FILE, endpoint_url)  # an IndexFileError naming the file where it is missing
+    read_json(source_location(url, endpoint_url), INFOS_FILE)  # an IndexFileError naming the file where it is missing
     infos = read_view(url, endpoint_url, generation)
     if infos.get("layout") != LAYOUT_SHARDS:
         raise IndexFileError(
@@ -106,7 +112,7 @@ def read_delete_set_of(source: str, entry: dict[str, Any], endpoint_url: str | N
     recorded = entry.get("deleted")
     if not recorded:
         return DeleteSet.empty()
-    data = read_source_bytes(source_url(source), recorded["file"], endpoint_url)
+    data = read_source_bytes(source_location(source, endpoint_url), recorded["file"])
     label = f"{source}/{recorded['file']} (segment {entry['name']})"
     return read_delete_set(io.BytesIO(data), int(recorded["indexed"]), label)
 
@@ -135,10 +141,10 @@ def locked(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def fetch_file(source: str, relative: str, target: Path, endpoint_url: str | None) -> None:
+def fetch_file(source: Location, relative: str, target: Path) -> None:
     """Copy ``relative`` under an index location to ``target`` (atomically: never half a file)."""
     with atomic_path(target) as tmp:
-        copy_file_under(source, relative, tmp, endpoint_url)
+        source.download(relative, tmp)
 
 
 def matches(path: Path, recorded: dict[str, Any]) -> bool:
@@ -162,8 +168,9 @@ def stage_shard(
     cached copy matches its checksum are kept), verify every file's SHA-256 against the source's
     ``shard_infos.json``, and write that last; ``entry``: the top-level infos' record of the
     shard, which must agree. IndexFileError naming the shard and file on any mismatch."""
-    source = source_url(source)
-    infos = read_json(source, f"{name}/{SHARD_INFOS_FILE}", conf.endpoint_url)
+    location = source_location(source, conf.endpoint_url)
+    source = location.url
+    infos = read_json(location, f"{name}/{SHARD_INFOS_FILE}")
     checksums = infos.get("checksums")
     if not isinstance(checksums, dict) or not checksums:
         raise IndexFileError(f"index shard {name} of {source}: {SHARD_INFOS_FILE} lists no files with checksums")
@@ -172,8 +179,8 @@ def stage_shard(
             f"index shard {name} of {source}: {SHARD_INFOS_FILE} says {infos.get('rows')} rows, "
             f"{infos.get('ntotal')} vectors; {INFOS_FILE} says {entry.get('rows')}, {entry.get('ntotal')}"
         )
-    if not conf.copy_local and not is_s3(source):  # served in place: open_shard checks the files' sizes
-        return Staged(Path(source) / name, 0, len(checksums), 0)
+    if not conf.copy_local and location.local_root is not None:  # served in place: open_shard checks sizes
+        return Staged(location.local_root / name, 0, len(checksums), 0)
     directory = source_directory(cache_root(conf.cache_dir, node), source) / name
     fetched = reused = nbytes = 0
     with locked(directory):
@@ -185,7 +192,7 @@ def stage_shard(
             if matches(target, recorded):
                 reused += 1
                 continue
-            fetch_file(source, f"{name}/{file}", target, conf.endpoint_url)
+            fetch_file(location, f"{name}/{file}", target)
             if not matches(target, recorded):
                 target.unlink(missing_ok=True)
                 raise IndexFileError(

@@ -6,15 +6,8 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from core.storage import (
-    MARKER_SUFFIX,
-    S3Storage,
-    StorageError,
-    copy_file_under,
-    open_url,
-    read_file_under,
-    s3_client,
-)
+from core.location import S3Location, location_of
+from core.storage import MARKER_SUFFIX, StorageError, open_url, s3_client
 
 pytestmark = [pytest.mark.s3]
 
@@ -53,7 +46,7 @@ def fail_first(client, operation: str, status: int = 500) -> list[str]:
 
 def test_injected_s3_failures_are_retried(s3_endpoint, buckets):
     _client, _src, dst = buckets
-    storage = S3Storage(f"s3://{dst}/x", s3_endpoint)
+    storage = S3Location(f"s3://{dst}/x", s3_endpoint)
     calls = fail_first(storage.client, "PutObject", 503)
     storage.write_json("a.json", {"ok": 1})
     assert len(calls) == 2 and storage.read_json("a.json") == {"ok": 1}
@@ -61,7 +54,7 @@ def test_injected_s3_failures_are_retried(s3_endpoint, buckets):
 
 def test_uncommitted_parts_are_invisible(s3_endpoint, buckets):
     client, _src, dst = buckets
-    storage = S3Storage(f"s3://{dst}/d", s3_endpoint)
+    storage = S3Location(f"s3://{dst}/d", s3_endpoint)
     client.put_object(Bucket=dst, Key="d/000000.parquet", Body=b"half an upload")
     assert storage.committed() == {}
     client.put_object(Bucket=dst, Key="d/000000.parquet" + MARKER_SUFFIX, Body=b'{"rows": 3}')
@@ -79,12 +72,13 @@ def test_files_under_a_prefix_read_and_copy_as_under_a_directory(s3_endpoint, bu
     local_root, name = str(tiny_shards[0].parent), tiny_shards[0].name
     expected = tiny_shards[0].read_bytes()
     for root in (f"s3://{src}/shards", local_root):
-        assert read_file_under(root, name, s3_endpoint) == expected
+        location = location_of(root, s3_endpoint)
+        assert location.read_required(name) == expected
         target = tmp_path / f"copy-{len(root)}"
-        copy_file_under(root, name, target, s3_endpoint)
+        location.download(name, target)
         assert target.read_bytes() == expected
         with pytest.raises(StorageError, match=r"nope\.tar"):  # the error names the file
-            read_file_under(root, "nope.tar", s3_endpoint)
+            location.read_required("nope.tar")
 
 
 @pytest.mark.ray

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 from core.atomic import write_atomic, write_json_atomic
 from core.errors import NeedleInputError
 from core.hashing import file_sha256
-from core.storage import S3Storage, is_s3
+from core.location import S3Location
+from core.storage import is_s3
 from ingest.descriptors import (
     ROW_SHARD_SHIFT,
     STATUS_OK,
@@ -96,7 +97,7 @@ def descriptor_files(
 
 def stage_s3_parts(url: str, directory: Path, endpoint_url: str | None) -> list[Path]:
     """Download the committed Parquet parts under an ``s3://`` prefix (never the unmarked ones)."""
-    storage = S3Storage(url, endpoint_url)
+    storage = S3Location(url, endpoint_url)
     committed = storage.committed()
     if not committed:
         raise DescriptorFileError(f"{url} holds no committed .parquet part")

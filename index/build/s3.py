@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import write_atomic
-from core.storage import MARKER_SUFFIX, S3Storage, download
+from core.location import S3Location
+from core.storage import MARKER_SUFFIX, download
 from index.build.add import build_part
 from index.build.plan import FileInfo, ShardPlan, part_task
 from index.build.shard import finish_shard
@@ -32,7 +33,7 @@ ShardRunner = Callable[[bytes, list[dict[str, Any]]], list[dict[str, Any]]]
 
 
 def committed_shard(
-    storage: S3Storage, name: str, files: list[FileInfo], common: dict[str, Any]
+    storage: S3Location, name: str, files: list[FileInfo], common: dict[str, Any]
 ) -> dict[str, Any] | None:
     """The commit marker of shard ``name`` when a previous run committed it from the same files,
     plan and trained index and every file its shard_infos.json lists is there with the recorded
@@ -76,7 +77,7 @@ def build_shard_task(trained: bytes, spec: dict[str, Any]) -> dict[str, Any]:
     """Build one shard in a local temporary directory (its parts one after another, then its
     files), upload every file, its ``shard_infos.json``, then its commit marker last; returns the
     marker. Plain function: the Ray job runs one per task (retried where a task dies)."""
-    storage = S3Storage(spec["url"], spec["endpoint_url"])
+    storage = S3Location(spec["url"], spec["endpoint_url"])
     name = shard_name(spec["number"])
     with tempfile.TemporaryDirectory(prefix=f"needle-{name}-") as scratch_dir:
         scratch = Path(scratch_dir)
@@ -98,7 +99,7 @@ def build_shard_task(trained: bytes, spec: dict[str, Any]) -> dict[str, Any]:
     return marker
 
 
-def upload_shard(storage: S3Storage, directory: Path) -> None:
+def upload_shard(storage: S3Location, directory: Path) -> None:
     """Upload every file a finished shard directory's ``shard_infos.json`` lists (with its
     SHA-256 as object metadata), then the ``shard_infos.json``."""
     infos = json.loads((directory / SHARD_INFOS_FILE).read_text())
@@ -112,7 +113,7 @@ def run_shards_sequentially(trained: bytes, specs: list[dict[str, Any]]) -> list
 
 
 def build_on_s3(
-    storage: S3Storage,
+    storage: S3Location,
     trained_path: Path,
     shards: ShardPlan,
     settings: dict[str, Any],

@@ -40,7 +40,7 @@ from typing import Any
 
 from core.atomic import write_json_atomic
 from core.hashing import file_sha256
-from core.storage import S3Storage
+from core.location import S3Location
 from index.build.add import PartRunner, finish_local_shards, local_parts, run_parts_sequentially
 from index.build.factory import IndexPlan, parse_bytes, plan_index
 from index.build.plan import (
@@ -131,7 +131,7 @@ class Build:
 
     conf: IndexConfig
     scratch: Path  # the output directory, or for an s3:// output the driver's scratch (staging, training)
-    storage: S3Storage | None  # the s3:// output, or None (a local one)
+    storage: S3Location | None  # the s3:// output, or None (a local one)
     sources: Sources
     adapter: Any  # embed.adapt.LinearAdapter, or None
     clock: Stopwatch
@@ -191,7 +191,7 @@ def open_build(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str]
     and its descriptor files, staged and scanned, with the adapter checked against them."""
     clock = Stopwatch()
     local, url = output_location(output)
-    storage = S3Storage(url, conf.s3_endpoint_url) if url is not None else None
+    storage = S3Location(url, conf.s3_endpoint_url) if url is not None else None
     scratch = local if local is not None else Path(tempfile.mkdtemp(prefix="needle-index-"))
     scratch.mkdir(parents=True, exist_ok=True)
     sources = read_sources(descriptors, scratch / "staging", conf.s3_endpoint_url)
@@ -269,7 +269,7 @@ def add_locally(
 
 def add_on_s3(
     build: Build,
-    storage: S3Storage,
+    storage: S3Location,
     shards: ShardPlan,
     with_locals: bool,
     common: dict[str, Any],

@@ -19,7 +19,8 @@ import numpy as np
 
 from core.atomic import write_atomic
 from core.errors import NeedleInputError
-from core.storage import MARKER_SUFFIX, S3Storage
+from core.location import S3Location
+from core.storage import MARKER_SUFFIX
 from index.build.factory import IndexPlan
 from index.build.plan import FileInfo, read_valid
 from index.gpu.engine import assignment_quantizer, faiss_gpus
@@ -83,7 +84,7 @@ def train(plan: IndexPlan, xt: np.ndarray, quantizer_ef: int = DEFAULT_QUANTIZER
 
 
 def train_and_save(
-    plan: IndexPlan, xt: np.ndarray, quantizer_ef: int, trained_path: Path, storage: S3Storage | None
+    plan: IndexPlan, xt: np.ndarray, quantizer_ef: int, trained_path: Path, storage: S3Location | None
 ) -> int:
     """Train on ``xt`` and write the trained index to ``trained_path``; with ``storage`` (an S3
     output) also upload it, then its marker: a later run resumes with this quantizer, so its
@@ -99,7 +100,7 @@ def train_and_save(
     return n_train
 
 
-def reuse_trained(storage: S3Storage, factory: str, trained_path: Path) -> dict[str, Any] | None:
+def reuse_trained(storage: S3Location, factory: str, trained_path: Path) -> dict[str, Any] | None:
     """A previous run's committed trained index for the same plan, downloaded to ``trained_path``
     (its marker), or None: shards kept from that run were added to this quantizer."""
     marker = storage.read_json(TRAINED_FILE + MARKER_SUFFIX)

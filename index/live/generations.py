@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from core.errors import NeedleInputError
 from core.kill_points import kill_point
-from core.storage import error_code, is_s3, s3_client, s3_key, split_s3
+from core.location import Location, location_of
 from index.errors import IndexFileError
 from index.layout import INFOS_FILE, LAYOUT_SHARDS
 
@@ -50,169 +48,6 @@ class GenerationConflict(NeedleInputError):
 
 def manifest_name(number: int) -> str:
     return f"{GENERATIONS_DIR}/{number:06d}.json"
-
-
-class Location(Protocol):
-    """Where an index lies (a directory, or an ``s3://`` prefix): the few operations generations need."""
-
-    url: str
-
-    def read_bytes(self, name: str) -> bytes | None: ...  # None: not there
-    def create_exclusive(self, name: str, data: bytes) -> None: ...  # FileExistsError where it exists
-    def replace(self, name: str, data: bytes) -> None: ...
-    def upload(self, name: str, local_file: Path) -> None: ...
-    def download(self, name: str, target: Path) -> None: ...
-    def remove(self, names: list[str]) -> None: ...
-    def list(self, prefix: str) -> list[str]: ...  # names under ``prefix`` (relative to the index)
-
-
-class LocalLocation:
-    def __init__(self, root: Path | str):
-        self.root = Path(root)
-        self.url = str(self.root)
-
-    def read_bytes(self, name: str) -> bytes | None:
-        try:
-            return (self.root / name).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def create_exclusive(self, name: str, data: bytes) -> None:
-        """Write ``name`` whole, or FileExistsError: a temporary file fsynced, then hard-linked to
-        the name (``link`` never replaces), so no reader sees a partial manifest."""
-        target = self.root / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-        fsync_directory(target.parent)
-
-    def replace(self, name: str, data: bytes) -> None:
-        target = self.root / name
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        fsync_directory(target.parent)
-
-    def upload(self, name: str, local_file: Path) -> None:
-        target = self.root / name
-        if Path(local_file).resolve() != target.resolve():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(local_file, target)
-
-    def download(self, name: str, target: Path) -> None:
-        import shutil
-
-        shutil.copyfile(self.root / name, target)
-
-    def remove(self, names: list[str]) -> None:
-        import shutil
-
-        for name in names:
-            path = self.root / name
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-
-    def list(self, prefix: str) -> list[str]:
-        base = self.root / prefix
-        if not base.is_dir():
-            return []
-        return sorted(str(p.relative_to(self.root)) for p in base.iterdir())
-
-
-class S3Location:
-    def __init__(self, url: str, endpoint_url: str | None = None):
-        self.url = url.rstrip("/")
-        self.bucket, self.prefix = split_s3(self.url)
-        self.endpoint_url = endpoint_url
-        self.client = s3_client(endpoint_url)
-
-    def _key(self, name: str) -> str:
-        return s3_key(self.prefix, name)
-
-    def read_bytes(self, name: str) -> bytes | None:
-        from botocore.exceptions import ClientError
-
-        try:
-            return bytes(self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read())
-        except ClientError as exc:
-            if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
-                return None
-            raise
-
-    def create_exclusive(self, name: str, data: bytes) -> None:
-        """A ``PutObject`` with ``If-None-Match: *``: written once, or FileExistsError."""
-        from botocore.exceptions import ClientError
-
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data, IfNoneMatch="*")
-        except ClientError as exc:
-            if error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-                raise FileExistsError(f"{self.url}/{name} exists") from exc
-            raise
-
-    def replace(self, name: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
-
-    def upload(self, name: str, local_file: Path) -> None:
-        self.client.upload_file(str(local_file), self.bucket, self._key(name))
-
-    def download(self, name: str, target: Path) -> None:
-        self.client.download_file(self.bucket, self._key(name), str(target))
-
-    def remove(self, names: list[str]) -> None:
-        keys: list[str] = []
-        for name in names:
-            keys.extend(self._list_keys(name + "/"))
-            keys.append(self._key(name))
-        for start in range(0, len(keys), 1000):
-            chunk = [{"Key": key} for key in keys[start : start + 1000]]
-            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True})
-
-    def _list_keys(self, prefix: str) -> list[str]:
-        keys: list[str] = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
-            keys.extend(item["Key"] for item in page.get("Contents", []))
-        return keys
-
-    def list(self, prefix: str) -> list[str]:
-        """The names one level under ``prefix``: objects and "directories"."""
-        base = self._key(prefix.rstrip("/") + "/")
-        strip = len(self._key(""))
-        names = set()
-        for key in self._list_keys(prefix.rstrip("/") + "/"):
-            head = key[len(base) :].split("/", 1)[0]
-            names.add(base[strip:] + head)
-        return sorted(names)
-
-
-def location_of(index: str | Path, endpoint_url: str | None = None) -> LocalLocation | S3Location:
-    return S3Location(str(index), endpoint_url) if is_s3(str(index)) else LocalLocation(Path(index))
-
-
-def fsync_directory(path: Path) -> None:
-    """Make a rename or link in ``path`` durable (a crash after it does not undo it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_json_at(location: Location, name: str) -> dict[str, Any] | None:

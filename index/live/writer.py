@@ -31,6 +31,7 @@ import numpy as np
 
 from core.errors import NeedleInputError
 from core.kill_points import kill_point
+from core.location import Location, location_of
 from index.errors import IndexFileError
 from index.keys import KEY_FILES
 from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
@@ -40,11 +41,8 @@ from index.live.generations import (
     GENERATIONS_DIR,
     MANIFEST_FORMAT,
     TRAINED_EMPTY_FILE,
-    LocalLocation,
-    Location,
     base_infos,
     generation_zero,
-    location_of,
     manifest_totals,
     publish,
     read_manifest,
@@ -73,7 +71,8 @@ class Writer:
 
     @property
     def local(self) -> bool:
-        return isinstance(self.location, LocalLocation)
+        """Whether the index is a local directory (its files read in place, memory-mapped)."""
+        return self.location.local_root is not None
 
     @property
     def number(self) -> int:
@@ -82,8 +81,9 @@ class Writer:
 
     @property
     def root(self) -> Path:
-        """Where new segments are built: the index directory itself, or (S3) the scratch directory."""
-        return Path(self.location.url) if isinstance(self.location, LocalLocation) else self.scratch / "new"
+        """Where new segments are built: the index directory itself, or (S3) the location's scratch
+        directory (removed with the session)."""
+        return self.location.local_scratch()
 
     def segment_name(self, shard: int) -> str:
         return f"seg_{self.number:06d}_s{shard:03d}_{self.token}"
@@ -96,24 +96,18 @@ class Writer:
 
     def commit_segment(self, name: str) -> None:
         """Make a built segment part of the index's storage: every file its ``shard_infos.json``
-        lists, then that file last (S3; a local segment is already in place)."""
+        lists, then that file last (S3 uploads them; a local segment was built in place, so each
+        upload is nothing to do)."""
         directory = self.root / name
-        if not self.local:
-            infos = json.loads((directory / SHARD_INFOS_FILE).read_text())
-            for file in infos["checksums"]:
-                self.location.upload(f"{name}/{file}", directory / file)
-            self.location.upload(f"{name}/{SHARD_INFOS_FILE}", directory / SHARD_INFOS_FILE)
+        infos = json.loads((directory / SHARD_INFOS_FILE).read_text())
+        for file in infos["checksums"]:
+            self.location.upload(f"{name}/{file}", directory / file)
+        self.location.upload(f"{name}/{SHARD_INFOS_FILE}", directory / SHARD_INFOS_FILE)
         kill_point("segment_written")
 
     def segment_file(self, segment: str, file: str) -> Path:
         """A local path of one file of a published segment (S3: fetched once into the scratch)."""
-        if self.local:
-            return Path(self.location.url) / segment / file
-        target = self.scratch / "fetched" / segment / file
-        if not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self.location.download(f"{segment}/{file}", target)
-        return target
+        return self.fetch_top(f"{segment}/{file}")
 
     def segment_dir(self, segment: str, files: list[str]) -> Path:
         """A local directory holding ``files`` of a published segment (and its ``shard_infos.json``)."""
@@ -133,14 +127,8 @@ class Writer:
         return read_delete_set(file, int(recorded["indexed"]), f"{file} (segment {entry['name']})").rows
 
     def fetch_top(self, name: str) -> Path:
-        """A local path of a file at the top of the index (S3: fetched into the scratch)."""
-        if self.local:
-            return Path(self.location.url) / name
-        target = self.scratch / "fetched" / name
-        if not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self.location.download(name, target)
-        return target
+        """A local path of a file of the index (S3: fetched once into the scratch)."""
+        return self.location.local_copy(name, self.scratch / "fetched")
 
     def write_deletes(self, segment: str, rows: np.ndarray, indexed: int) -> dict[str, Any]:
         """A segment's delete set for the generation this writer publishes; its manifest entry."""
@@ -167,16 +155,13 @@ class Writer:
             if segment not in self.maps:
                 self.maps[segment] = np.load(self.segment_file(segment, VECTORS_FILE), mmap_mode="r")
             return np.asarray(self.maps[segment][start : start + count])
-        from core.storage import read_range
-
-        url = f"{self.location.url}/{segment}/{VECTORS_FILE}"
-        endpoint = getattr(self.location, "endpoint_url", None)
-        head = io.BytesIO(read_range(url, 0, 128, endpoint))  # np.save pads its header to 128 bytes
+        name = f"{segment}/{VECTORS_FILE}"
+        head = io.BytesIO(self.location.read_range(name, 0, 128))  # np.save pads its header to 128 bytes
         np.lib.format.read_magic(head)
         shape, _, dtype = np.lib.format.read_array_header_1_0(head)
         count = max(0, min(count, shape[0] - start))
         size = shape[1] * dtype.itemsize
-        data = read_range(url, head.tell() + start * size, size * count, endpoint)
+        data = self.location.read_range(name, head.tell() + start * size, size * count)
         return np.frombuffer(data, dtype).reshape(count, shape[1])
 
     def trained_empty(self) -> Path:
@@ -227,16 +212,18 @@ class writing:
     the lock (local) taken first; on any failure what the writer wrote is removed."""
 
     def __init__(self, index: str | Path, endpoint_url: str | None = None):
-        self.location = location_of(index, endpoint_url)
-        if isinstance(self.location, LocalLocation) and not (self.location.root / "index_infos.json").is_file():
+        self.location: Location = location_of(index, endpoint_url)
+        root = self.location.local_root
+        if root is not None and not (root / "index_infos.json").is_file():
             raise IndexFileError(f"{index} is not an index directory (no index_infos.json)")
         self.lock: Any = None
         self.writer: Writer | None = None
 
     def __enter__(self) -> Writer:
         generation_zero(base_infos(self.location))  # an index of another layout: refused before any file is made
-        if isinstance(self.location, LocalLocation):
-            self.lock = take_lock(self.location.root / LOCK_FILE)
+        root = self.location.local_root
+        if root is not None:  # a directory takes the writer lock; S3 has none (see the module's doc)
+            self.lock = take_lock(root / LOCK_FILE)
         try:
             infos = base_infos(self.location)
             parent = read_manifest(self.location)
@@ -254,6 +241,7 @@ class writing:
                     self.writer.discard()
                 shutil.rmtree(self.writer.scratch, ignore_errors=True)
         finally:
+            self.location.cleanup()
             self.release()
 
     def release(self) -> None:
