@@ -18,7 +18,6 @@ from cli.spec_flags import (
     add_flags,
     add_serve_flags,
     query_files,
-    require_index,
     rerank_options,
     serve_spec,
 )
@@ -117,7 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     from cluster.serve_run import run
 
-    require_index(spec)
+    spec.served_index()
     rerank_device(spec.rerank, spec.shards.ray, spec.listen.ray)
     spec.service_limits()  # bad limits fail before anything starts
     run(spec)

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cli.flags import source_constant
-from core.errors import NeedleInputError
 from webapi.spec import TRANSPORTS, ServeSpec, sections
 
 EVERYDAY = "everyday"  # the group listed first, beside --help: no title of its own
@@ -145,10 +144,9 @@ def add_flags(
     for name, title in GROUPS.items():
         members = [f for f in flags if (EVERYDAY if f.option in everyday else f.group) == name]
         for flag in members:
-            if name == EVERYDAY:
-                target = parser
-            else:
-                target = groups.get(name) or groups.setdefault(name, parser.add_argument_group(title))
+            if name != EVERYDAY and name not in groups:
+                groups[name] = parser.add_argument_group(title)
+            target = parser if name == EVERYDAY else groups[name]
             target.add_argument(flag.option, **_argument(flag))
     return groups
 
@@ -184,13 +182,6 @@ def serve_spec(args: argparse.Namespace) -> ServeSpec:
 
     base = read_spec(args.config) if getattr(args, "config", None) else ServeSpec()
     return with_settings(base, given_settings(args, SERVE_FLAGS))
-
-
-def require_index(spec: ServeSpec) -> str:
-    """The spec's index, or a NeedleInputError saying where to give it."""
-    if not spec.index:
-        raise NeedleInputError('needle serve: give the index with --index DIR (or index = "DIR" in --config)')
-    return spec.index
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:

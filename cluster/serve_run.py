@@ -72,9 +72,7 @@ def run(spec: ServeSpec) -> None:
     """Serve ``spec.index`` until stopped: in this process, or with Ray Serve under
     ``spec.listen.ray``; re-ranking on ``spec.rerank.device`` (this process's, or each Serve
     replica's); every request and connection within the spec's limits."""
-    index = spec.index
-    if index is None:
-        raise NeedleInputError('needle serve: give the index with --index DIR (or index = "DIR" in --config)')
+    index = spec.served_index()
     if str(index).startswith("s3://") and not spec.shards.ray:
         raise NeedleInputError(
             f"--index {index} is on S3: serve it with --ray-shards (each shard actor stages its shard)"

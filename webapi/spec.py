@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.errors import NeedleInputError
 from core.settings import setting
 from query.recorded import QueryFiles
 from rerank.options import RerankOptions
@@ -92,6 +93,12 @@ class ServeSpec:
     reload: LiveReload = field(default_factory=LiveReload)  # following new generations
     files: QueryFiles = field(default_factory=QueryFiles)  # files in place of those the index records
     page: Page = field(default_factory=Page)  # the web page
+
+    def served_index(self) -> str:
+        """The index to serve, or a NeedleInputError saying where to give it."""
+        if not self.index:
+            raise NeedleInputError('needle serve: give the index with --index DIR (or index = "DIR" in --config)')
+        return self.index
 
     def service_limits(self) -> ServiceLimits:
         """The app's limits: both limit sections and the Host names answered, checked."""
