@@ -323,7 +323,7 @@ def run_size(n: int, args: argparse.Namespace, address: str, work: Path) -> dict
 
 
 def main() -> None:
-    from cluster.serve_run import TRANSPORTS
+    from webapi.spec import TRANSPORTS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, nargs="+", default=[1_000_000, 4_000_000])

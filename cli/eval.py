@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from cli.flags import add_config_flags, config_from_args
-from cli.search import add_file_flags, add_rerank_flags, query_files, rerank_config, rerank_device
+from cli.search import add_file_flags, add_rerank_flags, rerank_device
+from cli.spec_flags import query_files, rerank_options
 
 # `needle eval scaling`'s --sizes: up to a million distractors (ScalingConfig's own default goes on to 100M).
 CLI_SCALING_SIZES = (0, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000)
@@ -18,8 +19,9 @@ CLI_SCALING_SIZES = (0, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000
 def _eval_map(args: argparse.Namespace) -> int:
     from eval.evaluate import EvalConfig, main
 
-    conf = config_from_args(EvalConfig, args, rerank=rerank_config(args), files=query_files(args))
-    out = main(conf, Path(args.index), Path(args.ground_truth), Path(args.out), rerank_device(args))
+    options = rerank_options(args)
+    conf = config_from_args(EvalConfig, args, rerank=options.to_config(), files=query_files(args))
+    out = main(conf, Path(args.index), Path(args.ground_truth), Path(args.out), rerank_device(options))
     report = json.loads(out.read_text())
     print(json.dumps({k: v for k, v in report.items() if k != "per_query"}, indent=2))
     return 0

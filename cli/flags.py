@@ -14,6 +14,10 @@ The class is read from its module's source without importing the module, so that
 ``config_from_args(Config, args)`` builds the config from the parsed flags: a flag left at a default
 that could not be read from the source (one computed or imported there), or at None for a field
 that cannot be None, leaves the field at the dataclass's own default.
+
+``needle serve``'s flags, and the re-ranking and file flags it shares with ``needle query`` and
+``needle eval map``, are not made here: cli/spec_flags.py declares them in a table, their help in
+the fields (core.settings), so that a TOML file can set them too.
 """
 
 from __future__ import annotations

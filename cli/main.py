@@ -1,7 +1,8 @@
 """The ``needle`` command: one subcommand per stage. Each group of commands registers its own
 subcommands (cli.build, cli_search, cli_eval, cli_train; similarity.cli), whose flags come
-from the stages' frozen configs (cli.flags); a handler parses its flags into the stage's
-config and calls the stage's ``main``. No stage is imported until a handler runs, so that ``needle
+from the stages' frozen configs (cli.flags), or for ``needle serve`` and the re-ranking flags from
+a declared table (cli.spec_flags); a handler parses its flags into the stage's config and calls
+the stage's ``main``. No stage is imported until a handler runs, so that ``needle
 --help`` and ``needle <cmd> --help`` import no torch."""
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from shards.coordinator import ShardedIndex
 from shards.staging import StageConfig
 
 if TYPE_CHECKING:
-    from webapi.webpage import PageConfig
+    from webapi.limits import ServiceLimits
+    from webapi.spec import ServeSpec
 
 log = logging.getLogger(__name__)
 
@@ -138,28 +139,25 @@ REPLICA_GPUS = 1.0  # --device cuda: each replica's GPU (its AMES model and scor
 
 
 def ray_app(
-    index_path: str,
-    files: Any = None,
-    rerank: Any = None,
-    page: PageConfig | None = None,
+    spec: ServeSpec,
     shard_actors: list[list[Any]] | None = None,
-    replicas: int = 1,
     replica_cpus: float = REPLICA_CPUS,
-    serving: Any = None,
-    device: str = "cpu",
-    limits: Any = None,
-    reload_interval: float = 0.0,
+    serving: ShardServing | None = None,
+    limits: ServiceLimits | None = None,
 ):
-    """The app as a bound Ray Serve deployment (``serve.run(ray_app(...))``; Ray must be initialised).
+    """The app of ``spec`` as a bound Ray Serve deployment (``serve.run(ray_app(...))``; Ray must
+    be initialised) of ``spec.listen.replicas`` replicas, each serving ``spec.index`` (a path every
+    node reads, or an s3:// prefix).
 
     Each replica opens the index itself; with ``shard_actors`` (from ``serve_sharded``) every replica
     is a coordinator in front of the same shard actors, which hold the index (``serving``: their
     ShardServing, for the request timeout). A replica's ``check_health`` fails while
-    a shard has no live replica. ``device``: where each replica re-ranks; "cuda" reserves a GPU
-    per replica (Ray hides the GPUs from actors that reserve none, so "auto" there is the CPU).
-    ``limits``: each replica's webapi.limits.ServiceLimits (request sizes, Host, the concurrency gate).
-    ``reload_interval``: each replica loading the index itself follows its generations (seconds
-    between checks; 0: never); replicas in front of shared shard actors serve the generation those hold.
+    a shard has no live replica. ``spec.rerank.device``: where each replica re-ranks; "cuda"
+    reserves a GPU per replica (Ray hides the GPUs from actors that reserve none, so "auto" there is
+    the CPU). ``limits``: each replica's webapi.limits.ServiceLimits (request sizes, Host, the
+    concurrency gate; default: the spec's). ``spec.reload.interval``: each replica loading the index
+    itself follows its generations (seconds between checks; 0: never); replicas in front of shared
+    shard actors serve the generation those hold.
     """
     from fastapi import FastAPI
     from ray import serve
@@ -167,34 +165,32 @@ def ray_app(
     from webapi.query_service import QueryService
     from webapi.webapp import check_shards, create_app
 
-    options = {"num_cpus": replica_cpus, "num_gpus": REPLICA_GPUS if device == "cuda" else 0}
+    gpus = REPLICA_GPUS if spec.rerank.device == "cuda" else 0
+    options = {"num_cpus": replica_cpus, "num_gpus": gpus}
 
-    @serve.deployment(name="needle", num_replicas=replicas, ray_actor_options=options)
+    @serve.deployment(name="needle", num_replicas=spec.listen.replicas, ray_actor_options=options)
     @serve.ingress()
     class NeedleDeployment:
         def __init__(
             self,
-            index_path: str,
-            files: Any,
-            rerank: Any,
-            page: Any,
-            shard_actors: Any,
-            serving: Any,
-            device: str,
-            limits: Any = None,
-            reload_interval: float = 0.0,
+            spec: ServeSpec,
+            shard_actors: list[list[Any]] | None,
+            serving: ShardServing | None,
+            limits: ServiceLimits | None,
         ):
             from cluster.serve import follow_index, serve_sharded
             from index.search import load_index
 
+            path = str(spec.index)
             if shard_actors:
-                index = serve_sharded(index_path, serving, actors=shard_actors)
-            elif reload_interval > 0:
-                index = follow_index(index_path, reload_interval)
+                index = serve_sharded(path, serving, actors=shard_actors)
+            elif spec.reload.interval > 0:
+                index = follow_index(path, spec.reload.interval)
             else:
-                index = load_index(index_path)
-            self.service = QueryService(index, files, rerank, device, limits)
-            self.page = page
+                index = load_index(path)
+            rerank = spec.rerank.to_config()
+            self.service = QueryService(index, spec.files, rerank, spec.rerank.device, limits or spec.service_limits())
+            self.page = spec.page_config()
 
         def __serve_build_asgi_app__(self) -> FastAPI:
             return create_app(self.service, self.page)
@@ -203,6 +199,4 @@ def ray_app(
             """Serve's health probe: raises while a shard has no live replica."""
             check_shards(self.service)
 
-    return NeedleDeployment.bind(
-        str(index_path), files, rerank, page, shard_actors, serving, device, limits, reload_interval
-    )
+    return NeedleDeployment.bind(spec, shard_actors, serving, limits)

@@ -43,3 +43,12 @@ class ImageDecodeError(ValueError):
         super().__init__(f"cannot decode image of sample {short_repr(key)}: {reason}")
         self.key = key
         self.reason = reason
+
+
+class SettingsFileError(NeedleInputError):
+    """A settings file (``needle serve --config``) that cannot be read, or one of its keys that is
+    unknown or holds a value of the wrong type: names the file and the key."""
+
+    def __init__(self, source: str, key: str, reason: str):
+        super().__init__(f"{source}: {key}: {reason}" if key else f"{source}: {reason}")
+        self.source, self.key = source, key

@@ -20,6 +20,7 @@ from typing import Any
 
 from core.errors import NeedleInputError
 from core.hashing import file_sha256
+from core.settings import setting
 from embed.registry import PRETRAINED, RANDOM
 
 log = logging.getLogger(__name__)
@@ -33,11 +34,11 @@ class RecordedFileError(NeedleInputError):
 class QueryFiles:
     """Files given in place of those the index records (each must hash to the recorded SHA-256)."""
 
-    weights: str | None = None  # the global model's weights
-    local_weights: str | None = None  # the local-token model's weights
-    itq: str | None = None  # the ITQ projection of the local tokens
-    detector_weights: str | None = None  # the AMES detector of vit_ames local tokens
-    adapter: str | None = None  # the adapter the indexed descriptors went through
+    weights: str | None = setting(None, "the global model's weights")
+    local_weights: str | None = setting(None, "the local-token model's weights")
+    itq: str | None = setting(None, "the ITQ projection of the local tokens")
+    detector_weights: str | None = setting(None, "the AMES detector of vit_ames local tokens")
+    adapter: str | None = setting(None, "the adapter the indexed descriptors went through")
 
 
 def verified_file(

@@ -169,8 +169,10 @@ def _config(argv: list[str], config: type, **given):
 
 def test_commands_default_to_the_configs_defaults():
     """Every command's flags, left alone, give its config's own defaults: the source was read right."""
+    from cli.main import build_parser
+    from cli.search import page_config, rerank_config
+    from cli.spec_flags import query_files, serve_spec
     from cluster.demo import DemoRunConfig
-    from cluster.serve_run import ServeConfig
     from embed.adapt import AdaptConfig
     from embed.augment import AugmentConfig
     from embed.train_itq import TrainITQConfig
@@ -186,6 +188,7 @@ def test_commands_default_to_the_configs_defaults():
     from rerank.ensemble import EnsembleConfig
     from rerank.matching import MatchConfig
     from rerank.rerank import RerankConfig
+    from webapi.spec import ServeSpec
     from webapi.webpage import PageConfig
 
     assert _config(["ingest", "--shards", "x", "--out", "o"], IngestConfig) == IngestConfig()
@@ -194,11 +197,12 @@ def test_commands_default_to_the_configs_defaults():
     assert _config(["index", "build", "--descriptors", "d", "--out", "o"], IndexConfig) == IndexConfig()
     query = ["query", "--index", "i"]
     assert _config(query, QueryConfig) == QueryConfig()
-    assert _config(query, QueryFiles) == QueryFiles()
-    assert _config([*query, "--rerank", "sp"], RerankConfig) == RerankConfig()
-    assert _config(query, EnsembleConfig) == EnsembleConfig() and _config(query, MatchConfig) == MatchConfig()
-    assert _config(["serve", "--index", "i"], ServeConfig) == ServeConfig()
-    assert _config(["serve", "--index", "i"], PageConfig) == PageConfig()
+    assert query_files(build_parser().parse_args(query)) == QueryFiles()
+    reranked = rerank_config(build_parser().parse_args([*query, "--rerank", "sp"]))
+    assert reranked == RerankConfig()
+    assert reranked.ensemble == EnsembleConfig() and reranked.match == MatchConfig()
+    assert serve_spec(build_parser().parse_args(["serve", "--index", "i"])) == ServeSpec(index="i")
+    assert page_config(build_parser().parse_args(["serve", "--index", "i"])) == PageConfig()
     evaluate = ["eval", "map", "--index", "i", "--ground-truth", "g", "--out", "o"]
     assert _config(evaluate, EvalConfig) == EvalConfig()
     scaling = ["eval", "scaling", "--descriptors", "d", "--ground-truth", "g", "--out", "o"]

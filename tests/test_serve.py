@@ -234,11 +234,12 @@ def test_ray_serve_deployment_answers_through_the_proxy(built, ray_local):
     from ray import serve
 
     from cluster.serve import ray_app
+    from webapi.spec import ServeSpec
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(ray_app(str(built / "single")), name="needle", route_prefix="/")
+        serve.run(ray_app(ServeSpec(index=str(built / "single"))), name="needle", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         assert urlopen_json(f"{url}/health") == (
             200,
@@ -262,15 +263,15 @@ def test_ray_serve_deployment_in_front_of_shard_actors(built, ray_local, tmp_pat
     from cluster.serve import ShardServing, ray_app, serve_sharded
     from shards.staging import StageConfig
     from webapi.query_service import QueryService
+    from webapi.spec import ServeSpec
 
     serving = ShardServing(stage=StageConfig(str(tmp_path / "cache")), timeout=20.0)
     actors = serve_sharded(built / "sharded", serving).backend.actors
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(
-            ray_app(str(built / "sharded"), shard_actors=actors, serving=serving), name="needle", route_prefix="/"
-        )
+        spec = ServeSpec(index=str(built / "sharded"))
+        serve.run(ray_app(spec, shard_actors=actors, serving=serving), name="needle", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         status, health = urlopen_json(f"{url}/health")
         assert status == 200 and health["ok"] and health["shards"] == 4
@@ -320,10 +321,19 @@ def test_create_app_with_the_web_page(service):
 
 def test_serve_flags():
     from cli.main import build_parser
+    from cli.spec_flags import serve_spec
 
-    args = build_parser().parse_args(["serve", "--index", "x"])
-    assert (args.host, args.port, args.ray, args.replicas, args.ray_shards) == ("127.0.0.1", 8000, False, 1, False)
-    args = build_parser().parse_args(
-        ["serve", "--index", "x", "--ray", "--replicas", "3", "--ray-shards", "--rerank", "sp"]
+    spec = serve_spec(build_parser().parse_args(["serve", "--index", "x"]))
+    assert (spec.listen.host, spec.listen.port, spec.listen.ray, spec.listen.replicas, spec.shards.ray) == (
+        "127.0.0.1",
+        8000,
+        False,
+        1,
+        False,
     )
-    assert (args.ray, args.replicas, args.ray_shards, args.rerank) == (True, 3, True, "sp")
+    spec = serve_spec(
+        build_parser().parse_args(
+            ["serve", "--index", "x", "--ray", "--replicas", "3", "--ray-shards", "--rerank", "sp"]
+        )
+    )
+    assert (spec.listen.ray, spec.listen.replicas, spec.shards.ray, spec.rerank.method) == (True, 3, True, "sp")

@@ -144,9 +144,10 @@ def test_old_layout_is_refused_for_serving_across_nodes(built, tmp_path):
 
 
 def test_serve_flags_for_shards():
-    from cli.flags import config_from_args
     from cli.main import build_parser
-    from cluster.serve_run import ServeConfig, shard_serving
+    from cli.spec_flags import serve_spec
+    from cluster.serve_run import shard_serving
+    from webapi.spec import Shards
 
     args = build_parser().parse_args(
         [
@@ -154,19 +155,19 @@ def test_serve_flags_for_shards():
             *("--cache-dir", "/data/needle-{node}", "--s3-endpoint-url", "http://127.0.0.1:9000"),
         ]
     )
-    serving = shard_serving(config_from_args(ServeConfig, args))
+    serving = shard_serving(serve_spec(args).shards)
     assert (serving.placement.replicas, serving.timeout, serving.placement.cpus) == (2, 3.0, None)
     assert serving.stage == StageConfig("/data/needle-{node}", "http://127.0.0.1:9000")
     args = build_parser().parse_args(["serve", "--index", "idx", "--ray-shards", "--no-stage-local"])
-    assert shard_serving(config_from_args(ServeConfig, args)).stage.copy_local is False
+    assert shard_serving(serve_spec(args).shards).stage.copy_local is False
     with pytest.raises(Exception, match="shard-timeout"):
-        shard_serving(replace(ServeConfig(), shard_timeout=0))
+        shard_serving(Shards(timeout=0))
     args = build_parser().parse_args(["serve", "--index", "idx", "--ray-shards", "--shard-cpus", "3"])
-    assert shard_serving(config_from_args(ServeConfig, args)).placement.cpus == 3.0
+    assert shard_serving(serve_spec(args).shards).placement.cpus == 3.0
     with pytest.raises(Exception, match="shard-cpus"):
-        shard_serving(replace(ServeConfig(), shard_cpus=0))
-    assert shard_serving(ServeConfig()).transport == "direct"
+        shard_serving(Shards(cpus=0))
+    assert shard_serving(Shards()).transport == "direct"
     args = build_parser().parse_args(["serve", "--index", "idx", "--ray-shards", "--shard-transport", "ray"])
-    assert shard_serving(config_from_args(ServeConfig, args)).transport == "ray"
+    assert shard_serving(serve_spec(args).shards).transport == "ray"
     with pytest.raises(Exception, match="shard-transport must be one of direct, ray, got 'grpc'"):
-        shard_serving(replace(ServeConfig(), shard_transport="grpc"))
+        shard_serving(Shards(transport="grpc"))

@@ -186,23 +186,25 @@ def test_bodies_held_at_once_are_bounded(index):
 
 
 def test_served_limits_answer_the_bound_address():
-    from cluster.serve_run import ServeConfig, served_limits
+    from cluster.serve_run import served_limits
     from webapi.limits import ServiceLimits
+    from webapi.spec import Listen
 
-    assert served_limits(ServeConfig(host="10.0.0.5"), None).allow_hosts == ("10.0.0.5",)
-    assert served_limits(ServeConfig(host="0.0.0.0"), None).allow_hosts == ()
+    assert served_limits(Listen(host="10.0.0.5"), None).allow_hosts == ("10.0.0.5",)
+    assert served_limits(Listen(host="0.0.0.0"), None).allow_hosts == ()
     with pytest.raises(Exception, match="--max-queries"):
-        served_limits(ServeConfig(), ServiceLimits(max_queries=0))
+        served_limits(Listen(), ServiceLimits(max_queries=0))
 
 
 def test_serve_refuses_a_shortlist_no_request_could_use(tmp_path):
-    from types import SimpleNamespace
-
-    from cluster.serve_run import ServeConfig, run
+    from cluster.serve_run import run
     from core.errors import NeedleInputError
+    from rerank.options import RerankOptions
+    from webapi.spec import ServeSpec
 
+    spec = ServeSpec(index=str(tmp_path / "never-opened"), rerank=RerankOptions(method="sp", shortlist=20000))
     with pytest.raises(NeedleInputError, match="--shortlist 20000 is over --max-k-total 10000"):
-        run(ServeConfig(), tmp_path / "never-opened", rerank=SimpleNamespace(shortlist=20000))
+        run(spec)
 
 
 def test_serve_flags_make_the_limits(tmp_path):

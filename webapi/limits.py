@@ -2,9 +2,11 @@
 
 Why: the service faces a network. Before these bounds one body of 80k keys cost +495 MB, a 152 KB
 PNG of 12,500² px +721 MB, 200 re-ranked keys 2.9 s, and 1,000 connections trickling headers were
-never closed. Every bound has a default and a flag (``needle serve --max-queries`` ..., from
-``ServiceLimits``'s fields), and a request past one is refused before the work starts with a
-``LimitError`` (413) or a ``FieldError`` (400) whose JSON body names the field and the limit.
+never closed. Every bound has a default, a flag (``needle serve --max-queries`` ...) and a key of
+``--config``'s ``[request]`` or ``[connection]`` section (the fields of ``RequestLimits`` and
+``ConnectionLimits``, which ``ServiceLimits`` joins), and a request past one is refused before the
+work starts with a ``LimitError`` (413) or a ``FieldError`` (400) whose JSON body names the field
+and the limit.
 
 Memory under parallel worst-case requests is bounded by: request bodies buffered at once
 (``max_buffered_mb``, webapi.guard) + ``max_inflight`` searches, each at most the decode of a
@@ -15,6 +17,7 @@ them, for ``queue_timeout`` s, holding no body beyond the bytes they sent) or ge
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,45 +25,87 @@ from typing import Any
 
 from core.errors import NeedleInputError
 from core.quoting import short_repr
+from core.settings import setting
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")  # always answered: this machine's own names
 ANY_HOST = "*"  # --allow-host '*': answer any Host (no DNS-rebinding protection: behind a proxy that checks it)
 
 
 @dataclass(frozen=True)
-class ServiceLimits:
-    """The serve flags that bound a request's work and the server's connections."""
+class RequestLimits:
+    """What one request may ask: its queries, the work they make the index do, its body's size."""
 
-    max_queries: int = 1000  # queries in one request (keys, vectors or texts); more: 413
-    # k x queries in one request (with re-ranking each query counts max(k, shortlist)); more: 413
-    max_k_total: int = 10000
-    max_nprobe: int = 4096  # largest nprobe a request may ask; more: 400
-    max_probes: int = 262_144  # IVF lists scanned by one request: nprobe x queries (IVF-PQ); more: 413
-    # rows one request re-scores exactly: k x refine_factor x queries (IVF-PQ; each row read as float32); more: 413
-    max_rescored: int = 200_000
-    max_refine_factor: int = 64  # largest refine_factor a request may ask; more: 400
-    max_image_pixels: int = 25_000_000  # query image width x height, read from its header before decoding; more: 413
-    max_jpeg_scans: int = 64  # scans of a query JPEG (each a pass over the image), counted before decoding; more: 413
-    max_text_length: int = 1000  # characters of one text query; more: 413
-    max_body_mb: int = 64  # largest /search/image body (MiB); larger: 413
-    max_json_mb: int = 16  # largest JSON body of /search and /page/search (MiB); larger: 413
-    # values in one JSON body, a container counting twice, counted before parsing (webapi/json_budget.py); more: 413
-    max_json_items: int = 2_000_000
-    max_json_depth: int = 32  # nesting of arrays and objects in one JSON body; deeper: 400
-    max_buffered_mb: int = 256  # request bodies held in memory at once, all requests (MiB); past it: 503
-    max_inflight: int = 4  # searches, image decodes and thumbnails running at once
-    max_queue: int = 64  # requests waiting for one of max_inflight; more: 503 with Retry-After
-    queue_timeout: float = 10.0  # seconds a request waits for one of max_inflight, then 503
-    body_timeout: float = 60.0  # seconds to receive a whole request body, then 408
-    header_timeout: float = 10.0  # seconds to receive a request's headers (each request of a connection), then 408
-    max_header_kb: int = 64  # request line and headers of one request (KiB); more: 431
-    max_connections: int = 512  # open HTTP connections; more are answered 503 and closed at once
-    # seconds a connection's unsent answer bytes may wait for the client to take them all; then closed hard
-    send_timeout: float = 30.0
-    # answer bytes waiting for their clients, all connections (MiB); the connection passing it is closed hard
-    max_unsent_mb: int = 256
-    # Host names answered besides localhost, 127.0.0.1, ::1 and --host (DNS rebinding: others are 421); '*': any
-    allow_hosts: tuple[str, ...] = ()
+    max_queries: int = setting(1000, "queries in one request (keys, vectors or texts); more: 413")
+    max_k_total: int = setting(
+        10000, "k x queries in one request (with re-ranking each query counts max(k, shortlist)); more: 413"
+    )
+    max_nprobe: int = setting(4096, "largest nprobe a request may ask; more: 400")
+    max_probes: int = setting(262_144, "IVF lists scanned by one request: nprobe x queries (IVF-PQ); more: 413")
+    max_rescored: int = setting(
+        200_000,
+        "rows one request re-scores exactly: k x refine_factor x queries (IVF-PQ; each row read as float32); more: 413",
+    )
+    max_refine_factor: int = setting(64, "largest refine_factor a request may ask; more: 400")
+    max_image_pixels: int = setting(
+        25_000_000, "query image width x height, read from its header before decoding; more: 413"
+    )
+    max_jpeg_scans: int = setting(
+        64, "scans of a query JPEG (each a pass over the image), counted before decoding; more: 413"
+    )
+    max_text_length: int = setting(1000, "characters of one text query; more: 413")
+    max_body_mb: int = setting(64, "largest /search/image body (MiB); larger: 413")
+    max_json_mb: int = setting(16, "largest JSON body of /search and /page/search (MiB); larger: 413")
+    max_json_items: int = setting(
+        2_000_000,
+        "values in one JSON body, a container counting twice, counted before parsing (webapi/json_budget.py); "
+        "more: 413",
+    )
+    max_json_depth: int = setting(32, "nesting of arrays and objects in one JSON body; deeper: 400")
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What all clients together may hold of the server: bodies in memory, searches at once and in
+    line, slow senders and readers, open connections (the last five under uvicorn only:
+    webapi.connections; under --ray Serve's proxy owns the connections)."""
+
+    max_buffered_mb: int = setting(256, "request bodies held in memory at once, all requests (MiB); past it: 503")
+    max_inflight: int = setting(4, "searches, image decodes and thumbnails running at once")
+    max_queue: int = setting(64, "requests waiting for one of max_inflight; more: 503 with Retry-After")
+    queue_timeout: float = setting(10.0, "seconds a request waits for one of max_inflight, then 503")
+    body_timeout: float = setting(60.0, "seconds to receive a whole request body, then 408")
+    header_timeout: float = setting(
+        10.0, "seconds to receive a request's headers (each request of a connection), then 408"
+    )
+    max_header_kb: int = setting(64, "request line and headers of one request (KiB); more: 431")
+    max_connections: int = setting(512, "open HTTP connections; more are answered 503 and closed at once")
+    send_timeout: float = setting(
+        30.0, "seconds a connection's unsent answer bytes may wait for the client to take them all; then closed hard"
+    )
+    max_unsent_mb: int = setting(
+        256, "answer bytes waiting for their clients, all connections (MiB); the connection passing it is closed hard"
+    )
+
+
+# --allow-host's help: the limits' and the server spec's (webapi.spec.Listen) field
+ALLOW_HOSTS_HELP = (
+    "Host names answered besides localhost, 127.0.0.1, ::1 and --host (DNS rebinding: others are 421); '*': any"
+)
+
+
+@dataclass(frozen=True)
+class ServiceLimits(RequestLimits, ConnectionLimits):
+    """Everything the app bounds, in one object for its parts (webapi.guard, webapi.connections,
+    webapi.query_service): a request's limits, the connections', and the Host names answered."""
+
+    allow_hosts: tuple[str, ...] = setting((), ALLOW_HOSTS_HELP)
+
+    @classmethod
+    def of(
+        cls, request: RequestLimits, connection: ConnectionLimits, allow_hosts: tuple[str, ...] = ()
+    ) -> ServiceLimits:
+        """The limits of a server spec's sections (webapi.spec.ServeSpec), unchecked."""
+        return cls(**_values(request), **_values(connection), allow_hosts=tuple(allow_hosts))
 
     def check(self) -> ServiceLimits:
         """Self, or a NeedleInputError naming the flag whose value cannot be used."""
@@ -100,6 +145,11 @@ class ServiceLimits:
     @property
     def max_json(self) -> int:
         return self.max_json_mb << 20
+
+
+def _values(config: Any) -> dict[str, Any]:
+    """A dataclass's own field values (not deep-copied, unlike dataclasses.asdict)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 # --- refusals -------------------------------------------------------------------------------------
