@@ -128,13 +128,13 @@ def test_a_shard_group_searches_its_small_segments_as_one(tmp_path):
     """--ray-shards: the segments one actor serves (a ShardGroup, here in this process) search
     their small ones as one index, and the group's answers merge to the in-process index's."""
     from index.build.merge import merge_shortlists
-    from index.live.generations import read_view
+    from index.live.generations import location_of, read_view
     from shards.messages import answer_request, pack_request, unpack_answers
     from shards.shard_group import ShardGroup
     from shards.staging import StageConfig
 
     index_dir = living_index(tmp_path)
-    entries = read_view(index_dir)["shards"]
+    entries = read_view(location_of(index_dir)).as_infos()["shards"]
     group = ShardGroup(str(index_dir), entries, StageConfig(str(tmp_path / "cache")))
     assert [len(g.members) for g in group.merged] == [5]
     index = load_index(index_dir)

@@ -18,6 +18,7 @@ from core.atomic import atomic_path, write_atomic
 from index.build import train as build_train
 from index.build.plan import FileInfo, PartTask, ShardPlan, load_adapter, part_task, read_valid
 from index.build.shard import finish_shard, write_float16_npy_header
+from index.generation import Segment
 from index.layout import shard_name
 from index.locals import write_segment
 from index.memory import process_memory
@@ -122,8 +123,8 @@ def finish_local_shards(
     stats: list[dict[str, Any]],
     common: dict[str, Any],
     extractor: dict[str, Any] | None,
-) -> list[dict[str, Any]]:
-    """Every shard directory of a local build finished from its added parts; returns their summaries."""
+) -> list[Segment]:
+    """Every shard directory of a local build finished from its added parts; returns their entries."""
     return [
         finish_shard(
             output / shard_name(number),

@@ -20,6 +20,7 @@ from core.storage import MARKER_SUFFIX, S3Storage, download
 from index.build.add import build_part
 from index.build.plan import FileInfo, ShardPlan, part_task
 from index.build.shard import finish_shard
+from index.generation import Segment
 from index.layout import SHARD_INFOS_FILE, TRAINED_FILE, shard_name
 from ingest.descriptors import DescriptorFileError
 
@@ -93,7 +94,7 @@ def build_shard_task(trained: bytes, spec: dict[str, Any]) -> dict[str, Any]:
         files = [f for part in parts for f in part]
         summary = finish_shard(directory, spec["number"], files, tasks, stats, spec["common"], spec["extractor"])
         upload_shard(storage, directory)
-    marker = {"summary": summary, "stats": stats}
+    marker = {"summary": summary.to_json(with_deleted=False), "stats": stats}
     storage.write_json(name + MARKER_SUFFIX, marker)
     return marker
 
@@ -117,7 +118,7 @@ def build_on_s3(
     shards: ShardPlan,
     settings: dict[str, Any],
     run_shards: ShardRunner,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[Segment], list[dict[str, Any]]]:
     """Run the shard tasks an S3 build still needs (a shard committed by an earlier run from the
     same files, plan and trained index is kept); returns the shards' summaries and their parts'
     stats. ``settings``: what every shard task takes (dim, locals, adapt, common, extractor)."""
@@ -142,5 +143,8 @@ def build_on_s3(
             }
         )
     markers = {**kept, **{spec["number"]: m for spec, m in zip(specs, run_shards(trained_path.read_bytes(), specs))}}
-    summaries = [markers[n]["summary"] for n in range(len(shards.groups))]
+    summaries = [
+        Segment.from_json(markers[n]["summary"], f"{storage.url}/{shard_name(n)}{MARKER_SUFFIX}")
+        for n in range(len(shards.groups))
+    ]
     return summaries, [stat for n in range(len(shards.groups)) for stat in markers[n]["stats"]]

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from core.atomic import atomic_path, write_atomic, write_json_atomic
 from core.hashing import file_sha256
 from index.build.plan import FileInfo, PartTask
+from index.generation import Segment
 from index.keys import KEY_FILES, write_key_files
 from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
 from index.locals import SegmentInfo, locals_infos
@@ -103,7 +104,7 @@ def finish_shard(
     stats: list[dict[str, Any]],
     common: dict[str, Any],
     extractor: dict[str, Any] | None,
-) -> dict[str, Any]:
+) -> Segment:
     """Turn a shard directory's built parts into its own files (index, vectors, ids, keys; the
     local segments stay as the parts wrote them), then write its ``shard_infos.json`` last, with
     every file's size and SHA-256; returns the shard's entry of the top-level infos."""
@@ -125,13 +126,13 @@ def finish_shard(
         "checksums": checksums,
     }
     write_json_atomic(infos, directory / SHARD_INFOS_FILE)
-    return {
-        "name": directory.name,
-        "rows": rows,
-        "ntotal": ntotal,
-        "parquet_shard_ids": [f.shard_id for f in files],
-        "bytes": sum(c["bytes"] for c in checksums.values()),
-    }
+    return Segment(
+        name=directory.name,
+        rows=rows,
+        ntotal=ntotal,
+        parquet_shard_ids=tuple(f.shard_id for f in files),
+        bytes=sum(c["bytes"] for c in checksums.values()),
+    )
 
 
 def merge_shard_files(directory: Path, files: list[FileInfo], tasks: list[PartTask], dim: int) -> tuple[int, int]:

@@ -56,6 +56,7 @@ from index.build.plan import (
 )
 from index.build.s3 import ShardRunner, build_on_s3, run_shards_sequentially
 from index.build.train import DEFAULT_QUANTIZER_EF, hnsw_quantizer, reuse_trained, sample_for, train_and_save
+from index.generation import Segment
 from index.keys import KEY_FILES
 from index.layout import (
     IDS_FILE,
@@ -257,7 +258,7 @@ def common_infos(build: Build, plan: IndexPlan) -> dict[str, Any]:
 
 def add_locally(
     build: Build, shards: ShardPlan, with_locals: bool, common: dict[str, Any], run_parts: PartRunner
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[Segment], list[dict[str, Any]]]:
     """The parts added (by ``run_parts``), then each shard directory finished from its parts;
     returns the shards' summaries and the parts' stats."""
     dim, adapt = build.sources.dim, build.conf.adapt
@@ -274,7 +275,7 @@ def add_on_s3(
     with_locals: bool,
     common: dict[str, Any],
     run_shards: ShardRunner,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[Segment], list[dict[str, Any]]]:
     """One task per shard (``run_shards``): built on its node, uploaded, committed; returns the
     shards' summaries and the parts' stats."""
     settings = {
@@ -301,7 +302,7 @@ def index_infos(
     build: Build,
     plan: IndexPlan,
     trained: Trained,
-    summaries: list[dict[str, Any]],
+    summaries: list[Segment],
     stats: list[dict[str, Any]],
     with_locals: bool,
 ) -> dict[str, Any]:
@@ -314,12 +315,12 @@ def index_infos(
         **_plan_infos(plan, parse_bytes(conf.memory_budget)),
         "n_train": trained.n_train,
         "metric": "inner_product",
-        "ntotal": sum(s["ntotal"] for s in summaries),
+        "ntotal": sum(s.ntotal for s in summaries),
         "rows": sum(f.rows for f in sources.files),
         "dim": build.index_dim,
         "adapt": adapt_infos(conf.adapt, build.adapter),
         "layout": LAYOUT_SHARDS,
-        "shards": summaries,  # name, rows, ntotal, parquet shard ids, bytes of each shard directory
+        "shards": [s.to_json(with_deleted=False) for s in summaries],  # name, rows, ntotal, parquet shard ids, bytes
         "key_files": list(KEY_FILES),
         "nprobe": conf.nprobe,
         "refine_factor": conf.refine_factor,
