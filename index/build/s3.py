@@ -19,6 +19,7 @@ from core.atomic import write_atomic
 from core.storage import MARKER_SUFFIX, S3Storage, download
 from index.build.add import build_part
 from index.build.plan import FileInfo, ShardPlan, part_task
+from index.build.records import BuildFields, PartStats
 from index.build.shard import finish_shard
 from index.generation import Segment
 from index.layout import SHARD_INFOS_FILE, TRAINED_FILE, shard_name
@@ -27,14 +28,12 @@ from ingest.descriptors import DescriptorFileError
 log = logging.getLogger(__name__)
 
 # (trained index bytes, shard specs: number, parts (lists of FileInfo, shard-local offsets), part_ids,
-# dim, locals, adapt, common, extractor, url, endpoint_url) -> each shard's commit marker
-# {"summary": ..., "stats": [...]}
+# dim, locals, adapt, common (BuildFields), extractor, url, endpoint_url) -> each shard's commit marker
+# {"summary": its index_infos.json entry, "stats": [PartStats records]}
 ShardRunner = Callable[[bytes, list[dict[str, Any]]], list[dict[str, Any]]]
 
 
-def committed_shard(
-    storage: S3Storage, name: str, files: list[FileInfo], common: dict[str, Any]
-) -> dict[str, Any] | None:
+def committed_shard(storage: S3Storage, name: str, files: list[FileInfo], common: BuildFields) -> dict[str, Any] | None:
     """The commit marker of shard ``name`` when a previous run committed it from the same files,
     plan and trained index and every file its shard_infos.json lists is there with the recorded
     size and SHA-256 (object metadata); else None (the shard is built again)."""
@@ -44,7 +43,7 @@ def committed_shard(
         return None
     recorded = [(f["shard_id"], f["rows"], f["offset"]) for f in infos.get("files", [])]
     if recorded != [(f.shard_id, f.rows, f.offset) for f in files] or any(
-        infos.get(key) != common.get(key) for key in ("factory", "dim", "trained_sha256", "adapt")
+        infos.get(key) != common.to_json()[key] for key in ("factory", "dim", "trained_sha256", "adapt")
     ):
         log.info("%s/%s was made from other files or another plan: building it again", storage.url, name)
         return None
@@ -94,7 +93,7 @@ def build_shard_task(trained: bytes, spec: dict[str, Any]) -> dict[str, Any]:
         files = [f for part in parts for f in part]
         summary = finish_shard(directory, spec["number"], files, tasks, stats, spec["common"], spec["extractor"])
         upload_shard(storage, directory)
-    marker = {"summary": summary.to_json(with_deleted=False), "stats": stats}
+    marker = {"summary": summary.to_json(with_deleted=False), "stats": [s.to_json() for s in stats]}
     storage.write_json(name + MARKER_SUFFIX, marker)
     return marker
 
@@ -118,7 +117,7 @@ def build_on_s3(
     shards: ShardPlan,
     settings: dict[str, Any],
     run_shards: ShardRunner,
-) -> tuple[list[Segment], list[dict[str, Any]]]:
+) -> tuple[list[Segment], list[PartStats]]:
     """Run the shard tasks an S3 build still needs (a shard committed by an earlier run from the
     same files, plan and trained index is kept); returns the shards' summaries and their parts'
     stats. ``settings``: what every shard task takes (dim, locals, adapt, common, extractor)."""
@@ -147,4 +146,4 @@ def build_on_s3(
         Segment.from_json(markers[n]["summary"], f"{storage.url}/{shard_name(n)}{MARKER_SUFFIX}")
         for n in range(len(shards.groups))
     ]
-    return summaries, [stat for n in range(len(shards.groups)) for stat in markers[n]["stats"]]
+    return summaries, [PartStats.from_json(stat) for n in range(len(shards.groups)) for stat in markers[n]["stats"]]

@@ -30,12 +30,13 @@ from core.kill_points import kill_point
 from core.quoting import short_repr
 from index.build.add import PartRunner, run_parts_sequentially
 from index.build.plan import FileInfo, load_adapter, local_extractor, part_task, read_sources
+from index.build.records import BuildFields
 from index.build.shard import finish_shard
 from index.layout import VECTORS_FILE
-from index.live.drift import coarse_stats, drift_report, sample_positions
+from index.live.drift import CoarseStats, coarse_stats, drift_report, sample_positions
 from index.live.generations import GENERATIONS_DIR
 from index.live.keys import ParentKeys
-from index.live.writer import Writer, build_fields, next_shards, parent_files, writing
+from index.live.writer import Writer, next_shards, parent_files, writing
 from ingest.descriptors import DescriptorFileError, has_locals
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def main(
             "add_cpu_s": round(time.process_time() - started_cpu, 3),
         }
         kill_point("parts_added")
-        common = build_fields(writer.segment_infos(writer.parent.segments[0].name))
+        common = BuildFields.of(writer.segment_infos(writer.parent.segments[0].name))
         extractor = local_extractor(sources.ingest)
         entries = {}
         for (shard, files), task, stat in zip(assignment.items(), tasks, stats):
@@ -112,7 +113,7 @@ def main(
         change.update(
             files=[Path(f.source or f.path).name for f in new],
             rows=sum(f.rows for f in new),
-            vectors=sum(int(s["added"]) for s in stats),
+            vectors=sum(s.added for s in stats),
             replaced=sum(len(rows) for rows, _ in replaced.values()),
             segments=sorted(names.values()),
             drift=drift,
@@ -199,7 +200,7 @@ def added_drift(writer: Writer, conf: AddConfig, trained: Path, segments: list[P
         return None  # a flat index: no quantizer to drift from
     baseline = trained_stats(writer, index)
     # as many new rows as the baseline counted: the fullest lists' share depends on the rows counted
-    size = int(baseline["rows"]) if baseline else 0
+    size = baseline.rows if baseline else 0
     xb = sample_indexed_rows([np.load(d / VECTORS_FILE, mmap_mode="r") for d in segments], size, writer.infos.dim)
     return drift_report(coarse_stats(index, xb), baseline, conf.drift_error_ratio, conf.drift_top_share_ratio)
 
@@ -226,12 +227,12 @@ def indexed_rows(x: np.ndarray) -> np.ndarray:
     return np.asarray((x != 0).any(axis=1))
 
 
-def trained_stats(writer: Writer, index: Any) -> dict[str, Any] | None:
+def trained_stats(writer: Writer, index: Any) -> CoarseStats | None:
     """The drift report's baseline: ``coarse_stats`` of a sample of the index's rows taken at its
     first add (the build's rows), kept beside the generations and reused by later adds."""
     data = writer.location.read_bytes(TRAINED_STATS_FILE)
     if data is not None:
-        return dict(json.loads(data))
+        return CoarseStats.from_json(json.loads(data))
     blocks = []
     segments = writer.parent.segments
     per_segment = TRAINED_SAMPLE_ROWS // len(segments)
@@ -244,5 +245,5 @@ def trained_stats(writer: Writer, index: Any) -> dict[str, Any] | None:
     stats = coarse_stats(index, sample[indexed_rows(sample)])
     if stats is not None:
         with contextlib.suppress(FileExistsError):
-            writer.location.create_exclusive(TRAINED_STATS_FILE, json.dumps(stats).encode())
+            writer.location.create_exclusive(TRAINED_STATS_FILE, json.dumps(stats.to_json()).encode())
     return stats

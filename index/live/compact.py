@@ -28,12 +28,13 @@ import pyarrow.ipc
 from core.atomic import atomic_path, write_atomic, write_json_atomic
 from core.errors import NeedleInputError
 from core.kill_points import kill_point
+from index.build.records import BuildFields
 from index.build.shard import IDS_SCHEMA, _checksum, write_float16_npy_header, write_keys_of_ids
 from index.generation import Segment, ShardSegments
 from index.keys import KEY_FILES
 from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
 from index.live.generations import DELETES_DIR, latest_number, manifest_name, read_manifest
-from index.live.writer import Writer, build_fields, writing
+from index.live.writer import Writer, writing
 from index.locals import TOKEN_DTYPE, SegmentInfo, _save_npy, locals_infos, open_local_store
 from index.shard import is_valid_descriptor
 from index.shard_files import ShardFiles, open_shard_files
@@ -105,8 +106,9 @@ def rewrite(writer: Writer, segments: list[Segment], name: str, shard: int) -> S
         local = write_tokens(opened, live, directory)
         names += [local.tokens, local.offsets]
     files, offsets = file_entries(opened, live)
+    checksums = {file: _checksum(directory / file) for file in names}
     infos = {
-        **build_fields(first_infos),
+        **BuildFields.of(first_infos).to_json(),
         "shard": shard,
         "name": name,
         "rows": len(live[0]),
@@ -118,7 +120,7 @@ def rewrite(writer: Writer, segments: list[Segment], name: str, shard: int) -> S
         "locals": locals_infos([local], (first_infos["locals"] or {}).get("extractor"), len(live[0]))
         if local
         else None,
-        "checksums": {file: _checksum(directory / file) for file in names},
+        "checksums": checksums,
         "compacted_from": [s.name for s in segments],
     }
     write_json_atomic(infos, directory / SHARD_INFOS_FILE)
@@ -127,7 +129,7 @@ def rewrite(writer: Writer, segments: list[Segment], name: str, shard: int) -> S
         rows=len(live[0]),
         ntotal=indexed,
         parquet_shard_ids=tuple(sorted(int(i) for i in offsets)),
-        bytes=sum(c["bytes"] for c in infos["checksums"].values()),
+        bytes=sum(c["bytes"] for c in checksums.values()),
     )
 
 

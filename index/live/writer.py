@@ -262,18 +262,6 @@ def take_lock(path: Path) -> Any:
     return handle
 
 
-BUILD_FIELDS = (
-    "kind", "factory", "metric", "dim", "nprobe", "refine_factor", "quantizer_ef", "adapt", "faiss_version",
-    "trained_sha256",
-)  # fmt: skip
-
-
-def build_fields(shard_infos: dict[str, Any]) -> dict[str, Any]:
-    """What every segment's ``shard_infos.json`` records of the build, from one segment's: a new
-    segment is encoded with the same trained index and searched alike."""
-    return {name: shard_infos.get(name) for name in BUILD_FIELDS}
-
-
 @dataclass(frozen=True)
 class HeldFile:
     """A Parquet file the parent generation holds, as its segment's ``shard_infos.json`` lists it."""
