@@ -23,6 +23,7 @@ from index.layout import LAYOUT_SHARDS
 
 MANIFEST_FORMAT = 1
 SEGMENT_FIELDS = ("name", "rows", "ntotal", "parquet_shard_ids", "bytes", "deleted")
+MANIFEST_FIELDS = ("format", "generation", "parent", "created_unix", "writer", "change", "shards", "totals")
 
 
 def _get(record: Mapping[str, Any], name: str, source: str) -> Any:
@@ -214,6 +215,7 @@ class Generation:
     change: Mapping[str, Any]  # what the command that wrote it printed: "command" and its figures
     created_unix: float | None = None  # when it was written (None: generation 0)
     writer: WriterStamp | None = None  # who wrote it (None: generation 0)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # other recorded fields, kept as written
 
     @staticmethod
     def zero(infos: IndexInfos) -> Generation:
@@ -246,7 +248,8 @@ class Generation:
         if created is not None and (isinstance(created, bool) or not isinstance(created, (int, float))):
             raise IndexFileError(f"{source}: field 'created_unix' is {created!r}, not a time")
         change = _object(record.get("change"), f"{source} field 'change'")
-        generation = Generation(number, parent, shards, dict(change), created, writer)
+        extra = {k: v for k, v in record.items() if k not in MANIFEST_FIELDS}
+        generation = Generation(number, parent, shards, dict(change), created, writer, extra)
         recorded = record.get("totals")
         if recorded is not None and recorded != generation.totals.to_json():
             raise IndexFileError(
@@ -258,6 +261,7 @@ class Generation:
     def to_json(self) -> bytes:
         """The manifest file's bytes (as every writer wrote them: sorted keys, one-space indent)."""
         record: dict[str, object] = {
+            **self.extra,
             "format": MANIFEST_FORMAT,
             "generation": self.number,
             "parent": self.parent,
