@@ -284,8 +284,9 @@ class Generation:
     def totals(self) -> Totals:
         return Totals.of(self.segments)
 
-    def shard_of(self) -> tuple[int, ...]:
-        """The shard of each of ``segments``."""
+    @property
+    def segment_shards(self) -> tuple[int, ...]:
+        """The shard of each of ``segments``, in the same order."""
         return tuple(shard.shard for shard in self.shards for _ in shard.segments)
 
 
@@ -353,27 +354,27 @@ class GenerationView:
     def shard_segments(self) -> list[list[int]]:
         """Per shard, the positions in ``segments`` of its segments."""
         groups: list[list[int]] = [[] for _ in self.generation.shards]
-        for position, shard in enumerate(self.generation.shard_of()):
+        for position, shard in enumerate(self.generation.segment_shards):
             groups[shard].append(position)
         return groups
 
     @property
     def rows(self) -> int:
-        """Rows in the segments' files (generation 0: the build's own count, checked against its shards)."""
-        return int(self.infos.fields["rows"]) if not self.number else self.generation.totals.rows
+        """Rows in the segments' files (generation 0: the build's count, which its shards add up to)."""
+        return self.generation.totals.rows
 
     @property
     def ntotal(self) -> int:
-        return int(self.infos.fields["ntotal"]) if not self.number else self.generation.totals.ntotal
+        """Vectors in the segments' FAISS indexes, deleted rows' included."""
+        return self.generation.totals.ntotal
 
     def as_infos(self) -> dict[str, Any]:
         """The view as the infos an ``Index`` reports (``Index.infos``, /health; a Ray coordinator's
         routing): the build's fields with one ``shards`` entry per segment (with ``"shard"`` and
         ``"deleted"``), ``"shard_segments"``, ``"generation"`` and the live counts."""
         totals = self.generation.totals
-        entries = [
-            {**segment.to_json(), "shard": shard} for segment, shard in zip(self.segments, self.generation.shard_of())
-        ]
+        shards = self.generation.segment_shards
+        entries = [{**segment.to_json(), "shard": shard} for segment, shard in zip(self.segments, shards)]
         return {
             **self.infos.fields,
             "shards": entries,
