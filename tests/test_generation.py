@@ -234,3 +234,15 @@ def test_a_view_totals_count_each_delete_set_once(living):
     assert view.rows == 110 and view.ntotal == 110
     assert view.generation.totals.live_ntotal == view.ntotal - sum(s.deleted_indexed for s in view.segments)
     assert np.array_equal(np.sort([s.rows for s in view.segments]), np.sort([30, 60, 20]))
+
+
+def test_the_builds_records_round_trip(living):
+    from index.build.records import BuildFields, PartStats
+    from index.locals import SegmentInfo
+
+    shard_infos = json.loads((living / "shard_000" / "shard_infos.json").read_text())
+    fields = BuildFields.of(shard_infos)
+    assert fields.to_json() == {k: shard_infos[k] for k in fields.to_json()} and fields.kind == "flat"
+    stats = PartStats(10, 1, 123, SegmentInfo("locals_000.tokens.bin", "locals_000.offsets.npy", 0, 10, 40, 7))
+    assert PartStats.from_json(json.loads(json.dumps(stats.to_json()))) == stats
+    assert PartStats.from_json({"added": 3, "rejected_non_finite": 0}) == PartStats(3, 0, 0)  # no rss_bytes: 0
