@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from live_index import FILE_ROWS, bench_parser, log, make_vectors, needle, run_bench, write_files  # noqa: E402
 
-from index.live.generations import latest_number, location_of  # noqa: E402
+from core.location import location_of  # noqa: E402
+from index.live.generations import latest_number  # noqa: E402
 
 
 def make_index(args: argparse.Namespace, work: Path) -> tuple[Path, dict[str, int]]:

@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from live_index import bench_parser, log, make_vectors, needle, run_bench, write_files  # noqa: E402
 
-from index.live.generations import latest_number, location_of  # noqa: E402
+from core.location import location_of  # noqa: E402
+from index.live.generations import latest_number  # noqa: E402
 
 TIMES = ("p50_ms", "p99_ms", "by_segment_p50_ms", "by_segment_p99_ms")
 

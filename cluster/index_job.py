@@ -17,6 +17,7 @@ from typing import Any
 
 from index.build.add import build_part
 from index.build.plan import PartTask
+from index.build.records import PartStats
 from index.build.s3 import build_shard_task
 from index.build.stage import IndexConfig
 from index.build.stage import main as build_index
@@ -46,7 +47,7 @@ def ray_part_runner(cpus_per_part: float = 1, task: Any = build_part):
     node (pinned: no filesystem shared between nodes is assumed); a build across nodes writes to
     ``s3://`` (``ray_shard_runner``)."""
 
-    def run(tasks: list[PartTask]) -> list[dict[str, Any]]:
+    def run(tasks: list[PartTask]) -> list[PartStats]:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -58,8 +58,8 @@ def shard_groups(n_shards: int, shards_per_actor: int) -> list[list[int]]:
 
 
 def actor_groups(infos: dict[str, Any], shards_per_actor: int) -> list[list[int]]:
-    """The entries of ``infos["shards"]`` each actor serves: of a generation (index.live.generations.
-    view_infos), every segment of ``shards_per_actor`` consecutive shards, so that a shard's
+    """The entries of ``infos["shards"]`` each actor serves: of a generation (index.generation.
+    GenerationView.as_infos), every segment of ``shards_per_actor`` consecutive shards, so that a shard's
     segments live in one actor with its rows; of an index as built, ``shard_groups``."""
     segments = infos.get("shard_segments")
     if not segments:

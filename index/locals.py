@@ -85,7 +85,7 @@ class SegmentInfo:
     count: int  # tokens
     max_tokens: int | None = None  # the longest row's tokens (None: built before it was recorded)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, str | int | None]:
         return {
             "tokens": self.tokens,
             "offsets": self.offsets,

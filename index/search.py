@@ -30,15 +30,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from core.errors import NeedleInputError
+from core.location import LocalLocation
 from core.quoting import short_repr
 from core.tokens import LocalTokens
 from index.build.merge import checked_queries, inner_products_at, merge_shortlists, shortlist_size, trim_to_shortlist
 from index.errors import IndexFileError, UnknownKeyError
+from index.generation import GenerationView, IndexInfos, Segment
 from index.gpu.engine import check_device
 from index.images import ImageSource
 from index.keys import KeyStore, has_key_files
 from index.layout import IDS_FILE, INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE, VECTORS_FILE
-from index.live.deletes import DeleteSet, read_delete_set
+from index.live.deletes import segment_deletes
 from index.live.generations import read_view
 from index.live.row_map import DenseRows, RowMap, row_map_of
 from index.live.segment_merge import MergedSegments, grouped_candidates, merged_groups
@@ -83,11 +85,12 @@ class SearchIndex:
     shards: list[Shard]  # one unless the directory is sharded; empty when the shards live in Ray actors
     ids: Any  # pyarrow Table (row, key, status) of every Parquet row in file order, memory-mapped
     vectors: np.ndarray | ShardedVectors  # (N, d) float16, memory-mapped (over shard directories: each shard's)
-    infos: dict[str, Any]  # index_infos.json
+    infos: dict[str, Any]  # index_infos.json (a generation's: GenerationView.as_infos), as Index.infos reports it
     path: Path
     keys: KeyStore | ShardedKeys | None = None  # the key lookup files; None for an index built before them (scans)
     layout: ShardLayout | None = None  # the shard directories (None: an index built before them, files at the top)
     merge_small: bool = True  # search a living index's small segments as one FAISS index (index/live/segment_merge.py)
+    view: GenerationView | None = None  # the generation opened (None: an index built before shard directories)
 
     @property
     def d(self) -> int:
@@ -309,9 +312,9 @@ def load_index(
     check_device(device)
     path = Path(path)
     if (path / INFOS_FILE).is_file():
-        infos = read_infos(path)
-        if infos.get("layout") == LAYOUT_SHARDS:
-            view = read_view(path, number=generation)
+        built = IndexInfos.from_json(read_infos(path), str(path / INFOS_FILE))
+        if built.layout == LAYOUT_SHARDS:
+            view = read_view(LocalLocation(path), built, generation)
             return load_shard_directories(path, view, mmap, with_shards, device, reused_segments(served, path, device))
     for name in (IDS_FILE, VECTORS_FILE, INFOS_FILE):
         if not (path / name).is_file():
@@ -350,46 +353,47 @@ def load_index(
 
 def load_shard_directories(
     path: Path,
-    infos: dict[str, Any],
+    view: GenerationView,
     mmap: bool = True,
     with_shards: bool = True,
     device: str = "auto",
-    reused: dict[str, tuple[dict[str, Any], Shard]] | None = None,
+    reused: dict[str, tuple[Segment, Shard]] | None = None,
 ) -> SearchIndex:
-    """An index of shard directories (a generation's segments: index.live.generations.view_infos):
-    each opened and checked by itself with its delete set, then checked against the top-level
-    infos; positions run over the shards in order. ``reused``: segments already open in this
+    """An index of shard directories (a generation's segments: index.generation.GenerationView):
+    each opened and checked by itself with its delete set, then checked against the generation's
+    counts; positions run over the shards in order. ``reused``: segments already open in this
     process (``reused_segments``), taken over where their files are the ones this generation names."""
-    entries = infos.get("shards") or []
+    entries = view.segments
     if not entries:
         raise IndexFileError(f"index {path}: {INFOS_FILE} lists no shards")
     reused = reused or {}
     opened: list[ShardFiles] = []
     kept: list[Shard | None] = []  # a segment served already whose delete set is the same file: its Shard whole
     for entry in entries:
-        directory = path / entry["name"]
+        directory = path / entry.name
         if not directory.is_dir():
-            raise IndexFileError(f"index shard {entry['name']} ({directory}): the directory is missing")
-        old = reused.get(entry["name"])
+            raise IndexFileError(f"index shard {entry.name} ({directory}): the directory is missing")
+        old = reused.get(entry.name)
         if old is not None and with_shards and same_segment_files(old, directory, entry):
             old_entry, shard = old
             opened.append(cast(ShardFiles, shard.files))  # (same_segment_files: it has them)
             # its search params and coarse comparisons kept; a new delete set: a new Shard over its files
-            kept.append(shard if old_entry.get("deleted") == entry.get("deleted") else None)
+            kept.append(shard if old_entry.deleted == entry.deleted else None)
         else:
             opened.append(open_shard_files(directory, entry, with_index=with_shards, mmap=mmap))
             kept.append(None)
     rows = sum(o.rows for o in opened)
     ntotal = sum(int(o.infos["ntotal"]) for o in opened)
-    if rows != infos.get("rows") or ntotal != infos.get("ntotal"):
+    if rows != view.rows or ntotal != view.ntotal:
         raise IndexFileError(
             f"index {path} is inconsistent: its shards hold {rows} rows, {ntotal} vectors; {INFOS_FILE} says "
-            f"{infos.get('rows')}, {infos.get('ntotal')}"
+            f"{view.rows}, {view.ntotal}"
         )
-    if any(o.infos.get("dim") != infos.get("dim") for o in opened):
-        raise IndexFileError(f"index {path}: shards of other dimensions than d={infos.get('dim')}")
+    if any(o.infos.get("dim") != view.infos.fields.get("dim") for o in opened):
+        raise IndexFileError(f"index {path}: shards of other dimensions than d={view.infos.fields.get('dim')}")
     bases = np.cumsum([0] + [o.rows for o in opened[:-1]]).astype(np.int64)
-    deletes = [shard.deletes if shard is not None else entry_deletes(path, e) for shard, e in zip(kept, entries)]
+    location = LocalLocation(path)
+    deletes = [shard.deletes if shard is not None else segment_deletes(location, e) for shard, e in zip(kept, entries)]
     shards = (
         [
             shard if shard is not None else make_shard(o.index, o.vectors, o.infos, device, o, d)
@@ -407,42 +411,33 @@ def load_shard_directories(
         return bool(len(deletes[shard])) and bool(deletes[shard].contains(opened[shard].ids["row"][position].as_py()))
 
     keys = ShardedKeys([o.keys for o in opened], bases, deleted)
-    return SearchIndex(shards, ids, vectors, infos, path, keys, layout)
+    return SearchIndex(shards, ids, vectors, view.as_infos(), path, keys, layout, view=view)
 
 
-def reused_segments(served: SearchIndex | None, path: Path, device: str) -> dict[str, tuple[dict[str, Any], Shard]]:
+def reused_segments(served: SearchIndex | None, path: Path, device: str) -> dict[str, tuple[Segment, Shard]]:
     """{segment name: (its entry in ``served``'s generation, its open Shard)} of an index open in
     this process at ``path`` with its shards (nothing otherwise). Segment directories are written
     once under a name never used again (index/live/writer.py), so a later generation that names
     one names the same files: serving it again costs no reading, no mapping and no FAISS load."""
-    if served is None or not served.shards or served.layout is None or Path(served.path) != path:
+    if served is None or not served.shards or served.view is None or Path(served.path) != path:
         return {}
-    entries = served.infos.get("shards") or []
+    entries = served.view.segments
     if len(entries) != len(served.shards):
         return {}
     return {
-        e["name"]: (e, shard)
+        e.name: (e, shard)
         for e, shard in zip(entries, served.shards)
         if shard.files is not None and shard.files.index is not None and shard.device == device
     }
 
 
-def same_segment_files(old: tuple[dict[str, Any], Shard], directory: Path, entry: dict[str, Any]) -> bool:
+def same_segment_files(old: tuple[Segment, Shard], directory: Path, entry: Segment) -> bool:
     """Whether the open segment ``old`` is the one ``entry`` names: the same counts, and the same
     ``shard_infos.json`` (its files' sizes and SHA-256) on disk now."""
     old_entry, shard = old
-    if shard.files is None or any(old_entry.get(k) != entry.get(k) for k in ("rows", "ntotal")):
+    if shard.files is None or (old_entry.rows, old_entry.ntotal) != (entry.rows, entry.ntotal):
         return False
     try:
         return json.loads((directory / SHARD_INFOS_FILE).read_text()) == shard.files.infos
     except (OSError, ValueError):
         return False  # opened afresh: open_shard_files names what is wrong
-
-
-def entry_deletes(path: Path, entry: dict[str, Any]) -> DeleteSet:
-    """The delete set a generation records for one segment (empty where it records none)."""
-    recorded = entry.get("deleted")
-    if not recorded:
-        return DeleteSet.empty()
-    file = path / recorded["file"]
-    return read_delete_set(file, int(recorded["indexed"]), f"{file} (segment {entry['name']})")

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.ipc
 
 from index.errors import IndexFileError
+from index.generation import Segment
 from index.keys import KeyFileError, KeyStore
 from index.layout import IDS_FILE, INDEX_FILE, INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE, VECTORS_FILE
 from index.live.row_map import RoutedRows, RowMap
@@ -97,7 +98,7 @@ def shard_error(directory: Path, message: str) -> IndexFileError:
 
 
 def open_shard_files(
-    directory: Path | str, entry: dict[str, Any] | None = None, with_index: bool = True, mmap: bool = True
+    directory: Path | str, entry: Segment | None = None, with_index: bool = True, mmap: bool = True
 ) -> ShardFiles:
     """Open a shard directory's files, checking that each file its ``shard_infos.json`` lists is
     there with its recorded size and that they agree (rows, vectors, keys, index size);
@@ -120,11 +121,11 @@ def open_shard_files(
         size = file.stat().st_size
         if size != recorded.get("bytes"):
             raise shard_error(directory, f"{name} has {size} bytes, {SHARD_INFOS_FILE} says {recorded.get('bytes')}")
-    if entry is not None and (entry.get("rows") != infos.get("rows") or entry.get("ntotal") != infos.get("ntotal")):
+    if entry is not None and (entry.rows != infos.get("rows") or entry.ntotal != infos.get("ntotal")):
         raise shard_error(
             directory,
             f"{SHARD_INFOS_FILE} says {infos.get('rows')} rows, {infos.get('ntotal')} vectors; the index's "
-            f"{INFOS_FILE} says {entry.get('rows')}, {entry.get('ntotal')}",
+            f"{INFOS_FILE} says {entry.rows}, {entry.ntotal}",
         )
     reading = VECTORS_FILE
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import io
 import json
 import logging
 import tempfile
@@ -32,8 +31,9 @@ from core.hashing import file_sha256
 from core.location import Location, location_of
 from core.storage import StorageError, is_s3
 from index.errors import IndexFileError
+from index.generation import IndexInfos, Segment
 from index.layout import INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE
-from index.live.deletes import DeleteSet, read_delete_set
+from index.live.deletes import DeleteSet, segment_deletes
 
 log = logging.getLogger(__name__)
 
@@ -86,35 +86,29 @@ def read_index_infos(
     source: str | Path, endpoint_url: str | None = None, generation: int | None = None
 ) -> dict[str, Any]:
     """A generation (default: the newest) of an index of shard directories as the top-level infos
-    (index.live.generations.view_infos: all a coordinator reads), checked to list its shards (segments)
-    with their rows, vectors and bytes."""
+    (index.generation.GenerationView.as_infos: all a coordinator reads). Reading it validates it:
+    its shards (segments) are listed with their rows, vectors and bytes, and add up to its counts."""
     from index.live.generations import read_view
 
     url = source_url(source)
-    read_json(source_location(url, endpoint_url), INFOS_FILE)  # an IndexFileError naming the file where it is missing
-    infos = read_view(url, endpoint_url, generation)
-    if infos.get("layout") != LAYOUT_SHARDS:
+    location = source_location(url, endpoint_url)
+    recorded = read_json(location, INFOS_FILE)  # an IndexFileError naming the file where it is missing
+    infos = IndexInfos.from_json(recorded, f"{url}/{INFOS_FILE}")
+    if infos.layout != LAYOUT_SHARDS:
         raise IndexFileError(
             f"index {url} was built before shard directories: serving it across nodes needs an index of "
             "self-contained shard directories (rebuild it)"
         )
-    entries = infos.get("shards") or []
-    if not entries or any(not {"name", "rows", "ntotal", "bytes"} <= set(e) for e in entries):
-        raise IndexFileError(f"index {url}: {INFOS_FILE} lists no shards, or shards without rows/ntotal/bytes")
-    if sum(e["rows"] for e in entries) != infos.get("rows") or sum(e["ntotal"] for e in entries) != infos.get("ntotal"):
-        raise IndexFileError(f"index {url}: its shards' rows and vectors do not add up to those of {INFOS_FILE}")
-    return infos
+    return read_view(location, infos, generation).as_infos()
 
 
 def read_delete_set_of(source: str, entry: dict[str, Any], endpoint_url: str | None) -> DeleteSet:
-    """The delete set a generation records for shard (segment) ``entry`` (empty where none), read
-    from the index location: a small file, never staged."""
-    recorded = entry.get("deleted")
-    if not recorded:
+    """The delete set a generation records for shard (segment) ``entry`` (its record in
+    ``read_index_infos``; empty where none), read from the index location: a small file, never staged."""
+    if not entry.get("deleted"):
         return DeleteSet.empty()
-    data = read_source_bytes(source_location(source, endpoint_url), recorded["file"])
-    label = f"{source}/{recorded['file']} (segment {entry['name']})"
-    return read_delete_set(io.BytesIO(data), int(recorded["indexed"]), label)
+    url = source_url(source)
+    return segment_deletes(source_location(url, endpoint_url), Segment.from_json(entry, f"{url}/{INFOS_FILE}"))
 
 
 def cache_root(cache_dir: str | None, node: str) -> Path:

@@ -39,7 +39,8 @@ def flat_index(tmp_path):
 
 def follow(path):
     """A LiveIndex over ``path`` that reloads only when asked (as cluster.serve.follow_index opens it)."""
-    from index.live.generations import latest_number, location_of
+    from core.location import location_of
+    from index.live.generations import latest_number
 
     return LiveIndex(
         lambda n, served: load_index(path, generation=n, served=served), lambda: latest_number(location_of(path)), 0

@@ -4,13 +4,13 @@ The flat index's answers after every change equal a brute-force search over the 
 IVF-PQ index after 20 % churn keeps the recall of a fresh build over the same live rows.
 """
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from core.errors import NeedleInputError
+from core.location import location_of
 from index.build.stage import IndexConfig
 from index.build.stage import main as build
 from index.errors import UnknownKeyError
@@ -20,7 +20,7 @@ from index.live.compact import CompactConfig
 from index.live.compact import main as compact
 from index.live.delete_rows import DeleteConfig, read_keys
 from index.live.delete_rows import main as delete
-from index.live.generations import GenerationConflict, latest_number, location_of, read_manifest
+from index.live.generations import GenerationConflict, latest_number, read_infos_at, read_manifest
 from index.live.writer import WriterBusy, writing
 from index.search import load_index
 from ingest.descriptors import make_row_id
@@ -174,7 +174,7 @@ def test_two_writers_the_second_fails_and_nothing_is_lost(flat):
     from index.live.writer import Writer, next_shards
 
     location = location_of(index_dir)
-    a = Writer(location, json.loads((index_dir / "index_infos.json").read_text()), read_manifest(location), tmp)
+    a = Writer(location, read_infos_at(location), read_manifest(location), tmp)
     b = Writer(location, a.infos, a.parent, tmp)
     a.publish(next_shards(a, {}, {}), {"command": "test"})
     with pytest.raises(GenerationConflict, match="another writer"):

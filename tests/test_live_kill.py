@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.location import location_of
 from core.storage import s3_client
 from index.build.stage import IndexConfig
 from index.build.stage import main as build
-from index.live.generations import latest_number, location_of
+from index.live.generations import latest_number
 from index.search import load_index
 from tests.helpers_index import clustered_unit_vectors, write_descriptor_file
 from tests.test_live_index import D, Live, assert_exact

@@ -127,6 +127,7 @@ def test_segments_that_cannot_be_merged_are_searched_alone(tmp_path, monkeypatch
 def test_a_shard_group_searches_its_small_segments_as_one(tmp_path):
     """--ray-shards: the segments one actor serves (a ShardGroup, here in this process) search
     their small ones as one index, and the group's answers merge to the in-process index's."""
+    from core.location import location_of
     from index.build.merge import merge_shortlists
     from index.live.generations import read_view
     from shards.messages import answer_request, pack_request, unpack_answers
@@ -134,7 +135,7 @@ def test_a_shard_group_searches_its_small_segments_as_one(tmp_path):
     from shards.staging import StageConfig
 
     index_dir = living_index(tmp_path)
-    entries = read_view(index_dir)["shards"]
+    entries = read_view(location_of(index_dir)).as_infos()["shards"]
     group = ShardGroup(str(index_dir), entries, StageConfig(str(tmp_path / "cache")))
     assert [len(g.members) for g in group.merged] == [5]
     index = load_index(index_dir)

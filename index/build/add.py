@@ -17,7 +17,9 @@ import numpy as np
 from core.atomic import atomic_path, write_atomic
 from index.build import train as build_train
 from index.build.plan import FileInfo, PartTask, ShardPlan, load_adapter, part_task, read_valid
+from index.build.records import BuildFields, PartStats
 from index.build.shard import finish_shard, write_float16_npy_header
+from index.generation import Segment
 from index.layout import shard_name
 from index.locals import write_segment
 from index.memory import process_memory
@@ -25,7 +27,7 @@ from ingest.descriptors import ROW_SHARD_SHIFT
 
 log = logging.getLogger(__name__)
 
-PartRunner = Callable[[list[PartTask]], list[dict[str, Any]]]
+PartRunner = Callable[[list[PartTask]], list[PartStats]]
 
 
 def build_part(
@@ -36,7 +38,7 @@ def build_part(
     part_path: str,
     locals_name: str | None = None,
     adapt: str | None = None,
-) -> dict[str, Any]:
+) -> PartStats:
     """Add ``files`` (contiguous, positions shard-local) to a copy of the trained index (saved at
     ``part_path``) and write their vectors, in order, into the part's own float16 ``.npy`` file
     ``vectors_path``; with ``locals_name``, also write their local tokens as that segment of the
@@ -63,11 +65,10 @@ def build_part(
         added, rejected = _add_files(index, files, dim, index_dim, adapter, out)
     rss = process_memory().get("rss", 0)  # the part's codes are in memory now: the add phase's high point
     write_atomic(Path(part_path), lambda tmp: faiss.write_index(index, str(tmp)))
-    stats: dict[str, Any] = {"added": added, "rejected_non_finite": rejected, "rss_bytes": rss}
+    segment = None
     if locals_name is not None:
         segment = write_segment(Path(part_path).parent, locals_name, [(f.path, f.rows, f.offset) for f in files])
-        stats["locals"] = segment.to_dict()
-    return stats
+    return PartStats(added, rejected, rss, segment)
 
 
 def _add_files(index: Any, files: list[FileInfo], dim: int, index_dim: int, adapter: Any, out: Any) -> tuple[int, int]:
@@ -85,7 +86,7 @@ def _add_files(index: Any, files: list[FileInfo], dim: int, index_dim: int, adap
     return added, rejected
 
 
-def run_parts_sequentially(tasks: list[PartTask]) -> list[dict[str, Any]]:
+def run_parts_sequentially(tasks: list[PartTask]) -> list[PartStats]:
     return [build_part(*task) for task in tasks]
 
 
@@ -119,11 +120,11 @@ def local_parts(
 def finish_local_shards(
     output: Path,
     parts: LocalParts,
-    stats: list[dict[str, Any]],
-    common: dict[str, Any],
+    stats: list[PartStats],
+    common: BuildFields,
     extractor: dict[str, Any] | None,
-) -> list[dict[str, Any]]:
-    """Every shard directory of a local build finished from its added parts; returns their summaries."""
+) -> list[Segment]:
+    """Every shard directory of a local build finished from its added parts; returns their entries."""
     return [
         finish_shard(
             output / shard_name(number),

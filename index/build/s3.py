@@ -20,20 +20,22 @@ from core.location import S3Location
 from core.storage import MARKER_SUFFIX, download
 from index.build.add import build_part
 from index.build.plan import FileInfo, ShardPlan, part_task
+from index.build.records import BuildFields, PartStats
 from index.build.shard import finish_shard
+from index.generation import Segment
 from index.layout import SHARD_INFOS_FILE, TRAINED_FILE, shard_name
 from ingest.descriptors import DescriptorFileError
 
 log = logging.getLogger(__name__)
 
 # (trained index bytes, shard specs: number, parts (lists of FileInfo, shard-local offsets), part_ids,
-# dim, locals, adapt, common, extractor, url, endpoint_url) -> each shard's commit marker
-# {"summary": ..., "stats": [...]}
+# dim, locals, adapt, common (BuildFields), extractor, url, endpoint_url) -> each shard's commit marker
+# {"summary": its index_infos.json entry, "stats": [PartStats records]}
 ShardRunner = Callable[[bytes, list[dict[str, Any]]], list[dict[str, Any]]]
 
 
 def committed_shard(
-    storage: S3Location, name: str, files: list[FileInfo], common: dict[str, Any]
+    storage: S3Location, name: str, files: list[FileInfo], common: BuildFields
 ) -> dict[str, Any] | None:
     """The commit marker of shard ``name`` when a previous run committed it from the same files,
     plan and trained index and every file its shard_infos.json lists is there with the recorded
@@ -44,7 +46,7 @@ def committed_shard(
         return None
     recorded = [(f["shard_id"], f["rows"], f["offset"]) for f in infos.get("files", [])]
     if recorded != [(f.shard_id, f.rows, f.offset) for f in files] or any(
-        infos.get(key) != common.get(key) for key in ("factory", "dim", "trained_sha256", "adapt")
+        infos.get(key) != common.to_json()[key] for key in ("factory", "dim", "trained_sha256", "adapt")
     ):
         log.info("%s/%s was made from other files or another plan: building it again", storage.url, name)
         return None
@@ -94,7 +96,7 @@ def build_shard_task(trained: bytes, spec: dict[str, Any]) -> dict[str, Any]:
         files = [f for part in parts for f in part]
         summary = finish_shard(directory, spec["number"], files, tasks, stats, spec["common"], spec["extractor"])
         upload_shard(storage, directory)
-    marker = {"summary": summary, "stats": stats}
+    marker = {"summary": summary.to_json(with_deleted=False), "stats": [s.to_json() for s in stats]}
     storage.write_json(name + MARKER_SUFFIX, marker)
     return marker
 
@@ -118,7 +120,7 @@ def build_on_s3(
     shards: ShardPlan,
     settings: dict[str, Any],
     run_shards: ShardRunner,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[Segment], list[PartStats]]:
     """Run the shard tasks an S3 build still needs (a shard committed by an earlier run from the
     same files, plan and trained index is kept); returns the shards' summaries and their parts'
     stats. ``settings``: what every shard task takes (dim, locals, adapt, common, extractor)."""
@@ -143,5 +145,8 @@ def build_on_s3(
             }
         )
     markers = {**kept, **{spec["number"]: m for spec, m in zip(specs, run_shards(trained_path.read_bytes(), specs))}}
-    summaries = [markers[n]["summary"] for n in range(len(shards.groups))]
-    return summaries, [stat for n in range(len(shards.groups)) for stat in markers[n]["stats"]]
+    summaries = [
+        Segment.from_json(markers[n]["summary"], f"{storage.url}/{shard_name(n)}{MARKER_SUFFIX}")
+        for n in range(len(shards.groups))
+    ]
+    return summaries, [PartStats.from_json(stat) for n in range(len(shards.groups)) for stat in markers[n]["stats"]]

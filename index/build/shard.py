@@ -18,9 +18,11 @@ import pyarrow.parquet as pq
 from core.atomic import atomic_path, write_atomic, write_json_atomic
 from core.hashing import file_sha256
 from index.build.plan import FileInfo, PartTask
+from index.build.records import BuildFields, PartStats
+from index.generation import Segment
 from index.keys import KEY_FILES, write_key_files
 from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
-from index.locals import SegmentInfo, locals_infos
+from index.locals import locals_infos
 from ingest.descriptors import DescriptorFileError
 
 IDS_SCHEMA = pa.schema([("row", pa.int64()), ("key", pa.string()), ("status", pa.string())])
@@ -100,38 +102,38 @@ def finish_shard(
     number: int,
     files: list[FileInfo],
     tasks: list[PartTask],
-    stats: list[dict[str, Any]],
-    common: dict[str, Any],
+    stats: list[PartStats],
+    common: BuildFields,
     extractor: dict[str, Any] | None,
-) -> dict[str, Any]:
+) -> Segment:
     """Turn a shard directory's built parts into its own files (index, vectors, ids, keys; the
     local segments stay as the parts wrote them), then write its ``shard_infos.json`` last, with
     every file's size and SHA-256; returns the shard's entry of the top-level infos."""
-    ntotal, rows = merge_shard_files(directory, files, tasks, int(common["dim"]))
-    segments = [SegmentInfo(**s["locals"]) for s in stats if "locals" in s]
+    ntotal, rows = merge_shard_files(directory, files, tasks, common.dim)
+    segments = [s.locals for s in stats if s.locals is not None]
     names = [INDEX_FILE, VECTORS_FILE, IDS_FILE, *KEY_FILES]
     names += [name for seg in segments for name in (seg.tokens, seg.offsets)]
     checksums = {name: _checksum(directory / name) for name in names}
     infos = {
-        **common,
+        **common.to_json(),
         "shard": number,
         "name": directory.name,
         "rows": rows,
         "ntotal": ntotal,
         "files": [_file_entry(f) for f in files],
         "shard_offsets": {str(f.shard_id): f.offset for f in files},  # Parquet shard id -> first position here
-        "rejected_non_finite": sum(s["rejected_non_finite"] for s in stats),
+        "rejected_non_finite": sum(s.rejected_non_finite for s in stats),
         "locals": locals_infos(segments, extractor, rows) if segments else None,
         "checksums": checksums,
     }
     write_json_atomic(infos, directory / SHARD_INFOS_FILE)
-    return {
-        "name": directory.name,
-        "rows": rows,
-        "ntotal": ntotal,
-        "parquet_shard_ids": [f.shard_id for f in files],
-        "bytes": sum(c["bytes"] for c in checksums.values()),
-    }
+    return Segment(
+        name=directory.name,
+        rows=rows,
+        ntotal=ntotal,
+        parquet_shard_ids=tuple(f.shard_id for f in files),
+        bytes=sum(c["bytes"] for c in checksums.values()),
+    )
 
 
 def merge_shard_files(directory: Path, files: list[FileInfo], tasks: list[PartTask], dim: int) -> tuple[int, int]:

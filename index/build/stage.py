@@ -54,8 +54,10 @@ from index.build.plan import (
     plan_shards,
     read_sources,
 )
+from index.build.records import BuildFields, PartStats
 from index.build.s3 import ShardRunner, build_on_s3, run_shards_sequentially
 from index.build.train import DEFAULT_QUANTIZER_EF, hnsw_quantizer, reuse_trained, sample_for, train_and_save
+from index.generation import IndexInfos, Segment
 from index.keys import KEY_FILES
 from index.layout import (
     IDS_FILE,
@@ -66,7 +68,7 @@ from index.layout import (
     TRAINED_FILE,
     VECTORS_FILE,
 )
-from index.locals import SegmentInfo, locals_infos
+from index.locals import locals_infos
 from index.memory import peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -181,9 +183,8 @@ def main(
         summaries, stats = add_locally(build, shards, with_locals, common, run_parts)
     clean_scratch(build)
     build.clock.lap("merge_s")
-    infos = index_infos(build, plan, trained, summaries, stats, with_locals)
-    infos["descriptors"] = [str(d) for d in ([descriptors] if isinstance(descriptors, (str, Path)) else descriptors)]
-    return write_index_infos(build, infos)
+    given = [str(d) for d in ([descriptors] if isinstance(descriptors, (str, Path)) else descriptors)]
+    return write_index_infos(build, index_infos(build, plan, trained, summaries, stats, with_locals, given))
 
 
 def open_build(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], output: Path | str) -> Build:
@@ -236,28 +237,28 @@ def train_step(build: Build, plan: IndexPlan) -> Trained:
     return Trained(n_train, peak_rss_bytes())
 
 
-def common_infos(build: Build, plan: IndexPlan) -> dict[str, Any]:
+def common_infos(build: Build, plan: IndexPlan) -> BuildFields:
     """What every shard's ``shard_infos.json`` records of the whole build."""
     import faiss
 
     conf = build.conf
-    return {
-        "kind": plan.kind,
-        "factory": plan.factory,
-        "metric": "inner_product",
-        "dim": build.index_dim,
-        "nprobe": conf.nprobe,
-        "refine_factor": conf.refine_factor,
-        "quantizer_ef": conf.quantizer_ef if "HNSW" in plan.factory else None,
-        "adapt": adapt_infos(conf.adapt, build.adapter),
-        "faiss_version": faiss.__version__,
-        "trained_sha256": file_sha256(build.trained_path),
-    }
+    return BuildFields(
+        kind=plan.kind,
+        factory=plan.factory,
+        metric="inner_product",
+        dim=build.index_dim,
+        nprobe=conf.nprobe,
+        refine_factor=conf.refine_factor,
+        quantizer_ef=conf.quantizer_ef if "HNSW" in plan.factory else None,
+        adapt=adapt_infos(conf.adapt, build.adapter),
+        faiss_version=faiss.__version__,
+        trained_sha256=file_sha256(build.trained_path),
+    )
 
 
 def add_locally(
-    build: Build, shards: ShardPlan, with_locals: bool, common: dict[str, Any], run_parts: PartRunner
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    build: Build, shards: ShardPlan, with_locals: bool, common: BuildFields, run_parts: PartRunner
+) -> tuple[list[Segment], list[PartStats]]:
     """The parts added (by ``run_parts``), then each shard directory finished from its parts;
     returns the shards' summaries and the parts' stats."""
     dim, adapt = build.sources.dim, build.conf.adapt
@@ -272,9 +273,9 @@ def add_on_s3(
     storage: S3Location,
     shards: ShardPlan,
     with_locals: bool,
-    common: dict[str, Any],
+    common: BuildFields,
     run_shards: ShardRunner,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[Segment], list[PartStats]]:
     """One task per shard (``run_shards``): built on its node, uploaded, committed; returns the
     shards' summaries and the parts' stats."""
     settings = {
@@ -301,30 +302,31 @@ def index_infos(
     build: Build,
     plan: IndexPlan,
     trained: Trained,
-    summaries: list[dict[str, Any]],
-    stats: list[dict[str, Any]],
+    summaries: list[Segment],
+    stats: list[PartStats],
     with_locals: bool,
-) -> dict[str, Any]:
-    """The top-level ``index_infos.json`` (less ``descriptors``, which ``main`` adds as given)."""
+    descriptors: list[str],
+) -> IndexInfos:
+    """The top-level ``index_infos.json`` (``descriptors``: the inputs as given), checked as a reader checks it."""
     import faiss
 
     conf, sources = build.conf, build.sources
-    return {
+    record = {
         "config": asdict(conf),
         **_plan_infos(plan, parse_bytes(conf.memory_budget)),
         "n_train": trained.n_train,
         "metric": "inner_product",
-        "ntotal": sum(s["ntotal"] for s in summaries),
+        "ntotal": sum(s.ntotal for s in summaries),
         "rows": sum(f.rows for f in sources.files),
         "dim": build.index_dim,
         "adapt": adapt_infos(conf.adapt, build.adapter),
         "layout": LAYOUT_SHARDS,
-        "shards": summaries,  # name, rows, ntotal, parquet shard ids, bytes of each shard directory
+        "shards": [s.to_json(with_deleted=False) for s in summaries],  # name, rows, ntotal, parquet shard ids, bytes
         "key_files": list(KEY_FILES),
         "nprobe": conf.nprobe,
         "refine_factor": conf.refine_factor,
         "quantizer_ef": conf.quantizer_ef if "HNSW" in plan.factory else None,
-        "rejected_non_finite": sum(s["rejected_non_finite"] for s in stats),
+        "rejected_non_finite": sum(s.rejected_non_finite for s in stats),
         "parquet_files": len(sources.files),
         "extractors": sources.ingest.get("extractors", []),
         "locals": _locals_summary(build, stats) if with_locals else None,
@@ -333,10 +335,12 @@ def index_infos(
         "memory": {  # this process's high-water RSS after training and at the end; the parts' RSS when full
             "peak_rss_after_training_bytes": trained.peak_rss_bytes,
             "peak_rss_bytes": peak_rss_bytes(),
-            "part_rss_bytes": max((s.get("rss_bytes", 0) for s in stats), default=0),
+            "part_rss_bytes": max((s.rss_bytes for s in stats), default=0),
         },
         "faiss_version": faiss.__version__,
+        "descriptors": descriptors,
     }
+    return IndexInfos.from_json(record, f"the {INFOS_FILE} of {build.storage.url if build.storage else build.scratch}")
 
 
 def _plan_infos(plan: IndexPlan, budget: int) -> dict[str, Any]:
@@ -351,22 +355,27 @@ def _plan_infos(plan: IndexPlan, budget: int) -> dict[str, Any]:
     }
 
 
-def _locals_summary(build: Build, stats: list[dict[str, Any]]) -> dict[str, Any]:
+def _locals_summary(build: Build, stats: list[PartStats]) -> dict[str, Any]:
     """The local store's top-level entry; each shard lists its own segments (shard_infos.json)."""
-    segments = [SegmentInfo(**s["locals"]) for s in stats]
+    segments = [s.locals for s in stats if s.locals is not None]
     summary = locals_infos(segments, build.extractor, sum(f.rows for f in build.sources.files))
     del summary["segments"]
     return summary
 
 
-def write_index_infos(build: Build, infos: dict[str, Any]) -> Path | str:
+def write_index_infos(build: Build, infos: IndexInfos) -> Path | str:
     """Write ``index_infos.json`` last: the index is complete once it is there; returns the output."""
     output: Path | str = build.scratch
     if build.storage is not None:
-        build.storage.write_json(INFOS_FILE, infos)
+        build.storage.write_json(INFOS_FILE, infos.to_json())
         output = build.storage.url
     else:
-        write_json_atomic(infos, build.scratch / INFOS_FILE)
-    ntotal, dim, factory, n_shards = infos["ntotal"], build.sources.dim, infos["factory"], len(infos["shards"])
+        write_json_atomic(infos.to_json(), build.scratch / INFOS_FILE)
+    ntotal, dim, factory, n_shards = (
+        infos.fields["ntotal"],
+        build.sources.dim,
+        infos.fields["factory"],
+        len(infos.shards),
+    )
     log.info("index %s: %d vectors, d=%d, %s in %d shards", output, ntotal, dim, factory, n_shards)
     return output

@@ -30,12 +30,13 @@ from core.kill_points import kill_point
 from core.quoting import short_repr
 from index.build.add import PartRunner, run_parts_sequentially
 from index.build.plan import FileInfo, load_adapter, local_extractor, part_task, read_sources
+from index.build.records import BuildFields
 from index.build.shard import finish_shard
 from index.layout import VECTORS_FILE
-from index.live.drift import coarse_stats, drift_report, sample_positions
-from index.live.generations import GENERATIONS_DIR, segments_of
+from index.live.drift import CoarseStats, coarse_stats, drift_report, sample_positions
+from index.live.generations import GENERATIONS_DIR
 from index.live.keys import ParentKeys
-from index.live.writer import Writer, build_fields, next_shards, parent_files, writing
+from index.live.writer import Writer, next_shards, parent_files, writing
 from ingest.descriptors import DescriptorFileError, has_locals
 
 log = logging.getLogger(__name__)
@@ -66,20 +67,20 @@ def main(
     (the manifest's ``change``: ``"generation"`` None where nothing was new)."""
     with writing(index, conf.s3_endpoint_url) as writer:
         sources = read_sources(descriptors, writer.scratch / "staging", conf.s3_endpoint_url)
-        adapt = (writer.infos.get("config") or {}).get("adapt")
+        adapt = (writer.infos.fields.get("config") or {}).get("adapt")
         adapter = load_adapter(adapt, sources.dim)
         index_dim = int(adapter.out_dim) if adapter is not None else sources.dim
-        if index_dim != int(writer.infos["dim"]):
+        if index_dim != writer.infos.dim:
             raise NeedleInputError(
                 f"--descriptors have d={sources.dim} (indexed as d={index_dim}); "
-                f"index {index} holds d={writer.infos['dim']}"
+                f"index {index} holds d={writer.infos.dim}"
             )
         new, skipped = new_files(writer, sources.files)
         change: dict[str, Any] = {"command": "add", "skipped_files": skipped, "generation": None}
         if not new:
             log.info("every file is already in %s: nothing to add", index)
             return change
-        with_locals = bool(writer.infos.get("locals"))
+        with_locals = bool(writer.infos.fields.get("locals"))
         missing = [f.path for f in new if with_locals != has_locals(Path(f.path))]
         if missing:
             what = "has local tokens" if with_locals else "has no local tokens"
@@ -100,20 +101,19 @@ def main(
             "add_cpu_s": round(time.process_time() - started_cpu, 3),
         }
         kill_point("parts_added")
-        common = build_fields(writer.segment_infos(segments_of(writer.parent)[0]["name"]))
+        common = BuildFields.of(writer.segment_infos(writer.parent.segments[0].name))
         extractor = local_extractor(sources.ingest)
         entries = {}
         for (shard, files), task, stat in zip(assignment.items(), tasks, stats):
             directory = writer.root / names[shard]
             entries[shard] = finish_shard(directory, shard, files, [task], [stat], common, extractor)
-            entries[shard]["name"] = names[shard]
             writer.commit_segment(names[shard])
         drift = added_drift(writer, conf, trained, [writer.root / names[s] for s in assignment])
         shards = next_shards(writer, entries, replaced)
         change.update(
             files=[Path(f.source or f.path).name for f in new],
             rows=sum(f.rows for f in new),
-            vectors=sum(int(s["added"]) for s in stats),
+            vectors=sum(s.added for s in stats),
             replaced=sum(len(rows) for rows, _ in replaced.values()),
             segments=sorted(names.values()),
             drift=drift,
@@ -126,8 +126,7 @@ def main(
                 drift["error_ratio"],
                 drift["top_share_ratio"],
             )
-        manifest = writer.publish(shards, change)
-        change["generation"] = manifest["generation"]
+        change["generation"] = writer.publish(shards, change).number
         return change
 
 
@@ -140,12 +139,12 @@ def new_files(writer: Writer, files: list[FileInfo]) -> tuple[list[FileInfo], li
         name = Path(f.source or f.path).name
         if f.shard_id in held:
             have = held[f.shard_id]
-            if Path(have["path"]).name == name and int(have["rows"]) == f.rows:
+            if Path(have.path).name == name and have.rows == f.rows:
                 skipped.append(name)
                 continue
             raise DescriptorFileError(
                 f"{f.source or f.path} holds Parquet shard id {f.shard_id}, which the index already holds from "
-                f"{have['path']} ({have['rows']} rows): their row ids would collide"
+                f"{have.path} ({have.rows} rows): their row ids would collide"
             )
         new.append(f)
     return new, skipped
@@ -174,10 +173,7 @@ def replaced_rows(writer: Writer, files: list[FileInfo], replace_keys: bool) -> 
 def balance(writer: Writer, files: list[FileInfo]) -> dict[int, list[FileInfo]]:
     """Shard -> the files it receives (largest first to the shard with the fewest live rows),
     each shard's files in Parquet shard id order with positions counted from its segment's start."""
-    live = []
-    for shard in writer.parent["shards"]:
-        rows = sum(int(s["rows"]) - int((s.get("deleted") or {}).get("rows", 0)) for s in shard["segments"])
-        live.append(rows)
+    live = [shard.live_rows for shard in writer.parent.shards]
     chosen: dict[int, list[FileInfo]] = {}
     for f in sorted(files, key=lambda f: (-f.rows, f.shard_id)):
         shard = int(np.argmin(live))
@@ -204,10 +200,8 @@ def added_drift(writer: Writer, conf: AddConfig, trained: Path, segments: list[P
         return None  # a flat index: no quantizer to drift from
     baseline = trained_stats(writer, index)
     # as many new rows as the baseline counted: the fullest lists' share depends on the rows counted
-    size = int(baseline["rows"]) if baseline else 0
-    xb = sample_indexed_rows(
-        [np.load(d / VECTORS_FILE, mmap_mode="r") for d in segments], size, int(writer.infos["dim"])
-    )
+    size = baseline.rows if baseline else 0
+    xb = sample_indexed_rows([np.load(d / VECTORS_FILE, mmap_mode="r") for d in segments], size, writer.infos.dim)
     return drift_report(coarse_stats(index, xb), baseline, conf.drift_error_ratio, conf.drift_top_share_ratio)
 
 
@@ -233,23 +227,23 @@ def indexed_rows(x: np.ndarray) -> np.ndarray:
     return np.asarray((x != 0).any(axis=1))
 
 
-def trained_stats(writer: Writer, index: Any) -> dict[str, Any] | None:
+def trained_stats(writer: Writer, index: Any) -> CoarseStats | None:
     """The drift report's baseline: ``coarse_stats`` of a sample of the index's rows taken at its
     first add (the build's rows), kept beside the generations and reused by later adds."""
     data = writer.location.read_bytes(TRAINED_STATS_FILE)
     if data is not None:
-        return dict(json.loads(data))
+        return CoarseStats.from_json(json.loads(data))
     blocks = []
-    segments = segments_of(writer.parent)
+    segments = writer.parent.segments
     per_segment = TRAINED_SAMPLE_ROWS // len(segments)
-    for entry in segments:  # runs of SAMPLE_RUN consecutive rows at random places: a few reads each
-        starts = sample_positions(max(1, int(entry["rows"]) // SAMPLE_RUN), max(1, per_segment // SAMPLE_RUN))
+    for segment in segments:  # runs of SAMPLE_RUN consecutive rows at random places: a few reads each
+        starts = sample_positions(max(1, segment.rows // SAMPLE_RUN), max(1, per_segment // SAMPLE_RUN))
         for start in starts:
-            rows = writer.row_vectors(entry["name"], int(start) * SAMPLE_RUN, SAMPLE_RUN)
+            rows = writer.row_vectors(segment.name, int(start) * SAMPLE_RUN, SAMPLE_RUN)
             blocks.append(np.asarray(rows, np.float32))
-    sample = np.concatenate(blocks) if blocks else np.zeros((0, int(writer.infos["dim"])), np.float32)
+    sample = np.concatenate(blocks) if blocks else np.zeros((0, writer.infos.dim), np.float32)
     stats = coarse_stats(index, sample[indexed_rows(sample)])
     if stats is not None:
         with contextlib.suppress(FileExistsError):
-            writer.location.create_exclusive(TRAINED_STATS_FILE, json.dumps(stats).encode())
+            writer.location.create_exclusive(TRAINED_STATS_FILE, json.dumps(stats.to_json()).encode())
     return stats

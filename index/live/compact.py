@@ -28,17 +28,13 @@ import pyarrow.ipc
 from core.atomic import atomic_path, write_atomic, write_json_atomic
 from core.errors import NeedleInputError
 from core.kill_points import kill_point
+from index.build.records import BuildFields
 from index.build.shard import IDS_SCHEMA, _checksum, write_float16_npy_header, write_keys_of_ids
+from index.generation import Segment, ShardSegments
 from index.keys import KEY_FILES
 from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
-from index.live.generations import (
-    DELETES_DIR,
-    latest_number,
-    manifest_name,
-    read_manifest,
-    segments_of,
-)
-from index.live.writer import Writer, build_fields, writing
+from index.live.generations import DELETES_DIR, latest_number, manifest_name, read_manifest
+from index.live.writer import Writer, writing
 from index.locals import TOKEN_DTYPE, SegmentInfo, _save_npy, locals_infos, open_local_store
 from index.shard import is_valid_descriptor
 from index.shard_files import ShardFiles, open_shard_files
@@ -63,47 +59,41 @@ def main(conf: CompactConfig, index: Path | str) -> dict[str, Any]:
     with writing(index, conf.s3_endpoint_url) as writer:
         change: dict[str, Any] = {"command": "compact", "generation": None, "rewritten": [], "removed": []}
         shards, rewritten = [], []
-        for shard in writer.parent["shards"]:
-            chosen = chosen_segments(shard["segments"], conf.merge_below)
+        for shard in writer.parent.shards:
+            chosen = chosen_segments(shard.segments, conf.merge_below)
             if not chosen:
                 shards.append(shard)
                 continue
-            name = writer.segment_name(int(shard["shard"]))
-            entry = rewrite(writer, [shard["segments"][i] for i in chosen], name, int(shard["shard"]))
+            name = writer.segment_name(shard.shard)
+            entry = rewrite(writer, [shard.segments[i] for i in chosen], name, shard.shard)
             writer.commit_segment(name)
-            kept = [s for i, s in enumerate(shard["segments"]) if i not in chosen]
-            shards.append({"shard": shard["shard"], "segments": [*kept, {**entry, "deleted": None}]})
-            rewritten.append(
-                {"shard": shard["shard"], "from": [shard["segments"][i]["name"] for i in chosen], "to": name}
-            )
+            kept = [s for i, s in enumerate(shard.segments) if i not in chosen]
+            shards.append(ShardSegments(shard.shard, (*kept, entry)))
+            rewritten.append({"shard": shard.shard, "from": [shard.segments[i].name for i in chosen], "to": name})
         if rewritten:
-            removed_rows = sum(int((s.get("deleted") or {}).get("rows", 0)) for s in segments_of(writer.parent))
+            removed_rows = writer.parent.totals.deleted_rows
             change.update(rewritten=rewritten, removed_rows=removed_rows)
-            change["generation"] = writer.publish(shards, change)["generation"]
+            change["generation"] = writer.publish(shards, change).number
         change["removed"] = remove_unreferenced(writer, conf.keep)
         return change
 
 
-def chosen_segments(segments: list[dict[str, Any]], merge_below: float) -> list[int]:
+def chosen_segments(segments: tuple[Segment, ...], merge_below: float) -> list[int]:
     """The segments of one shard to rewrite together: those with deleted rows and the small ones
     (under ``merge_below`` of the largest); nothing where that is one segment without deletes."""
-    largest = max(int(s["rows"]) for s in segments)
-    chosen = [
-        i
-        for i, s in enumerate(segments)
-        if (s.get("deleted") or {}).get("rows") or int(s["rows"]) < merge_below * largest
-    ]
-    if len(chosen) == 1 and not (segments[chosen[0]].get("deleted") or {}).get("rows"):
+    largest = max(s.rows for s in segments)
+    chosen = [i for i, s in enumerate(segments) if s.deleted_rows or s.rows < merge_below * largest]
+    if len(chosen) == 1 and not segments[chosen[0]].deleted_rows:
         return []
     return chosen
 
 
-def rewrite(writer: Writer, segments: list[dict[str, Any]], name: str, shard: int) -> dict[str, Any]:
+def rewrite(writer: Writer, segments: list[Segment], name: str, shard: int) -> Segment:
     """One segment ``name`` of the live rows of ``segments``, ascending by row id; its manifest entry."""
     opened = []
     for segment in segments:
-        listed = list(writer.segment_infos(segment["name"])["checksums"])
-        opened.append(open_shard_files(writer.segment_dir(segment["name"], listed), with_index=False))
+        listed = list(writer.segment_infos(segment.name)["checksums"])
+        opened.append(open_shard_files(writer.segment_dir(segment.name, listed), with_index=False))
     live = live_rows(writer, segments, opened)  # (row, segment, position), ascending by row
     directory = writer.new_segment_dir(name)
     write_rows_table(opened, live, directory / IDS_FILE)
@@ -116,8 +106,9 @@ def rewrite(writer: Writer, segments: list[dict[str, Any]], name: str, shard: in
         local = write_tokens(opened, live, directory)
         names += [local.tokens, local.offsets]
     files, offsets = file_entries(opened, live)
+    checksums = {file: _checksum(directory / file) for file in names}
     infos = {
-        **build_fields(first_infos),
+        **BuildFields.of(first_infos).to_json(),
         "shard": shard,
         "name": name,
         "rows": len(live[0]),
@@ -129,20 +120,20 @@ def rewrite(writer: Writer, segments: list[dict[str, Any]], name: str, shard: in
         "locals": locals_infos([local], (first_infos["locals"] or {}).get("extractor"), len(live[0]))
         if local
         else None,
-        "checksums": {file: _checksum(directory / file) for file in names},
-        "compacted_from": [s["name"] for s in segments],
+        "checksums": checksums,
+        "compacted_from": [s.name for s in segments],
     }
     write_json_atomic(infos, directory / SHARD_INFOS_FILE)
-    summary = {
-        "name": name,
-        "rows": infos["rows"],
-        "ntotal": indexed,
-        "bytes": sum(c["bytes"] for c in infos["checksums"].values()),
-    }
-    return {**summary, "parquet_shard_ids": sorted(int(i) for i in offsets)}
+    return Segment(
+        name=name,
+        rows=len(live[0]),
+        ntotal=indexed,
+        parquet_shard_ids=tuple(sorted(int(i) for i in offsets)),
+        bytes=sum(c["bytes"] for c in checksums.values()),
+    )
 
 
-def live_rows(writer: Writer, segments: list[dict[str, Any]], opened: list[ShardFiles]) -> tuple[np.ndarray, ...]:
+def live_rows(writer: Writer, segments: list[Segment], opened: list[ShardFiles]) -> tuple[np.ndarray, ...]:
     """(rows, segment, position) of the segments' rows not deleted, ascending by row id."""
     rows, which, positions = [], [], []
     for number, (segment, files) in enumerate(zip(segments, opened)):
@@ -263,10 +254,10 @@ def remove_unreferenced(writer: Writer, keep: int | None) -> list[str]:
             manifest = read_manifest(location, number)
         except Exception:  # a generation already removed
             continue
-        for segment in segments_of(manifest):
-            referenced.add(segment["name"])
-            if segment.get("deleted"):
-                referenced.add(segment["deleted"]["file"])
+        for segment in manifest.segments:
+            referenced.add(segment.name)
+            if segment.deleted is not None:
+                referenced.add(segment.deleted.file)
     candidates = [n for n in location.list("") if re.fullmatch(r"(shard_\d+|seg_\d+_s\d+_[0-9a-f]+)", n)]
     candidates += location.list(DELETES_DIR)
     doomed = [n for n in candidates if n not in referenced and written_by(n) <= newest]

@@ -57,6 +57,5 @@ def main(conf: DeleteConfig, keys: list[str], index: Path | str) -> dict[str, An
             log.warning("%d of %d keys are not in %s (first: %r)", len(unknown), len(keys), index, unknown[0])
         if not deletes:
             return change
-        manifest = writer.publish(next_shards(writer, {}, deletes), change)
-        change["generation"] = manifest["generation"]
+        change["generation"] = writer.publish(next_shards(writer, {}, deletes), change).number
         return change

@@ -16,13 +16,18 @@ gathered around it) is searched again with the selector. The answer is the selec
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from index.errors import IndexFileError
+from index.generation import Segment
+
+if TYPE_CHECKING:
+    from core.location import Location
 
 # Past this share of a segment's rows deleted, searches use the selector at once: an over-fetch
 # would have to ask for many times what it wants.
@@ -101,6 +106,19 @@ def search_live(search: Search, wanted: int, stored: int, deletes: DeleteSet) ->
         D[again], I[again] = -np.inf, -1
         D[again, :wanted], I[again, :wanted] = search(wanted, again, True)
     return D, I
+
+
+def segment_deletes(location: Location, segment: Segment) -> DeleteSet:
+    """The delete set a generation records for ``segment`` (empty where it records none), read
+    from the index location (a small file: read whole, never staged). Every reader of a
+    segment's delete set comes here: the loader, a Ray shard actor, a writer."""
+    if segment.deleted is None:
+        return DeleteSet.empty()
+    label = f"{location.url}/{segment.deleted.file} (segment {segment.name})"
+    data = location.read_bytes(segment.deleted.file)
+    if data is None:
+        raise DeleteSetError(f"cannot read the delete set {label}: it is missing")
+    return read_delete_set(io.BytesIO(data), segment.deleted.indexed, label)
 
 
 def read_delete_set(source: Any, indexed: int, label: str) -> DeleteSet:

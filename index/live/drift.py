@@ -15,6 +15,8 @@ command says so with the figures (docs/live_index.md: when a retrain pays).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,38 +71,60 @@ def top_share(lists: np.ndarray, nlist: int) -> float:
     return float(counts[:top].sum() / max(1, len(lists)))
 
 
-def coarse_stats(index: Any, x: np.ndarray) -> dict[str, Any] | None:
-    """Rows ``x`` under ``index``'s coarse quantizer: ``rows``, ``mean_error`` (mean squared
-    distance to the nearest centroid) and ``top_share`` (their share in their fullest 1 % of
-    lists); None for a flat index or no rows."""
+@dataclass(frozen=True)
+class CoarseStats:
+    """Rows under a coarse quantizer (``generations/trained_drift.json`` holds the build's)."""
+
+    rows: int  # rows measured
+    mean_error: float  # their mean squared distance to the nearest centroid
+    top_share: float  # their share in their fullest TOP_LISTS of lists
+    top_lists: int  # how many lists that is
+
+    @staticmethod
+    def from_json(record: Mapping[str, Any]) -> CoarseStats:
+        return CoarseStats(int(record["rows"]), record["mean_error"], record["top_share"], int(record["top_lists"]))
+
+    def to_json(self) -> dict[str, object]:
+        """The record ``trained_drift.json`` holds (keys in the order the first add wrote them)."""
+        return {
+            "rows": self.rows,
+            "mean_error": self.mean_error,
+            "top_share": self.top_share,
+            "top_lists": self.top_lists,
+        }
+
+
+def coarse_stats(index: Any, x: np.ndarray) -> CoarseStats | None:
+    """Rows ``x`` under ``index``'s coarse quantizer; None for a flat index or no rows."""
     import faiss
 
     assigned = coarse_assign(index, x)
     if assigned is None or not len(x):
         return None
     nlist = int(faiss.extract_index_ivf(index).nlist)
-    return {"rows": len(x), "mean_error": float(assigned[1].mean()), "top_share": top_share(assigned[0], nlist),
-            "top_lists": max(1, round(nlist * TOP_LISTS))}  # fmt: skip
+    return CoarseStats(
+        len(x), float(assigned[1].mean()), top_share(assigned[0], nlist), max(1, round(nlist * TOP_LISTS))
+    )
 
 
 def drift_report(
-    new: dict[str, Any] | None, trained: dict[str, Any] | None, error_limit: float, share_limit: float
+    new: CoarseStats | None, trained: CoarseStats | None, error_limit: float, share_limit: float
 ) -> dict[str, Any] | None:
     """The drift of the new rows' ``coarse_stats`` against those of a sample of the build's rows
     (None: a flat index)."""
     if new is None or trained is None:
         return None
-    error_ratio = new["mean_error"] / max(trained["mean_error"], 1e-12)
-    share_ratio = new["top_share"] / max(trained["top_share"], 1e-12)
+    error_ratio = new.mean_error / max(trained.mean_error, 1e-12)
+    share_ratio = new.top_share / max(trained.top_share, 1e-12)
     report = {
-        "rows": new["rows"],
-        "trained_sample": trained["rows"],
-        "mean_error_new": round(new["mean_error"], 6),
-        "mean_error_trained": round(trained["mean_error"], 6),
+        "rows": new.rows,
+        "trained_sample": trained.rows,
+        "mean_error_new": round(new.mean_error, 6),
+        "mean_error_trained": round(trained.mean_error, 6),
         "error_ratio": round(error_ratio, 4),
-        "top_lists": new["top_lists"],
-        "top_share_new": round(new["top_share"], 4),
-        "top_share_trained": round(trained["top_share"], 4),
+        "top_lists": new.top_lists,
+        "top_share_new": round(new.top_share, 4),
+        "top_share_trained": round(trained.top_share, 4),
         "top_share_ratio": round(share_ratio, 4),
         "limits": {"error_ratio": error_limit, "top_share_ratio": share_limit},
     }

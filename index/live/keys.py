@@ -14,7 +14,6 @@ import numpy as np
 from index.keys import KeyStore
 from index.layout import IDS_FILE
 from index.live.deletes import DeleteSet
-from index.live.generations import segments_of
 from index.live.writer import ID_FILES, Writer
 from index.shard import is_valid_descriptor
 from index.shard_files import read_ids
@@ -22,17 +21,17 @@ from index.shard_files import read_ids
 
 @dataclass(frozen=True)
 class KeyRow:
-    segment: int  # index into the parent's segments (index.live.generations.segments_of)
+    segment: int  # index into the parent's segments (index.generation.Generation.segments)
     position: int  # the row's position in its segment
     row: int  # its Parquet row id
 
 
 class ParentKeys:
     def __init__(self, writer: Writer):
-        self.entries = segments_of(writer.parent)
+        self.entries = writer.parent.segments
         self.stores, self.ids, self.deletes = [], [], []
         for entry in self.entries:
-            directory = writer.segment_dir(entry["name"], ID_FILES)
+            directory = writer.segment_dir(entry.name, ID_FILES)
             self.stores.append(KeyStore(directory))
             self.ids.append(read_ids(directory / IDS_FILE))
             self.deletes.append(DeleteSet(writer.deleted_rows(entry), 0))
@@ -54,7 +53,7 @@ class ParentKeys:
         out: dict[int, tuple[np.ndarray, int]] = {}
         for at in found:
             rows, indexed = out.get(at.segment, (np.zeros(0, np.int64), 0))
-            vector = np.asarray(writer.row_vector(self.entries[at.segment]["name"], at.position), np.float32)
+            vector = np.asarray(writer.row_vector(self.entries[at.segment].name, at.position), np.float32)
             status = self.ids[at.segment]["status"][at.position].as_py()
             out[at.segment] = (np.append(rows, at.row), indexed + int(is_valid_descriptor(vector, status)))
         return out

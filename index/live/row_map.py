@@ -19,6 +19,7 @@ costs ~10 us a call in numpy's Python layer: a key lookup makes one per shard).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,7 +38,7 @@ class RowMap(Protocol):
 class DenseRows:
     """Each Parquet file's rows whole and in order, from its first position (``shard_offsets``)."""
 
-    def __init__(self, shard_offsets: dict[str, Any]):
+    def __init__(self, shard_offsets: Mapping[str, int]):
         items = sorted((int(s), int(o)) for s, o in shard_offsets.items())
         self.first = np.array([o for _, o in items], np.int64)
         self.shard_ids = np.array([s for s, _ in items], np.int64)

@@ -23,30 +23,29 @@ import secrets
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from core.atomic import write_synced
 from core.errors import NeedleInputError
 from core.kill_points import kill_point
 from core.location import Location, location_of
 from index.errors import IndexFileError
+from index.generation import DeleteFile, Generation, IndexInfos, Segment, ShardSegments, WriterStamp
 from index.keys import KEY_FILES
 from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
-from index.live.deletes import merge_rows, read_delete_set
+from index.live.deletes import merge_rows, segment_deletes
 from index.live.generations import (
     DELETES_DIR,
     GENERATIONS_DIR,
-    MANIFEST_FORMAT,
     TRAINED_EMPTY_FILE,
-    base_infos,
-    generation_zero,
-    manifest_totals,
     publish,
+    read_infos_at,
     read_manifest,
-    segments_of,
 )
 
 log = logging.getLogger(__name__)
@@ -62,8 +61,8 @@ class Writer:
     """One writer's session: the parent generation, where new files go, what it created."""
 
     location: Location
-    infos: dict[str, Any]  # the build's index_infos.json
-    parent: dict[str, Any]  # the manifest of the generation this writer starts from
+    infos: IndexInfos  # the build's index_infos.json
+    parent: Generation  # the generation this writer starts from
     scratch: Path  # this session's scratch directory (removed at the end)
     token: str = field(default_factory=lambda: secrets.token_hex(4))  # in every name this writer writes
     created: list[str] = field(default_factory=list)  # names under the index it wrote (removed on failure)
@@ -77,7 +76,7 @@ class Writer:
     @property
     def number(self) -> int:
         """The generation this writer publishes."""
-        return int(self.parent["generation"]) + 1
+        return self.parent.number + 1
 
     @property
     def root(self) -> Path:
@@ -107,7 +106,7 @@ class Writer:
 
     def segment_file(self, segment: str, file: str) -> Path:
         """A local path of one file of a published segment (S3: fetched once into the scratch)."""
-        return self.fetch_top(f"{segment}/{file}")
+        return self.location.local_copy(f"{segment}/{file}", self.scratch / "fetched")
 
     def segment_dir(self, segment: str, files: list[str]) -> Path:
         """A local directory holding ``files`` of a published segment (and its ``shard_infos.json``)."""
@@ -118,31 +117,20 @@ class Writer:
     def segment_infos(self, segment: str) -> dict[str, Any]:
         return json.loads(self.segment_file(segment, SHARD_INFOS_FILE).read_text())
 
-    def deleted_rows(self, entry: dict[str, Any]) -> np.ndarray:
+    def deleted_rows(self, segment: Segment) -> np.ndarray:
         """The rows a segment's delete set in the parent holds (empty where none)."""
-        recorded = entry.get("deleted")
-        if not recorded:
-            return np.zeros(0, np.int64)
-        file = self.fetch_top(recorded["file"])
-        return read_delete_set(file, int(recorded["indexed"]), f"{file} (segment {entry['name']})").rows
+        return segment_deletes(self.location, segment).rows
 
-    def fetch_top(self, name: str) -> Path:
-        """A local path of a file of the index (S3: fetched once into the scratch)."""
-        return self.location.local_copy(name, self.scratch / "fetched")
-
-    def write_deletes(self, segment: str, rows: np.ndarray, indexed: int) -> dict[str, Any]:
+    def write_deletes(self, segment: str, rows: np.ndarray, indexed: int) -> DeleteFile:
         """A segment's delete set for the generation this writer publishes; its manifest entry."""
         name = f"{DELETES_DIR}/{self.number:06d}_{segment}_{self.token}.npy"
         local = self.scratch / name  # moved into the index (local) or uploaded (S3)
         local.parent.mkdir(parents=True, exist_ok=True)
-        with open(local, "wb") as f:
-            np.save(f, np.asarray(rows, np.int64))
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(local, lambda stream: np.save(stream, np.asarray(rows, np.int64)))
         self.created.append(name)
         self.location.upload(name, local)
         kill_point("deletes_written")
-        return {"file": name, "rows": len(rows), "indexed": int(indexed)}
+        return DeleteFile(name, len(rows), int(indexed))
 
     def row_vector(self, segment: str, position: int) -> np.ndarray:
         """The float16 vector of one row of a published segment (S3: one ranged read)."""
@@ -173,7 +161,7 @@ class Writer:
         if self.location.read_bytes(TRAINED_EMPTY_FILE) is not None:
             self.location.download(TRAINED_EMPTY_FILE, target)
             return target
-        first = segments_of(self.parent)[0]["name"]
+        first = self.parent.segments[0].name
         index = faiss.read_index(str(self.segment_file(first, INDEX_FILE)))
         index.reset()
         faiss.write_index(index, str(target))
@@ -181,18 +169,12 @@ class Writer:
             self.location.create_exclusive(TRAINED_EMPTY_FILE, target.read_bytes())
         return target
 
-    def publish(self, shards: list[dict[str, Any]], change: dict[str, Any]) -> dict[str, Any]:
+    def publish(self, shards: list[ShardSegments], change: Mapping[str, object]) -> Generation:
         """Publish the next generation with ``shards`` (each shard's segments) and ``change``."""
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "generation": self.number,
-            "parent": int(self.parent["generation"]),
-            "created_unix": round(time.time(), 3),
-            "writer": {"host": os.uname().nodename, "pid": os.getpid(), "token": self.token},
-            "change": change,
-            "shards": shards,
-        }
-        manifest["totals"] = manifest_totals(manifest)
+        stamp = WriterStamp(os.uname().nodename, os.getpid(), self.token)
+        manifest = Generation(
+            self.number, self.parent.number, tuple(shards), dict(change), round(time.time(), 3), stamp
+        )
         kill_point("before_publish")
         publish(self.location, manifest)
         self.created.clear()  # published: nothing of it is removed any more
@@ -220,13 +202,13 @@ class writing:
         self.writer: Writer | None = None
 
     def __enter__(self) -> Writer:
-        generation_zero(base_infos(self.location))  # an index of another layout: refused before any file is made
+        infos = read_infos_at(self.location)
+        Generation.zero(infos)  # an index of another layout: refused before any file is made
         root = self.location.local_root
         if root is not None:  # a directory takes the writer lock; S3 has none (see the module's doc)
             self.lock = take_lock(root / LOCK_FILE)
         try:
-            infos = base_infos(self.location)
-            parent = read_manifest(self.location)
+            parent = read_manifest(self.location, infos=infos)
         except BaseException:
             self.release()
             raise
@@ -272,59 +254,53 @@ def take_lock(path: Path) -> Any:
     return handle
 
 
-BUILD_FIELDS = (
-    "kind", "factory", "metric", "dim", "nprobe", "refine_factor", "quantizer_ef", "adapt", "faiss_version",
-    "trained_sha256",
-)  # fmt: skip
+@dataclass(frozen=True)
+class HeldFile:
+    """A Parquet file the parent generation holds, as its segment's ``shard_infos.json`` lists it."""
+
+    segment: str  # the segment holding its rows
+    shard: int  # that segment's shard
+    path: str  # where it was read from (its ``s3://`` object where staged)
+    rows: int  # its rows
 
 
-def build_fields(shard_infos: dict[str, Any]) -> dict[str, Any]:
-    """What every segment's ``shard_infos.json`` records of the build, from one segment's: a new
-    segment is encoded with the same trained index and searched alike."""
-    return {name: shard_infos.get(name) for name in BUILD_FIELDS}
-
-
-def parent_files(writer: Writer) -> dict[int, dict[str, Any]]:
-    """Parquet shard id -> {"segment", "shard", "path", "rows"} of every Parquet file the parent holds."""
+def parent_files(writer: Writer) -> dict[int, HeldFile]:
+    """Parquet shard id -> the file of that id the parent holds, for every file it holds."""
     held = {}
-    for entry in segments_of(writer.parent):
-        for f in writer.segment_infos(entry["name"])["files"]:
-            held[int(f["shard_id"])] = {
-                "segment": entry["name"],
-                "shard": entry["shard"],
-                "path": f["path"],
-                "rows": f["rows"],
-            }
+    for shard in writer.parent.shards:
+        for segment in shard.segments:
+            for f in writer.segment_infos(segment.name)["files"]:
+                held[int(f["shard_id"])] = HeldFile(segment.name, shard.shard, f["path"], int(f["rows"]))
     return held
 
 
 def next_shards(
-    writer: Writer, entries: dict[int, dict[str, Any]], deletes: dict[int, tuple[np.ndarray, int]]
-) -> list[dict[str, Any]]:
-    """The parent's shards with the new segments appended and the delete sets grown by ``deletes``
-    (parent segment number -> rows, of them indexed)."""
+    writer: Writer, entries: dict[int, Segment], deletes: dict[int, tuple[np.ndarray, int]]
+) -> list[ShardSegments]:
+    """The parent's shards with the new segments (shard -> segment) appended and the delete sets
+    grown by ``deletes`` (parent segment number -> rows, of them indexed)."""
     shards, number = [], 0
-    for shard in writer.parent["shards"]:
+    for shard in writer.parent.shards:
         segments = []
-        for segment in shard["segments"]:
+        for segment in shard.segments:
             if number in deletes:
                 rows, indexed = deletes[number]
                 segment = grown_deletes(writer, segment, rows, indexed)
             segments.append(segment)
             number += 1
-        if shard["shard"] in entries:
-            segments.append({**entries[shard["shard"]], "deleted": None})
-        shards.append({"shard": shard["shard"], "segments": segments})
+        if shard.shard in entries:
+            segments.append(replace(entries[shard.shard], deleted=None))
+        shards.append(ShardSegments(shard.shard, tuple(segments)))
     return shards
 
 
-def grown_deletes(writer: Writer, segment: dict[str, Any], rows: np.ndarray, indexed: int) -> dict[str, Any]:
+def grown_deletes(writer: Writer, segment: Segment, rows: np.ndarray, indexed: int) -> Segment:
     """``segment`` with ``rows`` (``indexed`` of them with vectors) added to its delete set."""
     old = writer.deleted_rows(segment)
     rows = np.setdiff1d(np.asarray(rows, np.int64), old)
     merged = merge_rows(old, rows)
-    before = int((segment.get("deleted") or {}).get("indexed", 0))
-    return {**segment, "deleted": writer.write_deletes(segment["name"], merged, before + indexed)}
+    grown = writer.write_deletes(segment.name, merged, segment.deleted_indexed + indexed)
+    return replace(segment, deleted=grown)
 
 
 ID_FILES = [IDS_FILE, *KEY_FILES]  # what key lookups in a segment read

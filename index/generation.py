@@ -1,0 +1,387 @@
+"""A generation of an index, typed: what ``index_infos.json`` and ``generations/NNNNNN.json`` hold
+(docs/schema.md), read, validated and written here and nowhere else.
+
+``IndexInfos`` is the build's ``index_infos.json`` (generation 0), ``Generation`` a manifest: per
+shard (``ShardSegments``) its ``Segment`` entries, each with the ``DeleteFile`` that records the rows
+deleted from it. ``GenerationView`` is one generation as a loader opens it: the build's infos with
+the generation's segments and counts. Each ``from_json`` refuses a malformed record with an
+``IndexFileError`` naming the file and the field; each ``to_json`` gives back the record as read
+(fields this module does not know are kept as they were), so that an index written before opens
+unchanged and a manifest written again is the same bytes. Where these files lie and how a
+generation is published: index/live/generations.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from index.errors import IndexFileError
+from index.layout import LAYOUT_SHARDS
+
+MANIFEST_FORMAT = 1
+SEGMENT_FIELDS = ("name", "rows", "ntotal", "parquet_shard_ids", "bytes", "deleted")
+MANIFEST_FIELDS = ("format", "generation", "parent", "created_unix", "writer", "change", "shards", "totals")
+
+
+def _get(record: Mapping[str, Any], name: str, source: str) -> Any:
+    if name not in record:
+        raise IndexFileError(f"{source}: field {name!r} is missing")
+    return record[name]
+
+
+def _int(record: Mapping[str, Any], name: str, source: str) -> int:
+    """A non-negative integer field (a JSON bool is not one)."""
+    value = _get(record, name, source)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise IndexFileError(f"{source}: field {name!r} is {value!r}, not a non-negative integer")
+    return value
+
+
+def _str(record: Mapping[str, Any], name: str, source: str) -> str:
+    value = _get(record, name, source)
+    if not isinstance(value, str) or not value:
+        raise IndexFileError(f"{source}: field {name!r} is {value!r}, not a name")
+    return value
+
+
+def _list(record: Mapping[str, Any], name: str, source: str) -> list[Any]:
+    value = _get(record, name, source)
+    if not isinstance(value, list):
+        raise IndexFileError(f"{source}: field {name!r} is {value!r}, not a list")
+    return value
+
+
+def _object(value: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise IndexFileError(f"{what} is {value!r}, not a JSON object")
+    return value
+
+
+def parse_json_object(data: bytes | str, source: str) -> Mapping[str, Any]:
+    """The JSON object in ``data`` (the file ``source``), or IndexFileError naming it."""
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise IndexFileError(f"{source} is not JSON: {exc}") from exc
+    return _object(value, source)
+
+
+@dataclass(frozen=True)
+class DeleteFile:
+    """A segment's delete set as a manifest records it (the rows themselves: index/live/deletes.py)."""
+
+    file: str  # the .npy under the index (deletes/NNNNNN_<segment>_<token>.npy)
+    rows: int  # rows it deletes
+    indexed: int  # of them, those with a vector in the segment's FAISS index
+
+    @staticmethod
+    def from_json(record: object, source: str) -> DeleteFile:
+        record = _object(record, source)
+        return DeleteFile(_str(record, "file", source), _int(record, "rows", source), _int(record, "indexed", source))
+
+    def to_json(self) -> dict[str, object]:
+        return {"file": self.file, "rows": self.rows, "indexed": self.indexed}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment (a shard directory) as ``index_infos.json`` lists a shard and a manifest a segment."""
+
+    name: str  # its directory under the index
+    rows: int  # its rows (positions), deleted or not
+    ntotal: int  # vectors in its FAISS index
+    parquet_shard_ids: tuple[int, ...]  # the Parquet files it holds (routes a row id to it)
+    bytes: int  # its files' size
+    deleted: DeleteFile | None = None  # its delete set in this generation (None: nothing deleted)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # other recorded fields, kept as written
+
+    @staticmethod
+    def from_json(record: object, source: str) -> Segment:
+        record = _object(record, source)
+        name = _str(record, "name", source)
+        where = f"{source} (segment {name})"
+        ids = _list(record, "parquet_shard_ids", where)
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise IndexFileError(f"{where}: field 'parquet_shard_ids' is {ids!r}, not a list of integers")
+        deleted = record.get("deleted")
+        return Segment(
+            name=name,
+            rows=_int(record, "rows", where),
+            ntotal=_int(record, "ntotal", where),
+            parquet_shard_ids=tuple(ids),
+            bytes=_int(record, "bytes", where),
+            deleted=None if deleted is None else DeleteFile.from_json(deleted, f"{where} field 'deleted'"),
+            extra={k: v for k, v in record.items() if k not in SEGMENT_FIELDS},
+        )
+
+    def to_json(self, with_deleted: bool = True) -> dict[str, object]:
+        """Its record (``with_deleted=False``: as ``index_infos.json`` lists a shard, no ``deleted``)."""
+        out: dict[str, object] = {
+            **self.extra,
+            "name": self.name,
+            "rows": self.rows,
+            "ntotal": self.ntotal,
+            "parquet_shard_ids": list(self.parquet_shard_ids),
+            "bytes": self.bytes,
+        }
+        if with_deleted:
+            out["deleted"] = None if self.deleted is None else self.deleted.to_json()
+        return out
+
+    @property
+    def deleted_rows(self) -> int:
+        return self.deleted.rows if self.deleted is not None else 0
+
+    @property
+    def deleted_indexed(self) -> int:
+        return self.deleted.indexed if self.deleted is not None else 0
+
+    @property
+    def live_rows(self) -> int:
+        return self.rows - self.deleted_rows
+
+
+@dataclass(frozen=True)
+class ShardSegments:
+    """One shard of a generation: its segments, oldest first."""
+
+    shard: int  # the shard's number (its position in the manifest)
+    segments: tuple[Segment, ...]  # what answers for its rows
+
+    @staticmethod
+    def from_json(record: object, source: str) -> ShardSegments:
+        record = _object(record, source)
+        shard = _int(record, "shard", source)
+        where = f"{source} (shard {shard})"
+        return ShardSegments(shard, tuple(Segment.from_json(s, where) for s in _list(record, "segments", where)))
+
+    def to_json(self) -> dict[str, object]:
+        return {"shard": self.shard, "segments": [s.to_json() for s in self.segments]}
+
+    @property
+    def live_rows(self) -> int:
+        return sum(s.live_rows for s in self.segments)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """A generation's counts over its segments (a manifest's ``totals``)."""
+
+    rows: int  # rows in the segments' files
+    ntotal: int  # vectors in the segments' FAISS indexes
+    deleted_rows: int  # rows their delete sets take away
+    live_rows: int  # rows - deleted_rows
+    live_ntotal: int  # vectors a search can return: ntotal less the deleted rows' vectors
+
+    @staticmethod
+    def of(segments: tuple[Segment, ...]) -> Totals:
+        rows = sum(s.rows for s in segments)
+        ntotal = sum(s.ntotal for s in segments)
+        deleted = sum(s.deleted_rows for s in segments)
+        return Totals(rows, ntotal, deleted, rows - deleted, ntotal - sum(s.deleted_indexed for s in segments))
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "rows": self.rows,
+            "ntotal": self.ntotal,
+            "deleted_rows": self.deleted_rows,
+            "live_rows": self.live_rows,
+            "live_ntotal": self.live_ntotal,
+        }
+
+
+@dataclass(frozen=True)
+class WriterStamp:
+    """Who wrote a generation."""
+
+    host: str  # the writer's host name
+    pid: int  # its process id
+    token: str  # the token in every name it wrote (index/live/writer.py)
+
+    def to_json(self) -> dict[str, object]:
+        return {"host": self.host, "pid": self.pid, "token": self.token}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A manifest ``generations/NNNNNN.json`` (generation 0: what the build wrote, never a file)."""
+
+    number: int  # the generation (its manifest's "generation")
+    parent: int | None  # the generation it was written from (None: the build's)
+    shards: tuple[ShardSegments, ...]  # every shard's segments, in shard order
+    change: Mapping[str, Any]  # what the command that wrote it printed: "command" and its figures
+    created_unix: float | None = None  # when it was written (None: generation 0)
+    writer: WriterStamp | None = None  # who wrote it (None: generation 0)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # other recorded fields, kept as written
+
+    @staticmethod
+    def zero(infos: IndexInfos) -> Generation:
+        """What ``needle index build`` wrote: each shard directory its one segment."""
+        if infos.layout != LAYOUT_SHARDS:
+            raise IndexFileError(
+                "an index built before shard directories has one generation only: rebuild it to add, delete or compact"
+            )
+        shards = tuple(ShardSegments(i, (entry,)) for i, entry in enumerate(infos.shards))
+        return Generation(0, None, shards, {"command": "build"})
+
+    @staticmethod
+    def from_json(data: bytes | str, source: str, number: int) -> Generation:
+        """The manifest of generation ``number`` in ``data`` (the file ``source``), validated."""
+        record = parse_json_object(data, source)
+        if record.get("format") != MANIFEST_FORMAT or record.get("generation") != number:
+            raise IndexFileError(f"{source} is not a generation-{number} manifest")
+        parent = record.get("parent")
+        if parent is not None:
+            parent = _int(record, "parent", source)
+        shards = tuple(ShardSegments.from_json(s, source) for s in _list(record, "shards", source))
+        if [s.shard for s in shards] != list(range(len(shards))):
+            raise IndexFileError(f"{source}: field 'shards' numbers its shards {[s.shard for s in shards]}")
+        stamp = record.get("writer")
+        writer = None
+        if stamp is not None:
+            stamp = _object(stamp, f"{source} field 'writer'")
+            writer = WriterStamp(_str(stamp, "host", source), _int(stamp, "pid", source), _str(stamp, "token", source))
+        created = record.get("created_unix")
+        if created is not None and (isinstance(created, bool) or not isinstance(created, (int, float))):
+            raise IndexFileError(f"{source}: field 'created_unix' is {created!r}, not a time")
+        change = _object(record.get("change"), f"{source} field 'change'")
+        extra = {k: v for k, v in record.items() if k not in MANIFEST_FIELDS}
+        generation = Generation(number, parent, shards, dict(change), created, writer, extra)
+        recorded = record.get("totals")
+        if recorded is not None and recorded != generation.totals.to_json():
+            raise IndexFileError(
+                f"{source} is inconsistent: field 'totals' is {recorded}, its segments add up to "
+                f"{generation.totals.to_json()}"
+            )
+        return generation
+
+    def to_json(self) -> bytes:
+        """The manifest file's bytes (as every writer wrote them: sorted keys, one-space indent)."""
+        record: dict[str, object] = {
+            **self.extra,
+            "format": MANIFEST_FORMAT,
+            "generation": self.number,
+            "parent": self.parent,
+            "change": dict(self.change),
+            "shards": [s.to_json() for s in self.shards],
+            "totals": self.totals.to_json(),
+        }
+        if self.created_unix is not None:
+            record["created_unix"] = self.created_unix
+        if self.writer is not None:
+            record["writer"] = self.writer.to_json()
+        return (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """Every segment, shard by shard, in order (the positions of a view run over them so)."""
+        return tuple(segment for shard in self.shards for segment in shard.segments)
+
+    @property
+    def totals(self) -> Totals:
+        return Totals.of(self.segments)
+
+    @property
+    def segment_shards(self) -> tuple[int, ...]:
+        """The shard of each of ``segments``, in the same order."""
+        return tuple(shard.shard for shard in self.shards for _ in shard.segments)
+
+
+@dataclass(frozen=True)
+class IndexInfos:
+    """The build's ``index_infos.json``: its shards typed (an index of shard directories), every
+    other field kept as recorded (``fields``) for the loaders and the answers that report them."""
+
+    fields: Mapping[str, Any]  # the whole record, as read (its "shards" as written)
+    shards: tuple[Segment, ...]  # its shard directories (empty: an index built before them)
+
+    @staticmethod
+    def from_json(data: bytes | str | Mapping[str, Any], source: str) -> IndexInfos:
+        """The infos in ``data`` (the file ``source``; or its record, already read), validated:
+        an index of shard directories lists them, and they add up to its rows and vectors."""
+        record = data if isinstance(data, Mapping) else parse_json_object(data, source)
+        if record.get("layout") != LAYOUT_SHARDS:
+            return IndexInfos(dict(record), ())  # built before shard directories: read as it is
+        shards = tuple(Segment.from_json(s, source) for s in _list(record, "shards", source))
+        if not shards:
+            raise IndexFileError(f"{source} lists no shards")
+        if any(s.deleted is not None for s in shards):
+            raise IndexFileError(f"{source}: a shard records deleted rows (only a manifest does)")
+        rows, ntotal = _int(record, "rows", source), _int(record, "ntotal", source)
+        if sum(s.rows for s in shards) != rows or sum(s.ntotal for s in shards) != ntotal:
+            raise IndexFileError(
+                f"{source} is inconsistent: its shards hold {sum(s.rows for s in shards)} rows, "
+                f"{sum(s.ntotal for s in shards)} vectors; it says {rows}, {ntotal}"
+            )
+        return IndexInfos(dict(record), shards)
+
+    def to_json(self) -> dict[str, object]:
+        """The record to write (core.atomic.write_json_atomic, or the S3 build's write_json)."""
+        if not self.shards:
+            return dict(self.fields)
+        return {**self.fields, "shards": [s.to_json(with_deleted=False) for s in self.shards]}
+
+    @property
+    def layout(self) -> str | None:
+        layout = self.fields.get("layout")
+        return layout if isinstance(layout, str) else None
+
+    @property
+    def dim(self) -> int:
+        return int(self.fields["dim"])
+
+
+@dataclass(frozen=True)
+class GenerationView:
+    """One generation of an index of shard directories as a loader opens it: the build's infos
+    (plan, dimension, kind, ...) with this generation's segments and counts."""
+
+    infos: IndexInfos  # the build's index_infos.json
+    generation: Generation  # the manifest read (generation 0: the build's shards)
+
+    @property
+    def number(self) -> int:
+        return self.generation.number
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return self.generation.segments
+
+    @property
+    def shard_segments(self) -> list[list[int]]:
+        """Per shard, the positions in ``segments`` of its segments."""
+        groups: list[list[int]] = [[] for _ in self.generation.shards]
+        for position, shard in enumerate(self.generation.segment_shards):
+            groups[shard].append(position)
+        return groups
+
+    @property
+    def rows(self) -> int:
+        """Rows in the segments' files (generation 0: the build's count, which its shards add up to)."""
+        return self.generation.totals.rows
+
+    @property
+    def ntotal(self) -> int:
+        """Vectors in the segments' FAISS indexes, deleted rows' included."""
+        return self.generation.totals.ntotal
+
+    def as_infos(self) -> dict[str, Any]:
+        """The view as the infos an ``Index`` reports (``Index.infos``, /health; a Ray coordinator's
+        routing): the build's fields with one ``shards`` entry per segment (with ``"shard"`` and
+        ``"deleted"``), ``"shard_segments"``, ``"generation"`` and the live counts."""
+        totals = self.generation.totals
+        shards = self.generation.segment_shards
+        entries = [{**segment.to_json(), "shard": shard} for segment, shard in zip(self.segments, shards)]
+        return {
+            **self.infos.fields,
+            "shards": entries,
+            "shard_segments": self.shard_segments,
+            "generation": self.number,
+            "rows": self.rows,
+            "ntotal": self.ntotal,
+            "live_ntotal": totals.live_ntotal,
+            "deleted_rows": totals.deleted_rows,
+        }
