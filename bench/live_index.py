@@ -101,7 +101,7 @@ def make_vectors(n: int, d: int, seed: int, clusters: int) -> np.ndarray:
 
 def write_files(directory: Path, first_id: int, vectors: np.ndarray) -> list[str]:
     """Descriptor files of FILE_ROWS rows from Parquet shard id ``first_id`` on; returns the keys."""
-    from tests.helpers_index import write_descriptor_file
+    from tests.support.index import write_descriptor_file
 
     keys = []
     for start in range(0, len(vectors), FILE_ROWS):
@@ -342,7 +342,7 @@ def against_fresh(
     """Recall@1000 of the served answers and of a fresh build over the same live rows (against
     brute force), and the RSS of a process that opened each and answered the queries."""
     from index.search import load_index
-    from tests.helpers_index import write_descriptor_file
+    from tests.support.index import write_descriptor_file
 
     truth = brute_force_keys(live, xq, 1000)
     fresh_keys = sorted(live)

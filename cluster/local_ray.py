@@ -9,7 +9,7 @@ Loopback only. Asked for node IP 127.0.0.1, Ray 2.60 puts the machine's external
 place (``ray._private.services.resolve_ip_for_localhost``) and its processes then listen there, or
 on every interface, unless multi-node clusters are off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``:
 ``ray_constants.ENABLE_RAY_CLUSTER``): then the node IP stays 127.0.0.1 and every Ray process of
-the instance binds it (checked by tests/test_local_ray.py, listing the sockets each listens on).
+the instance binds it (checked by tests/cluster/test_local_ray.py, listing the sockets each listens on).
 ``LOOPBACK_ENV`` carries that to ``ray start`` and its processes; ``local_ray_on_loopback`` to a
 ``ray.init`` of a new local instance in this process (cluster.connect.connect_ray).
 

@@ -1,5 +1,5 @@
 """Named points where a test may kill a writer (``kill -9``), to check that what it leaves behind
-is still a whole index (docs/live_index.md, tests/test_live_kill.py).
+is still a whole index (docs/live_index.md, tests/index/live/test_live_kill.py).
 
 ``NEEDLE_KILL_AT=<name>`` in a writer's environment makes it SIGKILL itself on reaching the point
 of that name: no handler runs, no file is closed or flushed, as when the machine loses power or an

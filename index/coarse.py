@@ -4,7 +4,7 @@ quantizer, so a query's nearest lists are the same in every segment. Searching e
 ``index.search`` assigns the query again per segment (the OPQ rotation and a scan of every
 centroid: ~0.3 ms per query and segment at 4,096 lists x 512 dims); here it is done once and each
 segment scans its lists with FAISS's ``search_preassigned``, which gives the same ``(D, I)`` as
-its own ``search`` (tests/test_coarse.py).
+its own ``search`` (tests/index/test_coarse.py).
 
 Segments share an assignment only where their coarse stages are equal to the bit
 (``same_coarse``: the pre-transforms, the quantizer's centroids and graph, compared from views of

@@ -12,7 +12,7 @@ double-softmax assignment with a matchability per keypoint.
 Two departures, both for re-ranking: every layer runs (no early stop, no point pruning, so a pair's
 matches do not depend on what it is batched with), and a batch pairs one query with many
 candidates of different lengths, padded and masked. Both give the reference's matches with its
-adaptive depth and width switched off (tests/test_lightglue.py).
+adaptive depth and width switched off (tests/rerank/test_lightglue.py).
 """
 
 from __future__ import annotations

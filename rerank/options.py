@@ -2,7 +2,7 @@
 ``[rerank]`` section of ``needle serve --config``): one flat, torch-free dataclass shared by
 ``needle query``, ``needle serve`` and ``needle eval map``, turned into the stage's nested
 RerankConfig (rerank/rerank.py) only when a command runs. Its defaults are the stage configs'
-own (tests/test_serve_spec.py checks that they agree)."""
+own (tests/webapi/test_serve_spec.py checks that they agree)."""
 
 from __future__ import annotations
 

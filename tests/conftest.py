@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+
+from tests.support.tars import jpeg_bytes, write_tar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -22,21 +21,6 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "coins")
-
-
-def jpeg_bytes(image: np.ndarray, quality: int = 90) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="JPEG", quality=quality)
-    return buffer.getvalue()
-
-
-def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """The README as a test: every command in its ```bash blocks is exercised, and the reference it
 links to resolves.
 
-- `make demo` and `make test` must be its first two commands (tests/test_demo.py runs the demo, CI
+- `make demo` and `make test` must be its first two commands (tests/cluster/test_demo.py runs the demo, CI
   runs `make test`).
 - The user path (pack -> ingest -> index build -> query -> serve + curl -> eval map) runs for real,
   the README's own command lines through bash in a temporary directory holding `photos/`,
@@ -24,7 +24,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -270,12 +271,6 @@ def test_cited_repository_paths_exist():
 # The user path, for real
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _write_photos(root: Path) -> None:
     """`photos/cats/chelsea_1.jpg` and a crop of it, `chelsea_2.jpg` (the README's keys), five other
     scikit-image photos, and `query.jpg`: a mirrored crop of the cat."""
@@ -329,7 +324,7 @@ def test_readme_user_path_runs(tmp_path):
     (tmp_path / "gt.json").write_text(gt)
     truth = json.loads(gt)["queries"][0]
 
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # ingest starts its own local Ray
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the venv's `needle`
     assert shutil.which("needle", path=env["PATH"]), "no needle command beside this Python"

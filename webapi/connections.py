@@ -31,13 +31,13 @@ one is answered) keep the header cap and the header timeout: each request's line
 counted from its first byte (``on_message_begin``), and one that is too big or too slow while an
 earlier answer is on its way closes the connection hard (a 431 or 408 cannot be sent into the
 middle of the other answer). h11 parses nothing while a request is answered (it pauses reading),
-so there the connection-level checks above already hold; tests/test_serve_connections.py runs
+so there the connection-level checks above already hold; tests/webapi/test_serve_connections.py runs
 both.
 
 Bodies are bounded by webapi.guard (``body_timeout``, the sizes). The subclass touches only what
 both uvicorn protocols share: ``connections``, ``cycle`` (its ``response_complete``),
 ``transport``, ``loop``, ``connection_made``/``data_received``/``connection_lost`` and
-``on_response_complete``; tests/test_serve_connections.py runs it on both.
+``on_response_complete``; tests/webapi/test_serve_connections.py runs it on both.
 """
 
 from __future__ import annotations

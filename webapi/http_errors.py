@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # NeedleInputErrors that, raised while answering a request, are about files the operator named (the
 # model's weights, the index's key and token stores, an adapter, the device), never about the
 # request: by class name, so that checking them imports none of their (torch-heavy) modules.
-# tests/test_service_errors.py checks that each name still names a NeedleInputError.
+# tests/webapi/test_service_errors.py checks that each name still names a NeedleInputError.
 SERVER_SIDE = frozenset(
     {
         "query.recorded.RecordedFileError",

@@ -12,7 +12,7 @@ structure is counted at C speed (``bytes.count``, numpy over the brackets):
 
 A body past ``max_items`` or ``max_depth`` is refused before ``json.loads`` runs; within them the
 parse costs at most about 64 bytes per item (~130 MB at the default 2M items, measured in
-tests/test_service_limits.py) whatever the body holds.
+tests/webapi/test_service_limits.py) whatever the body holds.
 """
 
 from __future__ import annotations

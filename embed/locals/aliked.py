@@ -11,7 +11,7 @@ and its extractors), found on disk without importing that package (its import pu
 
 torchvision's ``deform_conv2d`` is a compiled op that this project's torchvision build does not
 load, so :func:`deform_conv2d` computes it with ``grid_sample`` (bilinear, zeros outside), checked
-against a plain per-pixel reference in tests/test_local_aliked.py.
+against a plain per-pixel reference in tests/embed/test_local_aliked.py.
 
 Measured on realbench (bench/rerank.py, bench/results/rerank_realbench_aliked.json): 100 ALIKED
 tokens per database image at 512 px (2,308 bytes) re-rank to 60.35 mAP@1k with the defaults, where

@@ -75,7 +75,7 @@ def float16_inner_products(block: np.ndarray, x: np.ndarray) -> np.ndarray:
     the cores back and forth between torch's and numpy's BLAS thread pools (that cost ~8 ms here).
     A product and a sum along each row, not ``torch.mv``: mv's blocked kernel rounds a row's last
     bit by its place in the block, and which rows are re-scored together depends on how the index
-    is sharded and served; the sum reduces every row alike (tests/test_index_shards.py).
+    is sharded and served; the sum reduces every row alike (tests/index/test_index_shards.py).
     """
     import torch
 

@@ -18,7 +18,7 @@ tokens stay per segment.
 The answer is the one of each segment searched alone: the merged index holds the same codes under
 the same quantizer, so every candidate has the same score, and the group's best ``kk`` by score
 (ties to the lower row id, as ``Shard.candidates`` cuts) hold each member's members of the best
-``kk`` among all segments (tests/test_segment_merge.py).
+``kk`` among all segments (tests/index/live/test_segment_merge.py).
 
 "Small": under ``SMALL_SHARE`` of the largest segment of its coarse stage, as compaction's
 ``merge_below`` chooses what to rewrite. The large segments are searched by themselves: copying

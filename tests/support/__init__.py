@@ -1,0 +1,1 @@
+"""What the tests share: synthetic data and indexes, reference searches, ports."""

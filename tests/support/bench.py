@@ -1,0 +1,20 @@
+"""A script of bench/ loaded by its path, for the tests of its pure functions: bench/ never joins
+sys.path, where its rerank.py would hide the rerank package from every later import."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def bench_module(name: str) -> ModuleType:
+    """bench/NAME.py as a module named ``bench_NAME``."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no bench script {BENCH / name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
