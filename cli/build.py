@@ -10,19 +10,20 @@ import logging
 import sys
 from pathlib import Path
 
-from cli.flags import add_config_flags, config_from_args, source_constant
+from cli.flags import add_config_flags, config_from_args
 from cli.live import add_live_parsers
+from cluster.demo import DemoRunConfig
 from core.errors import NeedleInputError
+from core.multiscale import ROTATIONS
+from embed import TrainITQConfig
+from index.build.config import IndexConfig
+from ingest.config import DECODERS, PRECISIONS, IngestConfig, PackConfig
 
 log = logging.getLogger("needle")
-
-INGEST_CONFIG = "ingest.config:IngestConfig"
-ROTATIONS = "core.multiscale:ROTATIONS"  # query-side rotation counts (also needle query's)
 
 
 def _ingest(args: argparse.Namespace) -> int:
     from cluster.ingest_job import IngestFailed, main
-    from ingest.config import IngestConfig
 
     # The published weights, fetched through timm/open_clip, or a seeded random initialisation
     # (embed.registry.PRETRAINED, RANDOM).
@@ -87,14 +88,14 @@ def _submit_ingest(address: str, argv: list[str]) -> int:
 
 
 def _pack(args: argparse.Namespace) -> int:
-    from ingest.pack import PackConfig, main
+    from ingest.pack import main
 
     main(config_from_args(PackConfig, args), Path(args.source), Path(args.out))
     return 0
 
 
 def _train_itq(args: argparse.Namespace) -> int:
-    from embed.train_itq import TrainITQConfig, main
+    from embed.train_itq import main
 
     main(config_from_args(TrainITQConfig, args), Path(args.descriptors), Path(args.out))
     return 0
@@ -113,8 +114,6 @@ def _local_presets(args: argparse.Namespace) -> int:
 
 
 def _index_build(args: argparse.Namespace) -> int:
-    from index.build.stage import IndexConfig
-
     conf = config_from_args(IndexConfig, args, **({"kind": "flat"} if args.exact else {}))
     if args.ray:
         from cluster.index_job import main
@@ -148,7 +147,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from cluster.demo import DemoRunConfig, main
+    from cluster.demo import main
 
     main(config_from_args(DemoRunConfig, args), Path(args.workdir))
     return 0
@@ -161,13 +160,13 @@ def add_build_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory or s3:// prefix of Parquet files")
     add_config_flags(
         p,
-        INGEST_CONFIG,
+        IngestConfig,
         overrides={
-            "precision": {"choices": source_constant("embed.extract:PRECISIONS")},
+            "precision": {"choices": PRECISIONS},
             "num_workers": {"flag": "--workers"},
-            "decoder": {"choices": source_constant("ingest.config:DECODERS")},
+            "decoder": {"choices": DECODERS},
             "query_scales": {"flag": "--multiscale", "metavar": "S1,S2,..."},
-            "query_rotations": {"flag": "--rotations", "choices": source_constant(ROTATIONS)},
+            "query_rotations": {"flag": "--rotations", "choices": ROTATIONS},
         },
     )
     p.add_argument(
@@ -196,7 +195,7 @@ def add_build_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("source", help="directory of images (walked recursively), or a text file of image paths, one a line")
     p.add_argument("--out", required=True, help="output directory: 000000.tar, 000001.tar, ... and pack_info.json")
-    add_config_flags(p, "ingest.pack:PackConfig")
+    add_config_flags(p, PackConfig)
     p.set_defaults(func=_pack)
 
     p = sub.add_parser("locals", help="local-descriptor commands")
@@ -206,7 +205,7 @@ def add_build_parsers(sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument("--descriptors", required=True, help="descriptor directory or Parquet file")
     t.add_argument("--out", required=True, help=".npz file to write (keys proj, mean)")
-    add_config_flags(t, "embed.train_itq:TrainITQConfig")
+    add_config_flags(t, TrainITQConfig)
     t.set_defaults(func=_train_itq)
     t = lsub.add_parser("presets", help="list the local-token presets")
     t.set_defaults(func=_local_presets)
@@ -222,7 +221,7 @@ def add_build_parsers(sub: argparse._SubParsersAction) -> None:
     )
     add_config_flags(
         b,
-        "index.build.stage:IndexConfig",
+        IndexConfig,
         skip=("flat_threshold", "seed", "locals"),
         overrides={"kind": {"choices": ("auto", "flat", "ivfpq")}},
     )
@@ -237,7 +236,7 @@ def add_tool_parsers(sub: argparse._SubParsersAction) -> None:
     """demo, models."""
     p = sub.add_parser("demo", help="the whole pipeline on the built-in demo collection (local Ray)")
     p.add_argument("--workdir", default="demo_run", help="where the demo data and outputs go")
-    add_config_flags(p, "cluster.demo:DemoRunConfig", only=("num_cpus", "address"))
+    add_config_flags(p, DemoRunConfig, only=("num_cpus", "address"))
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("models", help="list the model presets (train/test resolution, pooling, dim)")

@@ -11,13 +11,14 @@ from pathlib import Path
 from cli.flags import add_config_flags, config_from_args
 from cli.search import add_file_flags, add_rerank_flags, rerank_device
 from cli.spec_flags import query_files, rerank_options
+from eval.config import EvalConfig, ScalingConfig
 
 # `needle eval scaling`'s --sizes: up to a million distractors (ScalingConfig's own default goes on to 100M).
 CLI_SCALING_SIZES = (0, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000)
 
 
 def _eval_map(args: argparse.Namespace) -> int:
-    from eval.evaluate import EvalConfig, main
+    from eval.evaluate import main
 
     options = rerank_options(args)
     conf = config_from_args(EvalConfig, args, rerank=options.to_config(), files=query_files(args))
@@ -28,7 +29,7 @@ def _eval_map(args: argparse.Namespace) -> int:
 
 
 def _eval_scaling(args: argparse.Namespace) -> int:
-    from eval.scaling import ScalingConfig, main
+    from eval.scaling import main
 
     out = main(
         config_from_args(ScalingConfig, args),
@@ -65,7 +66,7 @@ def add_eval_parsers(sub: argparse._SubParsersAction) -> None:
         "--ground-truth", required=True, help="ground-truth JSON, or an ILIAS dataset directory (image_ids/...)"
     )
     t.add_argument("--out", required=True, help="JSON report to write")
-    add_config_flags(t, "eval.evaluate:EvalConfig", skip=("batch",), overrides={"qe_top": {"flag": "--qe"}})
+    add_config_flags(t, EvalConfig, skip=("batch",), overrides={"qe_top": {"flag": "--qe"}})
     add_file_flags(t)
     add_rerank_flags(t)
     t.set_defaults(func=_eval_map)
@@ -84,7 +85,7 @@ def add_eval_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", required=True, help="directory for scaling.json and scaling.png")
     add_config_flags(
         t,
-        "eval.scaling:ScalingConfig",
+        ScalingConfig,
         overrides={
             "sizes": {"default": CLI_SCALING_SIZES},
             "order": {"choices": ("file", "shuffle")},

@@ -16,6 +16,7 @@ from typing import Any
 
 from cli.flags import add_config_flags, config_from_args
 from core.errors import NeedleInputError
+from index.live.config import AddConfig, CompactConfig, DeleteConfig
 
 log = logging.getLogger("needle")
 
@@ -60,7 +61,7 @@ def report(change: dict[str, Any], args: argparse.Namespace) -> int:
 
 
 def _add(args: argparse.Namespace) -> int:
-    from index.live.add_rows import AddConfig, main
+    from index.live.add_rows import main
 
     conf = config_from_args(AddConfig, args)
     run_parts = None
@@ -77,13 +78,13 @@ def _add(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from index.live.delete_rows import DeleteConfig, main, read_keys
+    from index.live.delete_rows import main, read_keys
 
     return report(main(config_from_args(DeleteConfig, args), read_keys(args.keys), args.index), args)
 
 
 def _compact(args: argparse.Namespace) -> int:
-    from index.live.compact import CompactConfig, main
+    from index.live.compact import main
 
     return report(main(config_from_args(CompactConfig, args), args.index), args)
 
@@ -99,7 +100,7 @@ def add_live_parsers(isub: argparse._SubParsersAction) -> None:
     p = isub.add_parser("add", help="add the rows of descriptor Parquet files the index does not hold yet")
     add_wait_flags(p)
     p.add_argument("--descriptors", required=True, nargs="+", help="directories, files or s3:// prefixes of Parquet")
-    add_config_flags(p, "index.live.add_rows:AddConfig")
+    add_config_flags(p, AddConfig)
     p.add_argument("--ray", action="store_true", help="encode the new segments as Ray tasks")
     p.add_argument("--address", help="Ray cluster for --ray (default: $RAY_ADDRESS, else a local instance)")
     p.set_defaults(func=_add)
@@ -107,10 +108,10 @@ def add_live_parsers(isub: argparse._SubParsersAction) -> None:
     p = isub.add_parser("delete", help="delete keys (one per line) from the index")
     add_wait_flags(p)
     p.add_argument("--keys", required=True, help="file of keys, one per line; - reads standard input")
-    add_config_flags(p, "index.live.delete_rows:DeleteConfig")
+    add_config_flags(p, DeleteConfig)
     p.set_defaults(func=_delete)
 
     p = isub.add_parser("compact", help="rewrite segments without deleted rows, merge small ones, drop old generations")
     add_wait_flags(p)
-    add_config_flags(p, "index.live.compact:CompactConfig")
+    add_config_flags(p, CompactConfig)
     p.set_defaults(func=_compact)

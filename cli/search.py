@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.flags import add_config_flags, config_from_args, source_constant
+from cli.flags import add_config_flags, config_from_args
 from cli.spec_flags import (
     FILE_FLAGS,
     RERANK_FLAGS,
@@ -21,6 +21,8 @@ from cli.spec_flags import (
     rerank_options,
     serve_spec,
 )
+from core.multiscale import ROTATIONS
+from query.config import QueryConfig
 
 if TYPE_CHECKING:
     from rerank.options import RerankOptions
@@ -66,7 +68,7 @@ def add_file_flags(p: argparse.ArgumentParser) -> None:
 
 def _query(args: argparse.Namespace) -> int:
     from cluster.serve import open_index
-    from query.retrieve import QueryConfig, read_text_queries
+    from query.retrieve import read_text_queries
     from query.stage import QueryInputs, answer, main
 
     # Bad text-query files fail before the index loads.
@@ -140,11 +142,11 @@ def add_search_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="JSON file to write the results to (and its .info.json beside it); default: stdout")
     add_config_flags(
         p,
-        "query.retrieve:QueryConfig",
+        QueryConfig,
         overrides={
             "qe_top": {"flag": "--qe"},
             "scales": {"flag": "--multiscale", "default": None, "metavar": "S1,S2,..."},  # None: not given
-            "rotations": {"choices": source_constant("core.multiscale:ROTATIONS")},
+            "rotations": {"choices": ROTATIONS},
         },
     )
     add_file_flags(p)

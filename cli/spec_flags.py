@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cli.flags import source_constant
+from rerank.config import DEVICES, METHODS
 from webapi.spec import TRANSPORTS, ServeSpec, sections
 
 EVERYDAY = "everyday"  # the group listed first, beside --help: no title of its own
@@ -51,7 +51,7 @@ GROUPS = {
 }
 
 RERANK_FLAGS = (
-    Flag("--rerank", "rerank.method", "rerank", {"choices": source_constant("rerank.ensemble:METHODS")}),
+    Flag("--rerank", "rerank.method", "rerank", {"choices": METHODS}),
     Flag("--shortlist", "rerank.shortlist", "rerank"),
     Flag("--ames", "rerank.ames", "rerank"),
     Flag("--rerank-lambda", "rerank.lam", "rerank"),
@@ -66,7 +66,7 @@ RERANK_FLAGS = (
     Flag("--glue-top", "rerank.glue_top", "rerank", {"metavar": "N"}),
     Flag("--glue-weight", "rerank.glue_weight", "rerank"),
     Flag("--glue-cap", "rerank.glue_cap", "rerank"),
-    Flag("--device", "rerank.device", "rerank", {"choices": source_constant("rerank.device:DEVICES")}),
+    Flag("--device", "rerank.device", "rerank", {"choices": DEVICES}),
 )
 
 FILE_FLAGS = tuple(

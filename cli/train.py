@@ -6,18 +6,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cli.flags import add_config_flags, config_from_args, source_constant
+from cli.flags import add_config_flags, config_from_args
+from embed import WHITEN_METHODS, AdaptConfig, AugmentConfig, WhitenConfig
+from rerank.config import TrainConfig
 
 
 def _adapt_train(args: argparse.Namespace) -> int:
-    from embed.adapt import AdaptConfig, main
+    from embed.adapt import main
 
     main(config_from_args(AdaptConfig, args), Path(args.descriptors), Path(args.labels), Path(args.out))
     return 0
 
 
 def _adapt_whiten(args: argparse.Namespace) -> int:
-    from embed.whiten import WhitenConfig, main
+    from embed.whiten import main
 
     main(
         config_from_args(WhitenConfig, args),
@@ -29,7 +31,7 @@ def _adapt_whiten(args: argparse.Namespace) -> int:
 
 
 def _adapt_make_classes(args: argparse.Namespace) -> int:
-    from embed.augment import AugmentConfig, main
+    from embed.augment import main
 
     main(config_from_args(AugmentConfig, args), Path(args.images), Path(args.out))
     return 0
@@ -38,7 +40,7 @@ def _adapt_make_classes(args: argparse.Namespace) -> int:
 def _ames_train(args: argparse.Namespace) -> int:
     from cluster.ingest_job import make_local_extractor
     from ingest.config import IngestConfig
-    from rerank.ames_train import TrainConfig, main
+    from rerank.ames_train import main
 
     extractor = make_local_extractor(IngestConfig(locals=args.locals, local_itq=args.local_itq))
     main(
@@ -61,9 +63,7 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--descriptors", required=True, help="descriptor directory (Parquet)")
     t.add_argument("--labels", required=True, help="CSV or Parquet with columns key,label[,domain]")
     t.add_argument("--out", required=True, help="adapter file to write (state dict weight, bias)")
-    add_config_flags(
-        t, "embed.adapt:AdaptConfig", only=("out_dim", "epochs", "seed"), overrides={"out_dim": {"flag": "--dim"}}
-    )
+    add_config_flags(t, AdaptConfig, only=("out_dim", "epochs", "seed"), overrides={"out_dim": {"flag": "--dim"}})
     t.set_defaults(func=_adapt_train)
 
     t = dsub.add_parser(
@@ -79,9 +79,9 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
     )
     add_config_flags(
         t,
-        "embed.whiten:WhitenConfig",
+        WhitenConfig,
         overrides={
-            "method": {"choices": source_constant("embed.whiten:METHODS")},
+            "method": {"choices": WHITEN_METHODS},
             "out_dim": {"flag": "--dim"},
         },
     )
@@ -98,7 +98,7 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
         help="directory of images (e.g. distractors; never the benchmark's queries or positives)",
     )
     t.add_argument("--out", required=True, help="output directory: classes-*.tar, labels.csv, augment_info.json")
-    add_config_flags(t, "embed.augment:AugmentConfig", only=("views", "max_side", "seed"))
+    add_config_flags(t, AugmentConfig, only=("views", "max_side", "seed"))
     t.set_defaults(func=_adapt_make_classes)
 
     p = sub.add_parser("ames", help="AMES re-ranking model commands")
@@ -111,5 +111,5 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
     # The images are described as the index's were: a local-token preset (IngestConfig.locals), here with a default.
     t.add_argument("--locals", default="lite0-s16", help="local-token preset describing the images (the index's)")
     t.add_argument("--local-itq", help="ITQ projection (default: the preset's)")
-    add_config_flags(t, "rerank.ames_train:TrainConfig", only=("pairs", "epochs", "layers", "seed"))
+    add_config_flags(t, TrainConfig, only=("pairs", "epochs", "layers", "seed"))
     t.set_defaults(func=_ames_train)

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import write_json_atomic
+from core.settings import setting
 from embed.locals.presets import DEFAULT_LOCALS
-from ingest.demo_data import DemoConfig, build_demo
+from ingest.config import DemoConfig
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +27,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DemoRunConfig:
     data: DemoConfig = field(default_factory=DemoConfig)  # what the demo collection holds
-    num_cpus: int | None = None  # CPUs of the local head; None: all
-    k: int = 1000  # mAP@k cut-off
-    address: str | None = None  # dashboard URL of a running Ray cluster; None: start a local head
-    locals: str = DEFAULT_LOCALS  # local-token preset ingested beside the globals (re-ranking)
-    rerank: str = "sp"  # re-ranking method reported next to global-only
+    num_cpus: int | None = setting(None, "CPUs of the local head; None: all")
+    k: int = setting(1000, "mAP@k cut-off")
+    address: str | None = setting(None, "dashboard URL of a running Ray cluster; None: start a local head")
+    locals: str = setting(DEFAULT_LOCALS, "local-token preset ingested beside the globals (re-ranking)")
+    rerank: str = setting("sp", "re-ranking method reported next to global-only")
 
 
 class DemoJobFailed(RuntimeError):
@@ -43,6 +44,7 @@ def main(conf: DemoRunConfig, workdir: Path) -> Path:
     from eval.evaluate import EvalConfig, evaluate, load_ground_truth
     from index.build.stage import IndexConfig
     from index.build.stage import main as build_index
+    from ingest.demo_data import build_demo  # numpy and PIL: when the demo runs, not for --help
     from rerank.rerank import RerankConfig
 
     workdir = Path(workdir)

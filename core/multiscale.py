@@ -3,9 +3,8 @@ without importing the extractor that uses them (embed.extract)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
-
-import numpy as np
 
 from core.errors import NeedleInputError
 
@@ -19,7 +18,7 @@ def check_scales_rotations(scales: Any, rotations: Any) -> tuple[tuple[float, ..
         values = tuple(float(s) for s in scales)
     except (TypeError, ValueError) as exc:
         raise NeedleInputError(f"scales must be a sequence of positive numbers, got {scales!r}") from exc
-    if not values or not all(np.isfinite(s) and s > 0 for s in values):
+    if not values or not all(math.isfinite(s) and s > 0 for s in values):
         raise NeedleInputError(f"scales must be a non-empty sequence of positive numbers, got {scales!r}")
     if isinstance(rotations, bool) or rotations not in ROTATIONS:
         raise NeedleInputError(f"rotations must be one of {ROTATIONS}, got {rotations!r}")

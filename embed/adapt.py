@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ from tqdm import tqdm
 from core.atomic import write_atomic, write_json_atomic
 from core.checkpoint import load_torch_file
 from core.errors import NeedleInputError
+from embed import AdaptConfig
 from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global
 
 log = logging.getLogger(__name__)
@@ -36,18 +37,6 @@ log = logging.getLogger(__name__)
 
 class AdapterError(NeedleInputError):
     """An adapter file, label file or training input that is missing or does not fit."""
-
-
-@dataclass(frozen=True)
-class AdaptConfig:
-    out_dim: int = 512  # adapted descriptor dimension (128-1024; smaller shrinks index and refine memory)
-    epochs: int = 2  # passes over the labelled descriptors
-    batch_size: int = 128  # descriptors per step (the last incomplete batch is dropped, as ILIAS does)
-    lr: float = 1e-3  # Adam learning rate
-    weight_decay: float = 1e-6  # Adam weight decay
-    scale: float = 16.0  # normalised-softmax scale
-    margin: float = 0.0  # CosFace margin subtracted from the target cosine
-    seed: int = 0  # initialisation and batch order
 
 
 class LinearAdapter(nn.Module):
@@ -80,7 +69,9 @@ class LinearAdapter(nn.Module):
 
 
 def train_adapter(
-    x: np.ndarray, labels: np.ndarray, conf: AdaptConfig = AdaptConfig()
+    x: np.ndarray,
+    labels: np.ndarray,
+    conf: AdaptConfig = AdaptConfig(),  # noqa: B008 (a frozen dataclass)
 ) -> tuple[LinearAdapter, list[float]]:
     """Train on (n, d) descriptors and their integer class labels; returns (adapter, mean loss per epoch)."""
     x = np.asarray(x, dtype=np.float32)

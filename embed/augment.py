@@ -25,7 +25,7 @@ import math
 import tarfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from core.atomic import write_atomic, write_json_atomic
 from core.errors import NeedleInputError
+from embed import AugmentConfig
 from ingest.images import RESAMPLE
 from ingest.tar_writer import TarShardWriter
 
@@ -47,25 +48,6 @@ QUALITY_KEY = "jpeg_quality"  # Image.info entry: the JPEG quality a view is to 
 
 class AugmentError(NeedleInputError):
     """An image directory, image list or augmentation setting that cannot be used."""
-
-
-@dataclass(frozen=True)
-class AugmentConfig:
-    views: int = 5  # views per image (one class); the first is the original when keep_original
-    seed: int = 0  # every view is reproducible from this and the image's position in the sorted list
-    max_side: int = 500  # longer side of the written JPEGs at most (images are never upscaled)
-    keep_original: bool = True  # the first view is the whole image, only resized (written at the top JPEG quality)
-    crop_scale: tuple[float, float] = (0.35, 1.0)  # random resized crop: range of the crop's share of the image area
-    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # random resized crop: range of its aspect ratio w/h (log-uniform)
-    flip_prob: float = 0.5  # probability of a horizontal flip
-    rotation_prob: float = 0.5  # probability of a rotation
-    max_rotation: float = 15.0  # rotation angle uniform in +-this many degrees, then cropped to no border
-    brightness: float = 0.3  # brightness factor uniform in [1 - b, 1 + b]
-    contrast: float = 0.3  # contrast factor uniform in [1 - c, 1 + c]
-    saturation: float = 0.3  # saturation factor uniform in [1 - s, 1 + s]
-    grayscale_prob: float = 0.1  # probability of turning the view grey (kept as 3-channel RGB)
-    jpeg_quality: tuple[int, int] = (70, 95)  # JPEG quality of an augmented view, uniform in this range (inclusive)
-    samples_per_tar: int = 1000  # views per tar shard
 
 
 def check_config(conf: AugmentConfig) -> None:
@@ -188,7 +170,10 @@ def augment_once(image: Image.Image, rng: np.random.Generator, conf: AugmentConf
 
 
 def augmented_views(
-    image: Image.Image, n: int, rng: np.random.Generator, conf: AugmentConfig = AugmentConfig()
+    image: Image.Image,
+    n: int,
+    rng: np.random.Generator,
+    conf: AugmentConfig = AugmentConfig(),  # noqa: B008 (a frozen dataclass)
 ) -> list[Image.Image]:
     """``n`` views of one image (RGB, longer side at most ``conf.max_side``). With
     ``conf.keep_original`` the first is the whole image, only resized; the others are

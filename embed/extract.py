@@ -24,10 +24,10 @@ from core.multiscale import check_scales_rotations
 from embed.models import build_global_model
 from embed.registry import DEFAULT_MODEL, PRETRAINED, RANDOM, describe, get_model_config
 from embed.shape_plan import fixed_batch_sizes, model_shape_grid, plan_batches, snap, warm_shapes
+from ingest.config import PRECISIONS
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 MIN_SCALED_SIDE = 16  # a down-scaled variant keeps at least this many pixels per side (CNN strides)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -15,17 +15,11 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from core.atomic import write_json_atomic
+from embed import TrainITQConfig
 from embed.itq import BITS, quantization_loss, save_itq, train_itq
 from ingest.descriptors import DescriptorFileError, list_descriptor_files, list_values
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainITQConfig:
-    sample: int = 200_000  # descriptors drawn (uniformly over all tokens) to learn from
-    iterations: int = 50  # ITQ rotation updates
-    seed: int = 0  # sampling and rotation initialisation
 
 
 def read_local_desc(path: Path) -> np.ndarray:

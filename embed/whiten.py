@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,26 +35,15 @@ import pyarrow.compute as pc
 import torch
 
 from core.atomic import write_json_atomic
+from embed import DEFAULT_EPS, WhitenConfig
+from embed import WHITEN_METHODS as METHODS
 from embed.adapt import AdapterError, LinearAdapter, labelled_descriptors, read_labels, save_adapter
 from embed.pca import eigh_descending
 from ingest.descriptors import STATUS_OK, list_descriptor_files, read_global
 
 log = logging.getLogger(__name__)
 
-METHODS = ("pca", "learned")
-DEFAULT_EPS = 1e-3
 _CHUNK = 16384  # rows converted to float64 at a time when accumulating second moments
-
-
-@dataclass(frozen=True)
-class WhitenConfig:
-    method: str = "pca"  # "pca": unsupervised PCA whitening; "learned": whitening learned from same-label pairs
-    out_dim: int = 512  # kept dimensions (at most the descriptor dimension and the number of descriptors - 1)
-    eps: float = DEFAULT_EPS  # regulariser added to the eigenvalues, as a fraction of their mean
-    max_pairs: int | None = (
-        None  # learned: at most this many positive pairs, a seeded uniform sample; None: all, in closed form
-    )
-    seed: int = 0  # learned: which pairs the sample holds when max_pairs caps them
 
 
 # --- linear algebra ---------------------------------------------------------------------------------

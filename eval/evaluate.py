@@ -38,6 +38,7 @@ import numpy as np
 from core.atomic import write_json_atomic
 from core.errors import NeedleInputError
 from core.tokens import LocalTokens
+from eval.config import EvalConfig
 from eval.ilias import (
     CLUTTER_GROUPS,
     SCALE_GROUPS,
@@ -53,24 +54,8 @@ from query.index_protocol import Index
 from query.recorded import QueryFiles
 from query.retrieve import QueryConfig, adapt_queries, embed_texts, search, stored_tokens, token_kind
 from query.verify_top import make_reranker
-from rerank.rerank import RerankConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    k: int = 1000  # rank cut-off of mAP@k
-    nprobe: int | None = None  # IVF lists visited; None: the index's setting
-    batch: int = 256  # queries searched at once
-    rerank: RerankConfig | None = None  # re-rank each shortlist with local tokens; None: global only
-    query_locals: str | None = None  # descriptor directory of query-side local tokens; None: the index's store
-    query_descriptors: str | None = None  # descriptor directory of the query images' globals; None: the index's vectors
-    text_queries: bool = False  # ILIAS ground truth: also evaluate its text queries (open_clip models)
-    qe_top: int = 0  # query expansion with the top-n (0: off)
-    ilias_pickle: str | None = None  # also write the rankings as the ILIAS benchmark's result pickle
-    ilias_json: str | None = None  # ... and/or its result JSON ({query: {db_id: score}})
-    files: QueryFiles = field(default_factory=QueryFiles)  # files in place of those the index records (same SHA-256)
 
 
 @dataclass

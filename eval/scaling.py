@@ -36,7 +36,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 
 from core.atomic import write_atomic, write_json_atomic
 from core.errors import NeedleInputError
+from eval.config import ScalingConfig
 from eval.evaluate import EvalConfig, GroundTruth, evaluate, load_truth
 from eval.ilias import is_ilias_dataset
 from ingest.descriptors import STATUS_OK, list_descriptor_files
@@ -56,42 +57,6 @@ log = logging.getLogger(__name__)
 STATUS_EXCLUDED = "excluded"  # rows left out of a distractor subset (never written by ingestion)
 BASE_KINDS = {"exact": "flat", "ivfpq": "ivfpq"}
 RERANK_METHODS = ("sp", "chamfer", "ames")
-DEFAULT_SIZES = (
-    0,
-    100,
-    300,
-    1_000,
-    3_000,
-    10_000,
-    30_000,
-    100_000,
-    300_000,
-    1_000_000,
-    3_000_000,
-    10_000_000,
-    30_000_000,
-    100_000_000,
-)
-
-
-@dataclass(frozen=True)
-class ScalingConfig:
-    sizes: tuple[int, ...] = DEFAULT_SIZES  # distractor counts; sizes past the available distractors are dropped
-    modes: tuple[str, ...] = ("exact", "ivfpq", "ivfpq+sp")  # exact | ivfpq, optionally +sp/+chamfer/+ames (re-ranking)
-    k: int = 1000  # rank cut-off of mAP@k
-    nprobe: int | None = None  # IVF lists visited per query; None: the index's default
-    nlist: int | None = None  # IVF lists; None: the builder's choice for each size
-    memory_budget: str = "8GB"  # index build budget (index/build/stage.py)
-    shortlist: int = 1000  # global candidates re-ranked in the +rerank modes
-    rerank_lambda: float | None = None  # weight of the global score in the re-ranking ensemble (None: EnsembleConfig's)
-    ames: str | None = None  # AMES checkpoint for +ames
-    adapt: str | None = None  # adapter file applied to database and queries (needle adapt train / whiten)
-    query_descriptors: str | None = None  # the query images' own descriptors (ILIAS); None: queries are indexed
-    query_locals: str | None = None  # the query images' local tokens (query-side preset); None: the index's store
-    order: str = "file"  # file | shuffle: the fixed order whose prefixes are the distractor subsets
-    seed: int = 0  # permutation of order="shuffle"
-    label: str | None = None  # the run's name in the plot; None: the model recorded at ingestion
-    keep_indexes: bool = False  # keep every size's index under output/indexes (default: removed after use)
 
 
 def parse_modes(modes: tuple[str, ...]) -> list[tuple[str, str | None]]:

@@ -13,7 +13,6 @@ import json
 import logging
 import random
 import tarfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,41 +20,9 @@ import numpy as np
 from PIL import Image
 
 from core.atomic import atomic_path, write_json_atomic
+from ingest.config import DemoConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    instances: tuple[str, ...] = (  # scikit-image photos that become instances (several views each)
-        "astronaut",
-        "chelsea",
-        "coffee",
-        "rocket",
-        "stereo_motorcycle",
-        "hubble_deep_field",
-        "immunohistochemistry",
-        "retina",
-        "camera",
-        "coins",
-        "moon",
-        "clock",
-    )
-    distractors: tuple[str, ...] = (  # photos whose views only ever appear as distractors
-        "brick",
-        "grass",
-        "gravel",
-        "page",
-        "text",
-        "colorwheel",
-        "logo",
-    )
-    views_per_instance: int = 5  # views of each instance photo (each is a query in the demo eval)
-    views_per_distractor: int = 4  # views of each distractor photo
-    num_shards: int = 3  # tars the views are spread over
-    longer_side: tuple[int, int] = (320, 560)  # range of the views' longer side in pixels
-    jpeg_quality: int = 90
-    seed: int = 0  # everything (views, order) is reproducible from this
 
 
 def load_skimage_photo(name: str) -> np.ndarray:
@@ -111,7 +78,7 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def build_demo(out_dir: Path, conf: DemoConfig = DemoConfig()) -> dict[str, Any]:
+def build_demo(out_dir: Path, conf: DemoConfig = DemoConfig()) -> dict[str, Any]:  # noqa: B008 (a frozen dataclass)
     """Write the demo tars and ``ground_truth.json`` into ``out_dir``; return the ground truth.
 
     Ground truth: ``queries`` (key, instance, positives) for every instance view; positives are

@@ -1,7 +1,7 @@
 """``needle pack``: a folder of images (or a list of image files) as WebDataset tars for ``needle ingest``.
 
 **Input.** Every file under a directory whose extension is one of ``PackConfig.extensions``
-(``ingest.reader.IMAGE_SUFFIXES`` by default, case-insensitive), walked recursively; or the files of
+(``ingest.config.IMAGE_SUFFIXES`` by default, case-insensitive), walked recursively; or the files of
 a list: a text file of paths, one a line (blank lines ignored, relative paths resolved against the
 list file's directory), or a Python sequence of paths. Files are packed in the sorted order of their
 path components (code-point order: the same on every machine and file system). A directory's
@@ -55,8 +55,8 @@ from tqdm import tqdm
 
 from core.atomic import write_json_atomic
 from core.errors import PackInputError
+from ingest.config import IMAGE_SUFFIXES, PackConfig
 from ingest.images import open_image
-from ingest.reader import IMAGE_SUFFIXES
 from ingest.tar_writer import TarShardWriter
 
 log = logging.getLogger(__name__)
@@ -67,15 +67,6 @@ TMP_NAME = re.compile(r"^[0-9]{6}\.tar\.tmp$")  # a tar being written
 MEMBER_SUFFIX = {"jpeg": "jpg", "tiff": "tif"}  # extension -> member suffix where they differ
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _WDS_META = re.compile(r"^__.*__$")  # a first directory webdataset's reader skips (tar_file_iterator's skip_meta)
-
-
-@dataclass(frozen=True)
-class PackConfig:
-    shard_size: int = 1000  # samples per tar
-    recursive: bool = True  # walk sub-directories (False: only the directory's own files)
-    extensions: tuple[str, ...] = IMAGE_SUFFIXES  # file extensions packed (case-insensitive); each one the reader takes
-    follow_symlinks: bool = False  # walk symlinked directories and read symlinked files (off: skipped, reported)
-    full_check: bool = False  # decode every image (JPEGs at 1/8 scale) to catch truncated files; off: headers only
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,7 @@ from typing import IO, Any
 from webdataset import tariterators
 
 from core.errors import ShardReadError
-
-# Member suffixes holding the image, in order of preference (img2dataset writes ``jpg``).
-IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
+from ingest.config import IMAGE_SUFFIXES  # member suffixes holding the image, in order of preference
 
 
 @contextmanager

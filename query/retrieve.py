@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 
 from core.errors import NeedleInputError
 from core.tokens import LocalTokens
+from query.config import QueryConfig
 from query.index_protocol import Index
 from query.recorded import QueryFiles, adapter_file, local_files, model_weights
 from query.verify_top import make_reranker, second_verification
@@ -27,27 +27,6 @@ from rerank.expand import ExpansionConfig, expand, verified_top
 from rerank.rerank import RerankConfig, Reranker, with_kind_defaults
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class QueryConfig:
-    k: int = 10  # results per query
-    nprobe: int | None = None  # IVF lists visited (IVF indexes only); None: the index's setting
-    refine_factor: int | None = None  # IVF-PQ shortlist = this * k, re-scored exactly; None: the index's setting
-    files: QueryFiles = field(default_factory=QueryFiles)  # files in place of those the index records (same SHA-256)
-    rerank: RerankConfig | None = None  # re-rank the global shortlist with local tokens; None: global only
-    qe_top: int = 0  # query expansion: average the query with its similarity-weighted top-n, search again (0: off)
-    # Query-side multi-scale for image queries (ILIAS: (0.707, 1, 1.414)): the global descriptor is
-    # the L2-normalised mean over the scales; (1.0,): single scale, exactly as ingestion.
-    scales: tuple[float, ...] = (1.0,)
-    rotations: int = 1  # image queries averaged over 1 (none), 2 or 4 quarter turns likewise (ILIAS: 4)
-
-    def __post_init__(self) -> None:
-        if self.scales != (1.0,) or self.rotations != 1:
-            from core.multiscale import check_scales_rotations  # imports torch: only when asked for
-
-            scales, _ = check_scales_rotations(self.scales, self.rotations)
-            object.__setattr__(self, "scales", scales)  # a list (from JSON, say) as a tuple of floats
 
 
 def results_json(index: Index, D: np.ndarray, I: np.ndarray) -> list[list[dict[str, Any]]]:

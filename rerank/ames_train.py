@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from core.atomic import write_atomic
 from core.errors import NeedleInputError
 from core.tokens import LocalTokens, TokenBatch, unpack_signs
 from rerank.ames import AMES, AMESConfig, load_ames, pad_descriptors, save_ames
+from rerank.config import TrainConfig, WarpConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,45 +47,6 @@ Describe = Callable[[list[np.ndarray]], list[LocalTokens]]
 
 class AMESTrainError(NeedleInputError):
     """Unusable training input: too few images, an unreadable file, a describe that misbehaves."""
-
-
-@dataclass(frozen=True)
-class WarpConfig:
-    """The random view of an image that forms a positive pair with it."""
-
-    rotation_deg: float = 15.0  # rotation drawn uniformly in ±rotation_deg
-    scale: tuple[float, float] = (0.6, 1.4)  # zoom, log-uniform; > 1 crops, < 1 leaves black borders
-    translate: float = 0.15  # shift of the centre, uniform in ± this fraction of width / height
-    perspective: float = 0.08  # each corner moved by up to this fraction of the shorter side
-    brightness: float = 0.3  # brightness factor uniform in 1 ± this
-    contrast: float = 0.3  # contrast factor uniform in 1 ± this
-    saturation: float = 0.3  # colour saturation factor uniform in 1 ± this
-    gain: float = 0.1  # independent per-channel gain uniform in 1 ± this (colour cast)
-    blur_prob: float = 0.3  # probability of a Gaussian blur ...
-    blur_radius: tuple[float, float] = (0.3, 1.5)  # ... with a radius (pixels) uniform in this range
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """How an AMES model is trained; recorded in the JSON beside the checkpoint."""
-
-    pairs: int = 2000  # pairs in the pool, described once and reused every epoch
-    positive_fraction: float = 0.5  # share of positive pairs in the pool
-    val_fraction: float = 0.1  # share of pairs held out to report accuracy on unseen pairs
-    epochs: int = 20  # passes over the training pairs
-    batch_size: int = 32  # pairs per optimisation step
-    lr: float = 2e-4  # Adam learning rate
-    weight_decay: float = 1e-5  # Adam (L2) weight decay
-    seed: int = 0  # seeds pair sampling, warps, model initialisation and shuffling
-    binarized: bool = True  # train on 128-bit codes (True) or on float descriptors (False)
-    model_dim: int = 128  # transformer width (= bits of the codes when binarised)
-    heads: int = 2  # attention heads
-    layers: int = 5  # decoder layers
-    ff_dim: int = 1024  # MLP hidden width
-    max_tokens: int | None = None  # keep each image's top tokens by weight (None: all it has)
-    describe_batch: int = 32  # images handed to describe per call (bounds memory)
-    init: str | None = None  # checkpoint to fine-tune from instead of a fresh model
-    warp: WarpConfig = field(default_factory=WarpConfig)
 
 
 @dataclass(frozen=True)
@@ -110,7 +72,7 @@ def homography_from_points(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     return np.append(np.linalg.solve(a, b), 1.0).reshape(3, 3)
 
 
-def random_homography(width: int, height: int, rng: np.random.Generator, warp: WarpConfig = WarpConfig()) -> np.ndarray:
+def random_homography(width: int, height: int, rng: np.random.Generator, warp: WarpConfig = WarpConfig()) -> np.ndarray:  # noqa: B008 (a frozen dataclass)
     """A random H mapping pixel coordinates of the image to those of its (same-size) view.
 
     A similarity about the centre (rotation, zoom, shift) followed by independent jitter of the
@@ -137,7 +99,7 @@ def warp_image(image: np.ndarray, h: np.ndarray) -> np.ndarray:
     return np.asarray(pil)
 
 
-def photometric(image: np.ndarray, rng: np.random.Generator, warp: WarpConfig = WarpConfig()) -> np.ndarray:
+def photometric(image: np.ndarray, rng: np.random.Generator, warp: WarpConfig = WarpConfig()) -> np.ndarray:  # noqa: B008 (a frozen dataclass)
     """Random brightness, contrast, saturation, colour cast and (sometimes) blur."""
     pil = Image.fromarray(image)
     pil = ImageEnhance.Brightness(pil).enhance(rng.uniform(1 - warp.brightness, 1 + warp.brightness))
@@ -152,7 +114,7 @@ def photometric(image: np.ndarray, rng: np.random.Generator, warp: WarpConfig = 
     return np.clip(np.asarray(pil, dtype=np.float32) * gain, 0, 255).astype(np.uint8)
 
 
-def random_view(image: np.ndarray, rng: np.random.Generator, warp: WarpConfig = WarpConfig()) -> np.ndarray:
+def random_view(image: np.ndarray, rng: np.random.Generator, warp: WarpConfig = WarpConfig()) -> np.ndarray:  # noqa: B008 (a frozen dataclass)
     """A random geometric and photometric view of ``image`` (H, W, 3) uint8, same size."""
     h = random_homography(image.shape[1], image.shape[0], rng, warp)
     return photometric(warp_image(image, h), rng, warp)

@@ -14,9 +14,9 @@ import logging
 import torch
 
 from core.errors import NeedleInputError
+from rerank.config import DEVICES  # --device choices
 
 log = logging.getLogger(__name__)
-DEVICES = ("auto", "cpu", "cuda")  # --device choices (read from this source by the CLI, without torch)
 
 
 class DeviceUnavailableError(NeedleInputError):

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from core.errors import NeedleInputError
-
-METHODS = ("sp", "chamfer", "ames")
+from rerank.config import METHODS
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from core.atomic import write_json_atomic
 from core.hashing import file_sha256
 from core.location import S3Location
 from index.build.add import PartRunner, finish_local_shards, local_parts, run_parts_sequentially
+from index.build.config import DEFAULT_QUANTIZER_EF, IndexConfig
 from index.build.factory import IndexPlan, parse_bytes, plan_index
 from index.build.plan import (
     ShardPlan,
@@ -56,7 +57,7 @@ from index.build.plan import (
 )
 from index.build.records import BuildFields, PartStats
 from index.build.s3 import ShardRunner, build_on_s3, run_shards_sequentially
-from index.build.train import DEFAULT_QUANTIZER_EF, hnsw_quantizer, reuse_trained, sample_for, train_and_save
+from index.build.train import hnsw_quantizer, reuse_trained, sample_for, train_and_save
 from index.generation import IndexInfos, Segment
 from index.keys import KEY_FILES
 from index.layout import (
@@ -73,8 +74,9 @@ from index.memory import peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
-# Re-exported: the index's file names (index/layout.py) and the HNSW helpers (index/build/train.py)
-# stay importable from the stage that writes them, where benches and tests read them.
+# Re-exported: the index's file names (index/layout.py), the HNSW helpers (index/build/train.py) and
+# the config (index/build/config.py) stay importable from the stage that writes them, where benches
+# and tests read them.
 __all__ = [
     "DEFAULT_QUANTIZER_EF",
     "IDS_FILE",
@@ -88,29 +90,6 @@ __all__ = [
     "hnsw_quantizer",
     "main",
 ]
-
-
-@dataclass(frozen=True)
-class IndexConfig:
-    kind: str = "auto"  # auto | flat | ivfpq (auto: flat below flat_threshold vectors when it fits)
-    memory_budget: str = "8GB"  # RAM the built index may use (codes, ids, centroids); refine vectors are memory-mapped
-    factory: str | None = None  # a FAISS factory string to use as is (e.g. "IVF4096,PQ64"); None: choose
-    flat_threshold: int = 100_000  # under "auto", collections smaller than this get an exact index
-    nlist: int | None = None  # IVF lists; None: ~4*sqrt(N)
-    pq_bytes: int | None = None  # PQ code bytes per vector; None: the largest that fits the budget
-    points_per_list: int = 64  # training sample = nlist * this, capped by the budget
-    s3_endpoint_url: str | None = None  # S3-compatible endpoint for s3:// descriptor sources
-    shards: int = 1  # keep this many index shards (served by one Ray actor each) instead of one index
-    parts: int | None = None  # parallel add tasks; None: shards (at least 1)
-    nprobe: int = 64  # default IVF lists visited per query (recorded; queries may override)
-    adapt: str | None = (
-        None  # adapter file (needle adapt train, or ILIAS's): index adapted descriptors; None: as ingested
-    )
-    refine_factor: int = 2  # IVF-PQ shortlist = refine_factor * k, re-scored exactly from float16
-    quantizer_ef: int = DEFAULT_QUANTIZER_EF  # HNSW coarse quantizer: graph candidates explored per assignment (FAISS's
-    # default 16 puts some vectors in a list far from them, where no query probes: recall@1000 capped at 0.986 on 1M)
-    seed: int = 0  # training sample and k-means seed
-    locals: bool = True  # build the local store when the descriptors carry local tokens (schema v2)
 
 
 class Stopwatch:

@@ -21,14 +21,13 @@ from core.atomic import write_atomic
 from core.errors import NeedleInputError
 from core.location import S3Location
 from core.storage import MARKER_SUFFIX
+from index.build.config import DEFAULT_QUANTIZER_EF
 from index.build.factory import IndexPlan
 from index.build.plan import FileInfo, read_valid
 from index.gpu.engine import assignment_quantizer, faiss_gpus
 from index.layout import TRAINED_FILE
 
 log = logging.getLogger(__name__)
-
-DEFAULT_QUANTIZER_EF = 128
 
 
 def training_sample(files: list[FileInfo], dim: int, n_train: int, seed: int, adapter: Any = None) -> np.ndarray:

@@ -18,7 +18,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from index.build.plan import FileInfo, load_adapter, local_extractor, part_task,
 from index.build.records import BuildFields
 from index.build.shard import finish_shard
 from index.layout import VECTORS_FILE
+from index.live.config import AddConfig
 from index.live.drift import CoarseStats, coarse_stats, drift_report, sample_positions
 from index.live.generations import GENERATIONS_DIR
 from index.live.keys import ParentKeys
@@ -43,14 +44,6 @@ log = logging.getLogger(__name__)
 TRAINED_STATS_FILE = f"{GENERATIONS_DIR}/trained_drift.json"  # the drift report's baseline
 TRAINED_SAMPLE_ROWS = 2000
 SAMPLE_RUN = 100  # consecutive rows read at a time for the sample (one ranged read on S3)
-
-
-@dataclass(frozen=True)
-class AddConfig:
-    replace: bool = False  # a key the index already holds: delete its old row, index the new one (else an error)
-    s3_endpoint_url: str | None = None  # S3-compatible endpoint for s3:// indexes and descriptors
-    drift_error_ratio: float = 1.25  # recommend a rebuild past this ratio of mean quantisation errors (new/trained)
-    drift_top_share_ratio: float = 2.0  # ... or past this ratio of the fullest 1 % of lists' shares (new/trained)
 
 
 class DuplicateKeyError(NeedleInputError):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from index.build.shard import IDS_SCHEMA, _checksum, write_float16_npy_header, w
 from index.generation import Segment, ShardSegments
 from index.keys import KEY_FILES
 from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
+from index.live.config import CompactConfig
 from index.live.generations import DELETES_DIR, latest_number, manifest_name, read_manifest
 from index.live.writer import Writer, writing
 from index.locals import TOKEN_DTYPE, SegmentInfo, _save_npy, locals_infos, open_local_store
@@ -42,13 +42,6 @@ from ingest.descriptors import ROW_SHARD_SHIFT
 
 log = logging.getLogger(__name__)
 CHUNK_ROWS = 1 << 15  # rows gathered at a time (vectors, tokens)
-
-
-@dataclass(frozen=True)
-class CompactConfig:
-    keep: int | None = None  # keep the files of the newest N generations, remove older ones (None: keep all)
-    merge_below: float = 0.25  # also rewrite segments under this share of their shard's largest segment
-    s3_endpoint_url: str | None = None  # S3-compatible endpoint for an s3:// index
 
 
 def main(conf: CompactConfig, index: Path | str) -> dict[str, Any]:

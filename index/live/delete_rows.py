@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from core.errors import NeedleInputError
+from index.live.config import DeleteConfig
 from index.live.keys import ParentKeys
 from index.live.writer import next_shards, writing
 
 log = logging.getLogger(__name__)
 REPORTED_UNKNOWN = 20  # unknown keys named in the report (all are counted)
-
-
-@dataclass(frozen=True)
-class DeleteConfig:
-    s3_endpoint_url: str | None = None  # S3-compatible endpoint for an s3:// index
 
 
 def read_keys(source: str) -> list[str]:

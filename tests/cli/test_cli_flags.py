@@ -1,4 +1,4 @@
-"""cli/flags.py: flags from a frozen config dataclass (help from the field's comment, type and
+"""cli/flags.py: flags from a frozen config dataclass (help declared with each field, type and
 default from the field, bools and tuples), back to the config; and the ``needle`` commands that use it."""
 
 from __future__ import annotations
@@ -8,10 +8,15 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from cli.flags import UNSET, add_config_flags, config_from_args, field_flags, source_constant
+from cli.flags import add_config_flags, config_from_args, field_flags
+from core.settings import setting
+
+if TYPE_CHECKING:
+    from rerank.rerank import RerankConfig  # as a config module names a stage's nested config
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 3 * 4  # a module constant the example's default refers to
@@ -19,21 +24,20 @@ LIMIT = 3 * 4  # a module constant the example's default refers to
 
 @dataclass(frozen=True)
 class Example:
-    local_top_k: int | None = None  # tokens per image; None: the preset's
-    batch_size: int = 32  # images per forward pass (100% of them)
-    # The name of the run, in a block
-    # comment of two lines.
-    name: str = "run"
-    overwrite: bool = False  # redo what is done
-    recursive: bool = True  # walk sub-directories
-    scales: tuple[float, ...] = (1.0,)  # scales averaged
-    sizes: tuple[int, ...] | None = None  # sizes to run
-    pair: tuple[int, int] = (1, 2)  # a fixed pair
-    limit: int = LIMIT  # from a module constant
-    budget: int = 16 << 20  # arithmetic on literals
+    local_top_k: int | None = setting(None, "tokens per image; None: the preset's")
+    batch_size: int = setting(32, "images per forward pass (100% of them)")
+    name: str = setting("run", "The name of the run, in a block comment of two lines.")
+    overwrite: bool = setting(False, "redo what is done")
+    recursive: bool = setting(True, "walk sub-directories")
+    scales: tuple[float, ...] = setting((1.0,), "scales averaged")
+    sizes: tuple[int, ...] | None = setting(None, "sizes to run")
+    pair: tuple[int, int] = setting((1, 2), "a fixed pair")
+    limit: int = setting(LIMIT, "from a module constant")
+    budget: int = setting(16 << 20, "arithmetic on literals")
     nested: Example | None = None  # a nested config: no flag
-    made: tuple[str, ...] = field(default_factory=tuple)  # computed: the dataclass's own default applies
-    # A comment above a method is the method's.
+    rerank: RerankConfig | None = None  # a type imported for type checking only: no flag
+    made: tuple[str, ...] = field(default_factory=tuple, metadata={"help": "made by a factory"})
+    plain: int = 7  # a field without declared help: a flag without help
 
     def describe(self) -> str:
         return self.name  # not a field either
@@ -41,8 +45,8 @@ class Example:
 
 @dataclass(frozen=True)
 class Required:
-    path: str  # where it goes
-    count: int = 1  # how many
+    path: str = field(metadata={"help": "where it goes"})
+    count: int = setting(1, "how many")
 
 
 def parser_for(**kwargs) -> argparse.ArgumentParser:
@@ -51,18 +55,18 @@ def parser_for(**kwargs) -> argparse.ArgumentParser:
     return parser
 
 
-def test_fields_read_from_the_source():
+def test_fields_read_from_the_declaration():
     flags = {f.name: f for f in field_flags(Example)}
-    assert "nested" not in flags
+    assert "nested" not in flags and "rerank" not in flags and "describe" not in flags
     assert flags["local_top_k"].help == "tokens per image; None: the preset's"
     assert flags["name"].help == "The name of the run, in a block comment of two lines."
     assert (flags["local_top_k"].type, flags["local_top_k"].optional, flags["local_top_k"].default) == (int, True, None)
     assert (flags["scales"].kind, flags["scales"].type, flags["scales"].length) == ("tuple", float, None)
     assert (flags["pair"].kind, flags["pair"].length, flags["pair"].default) == ("tuple", 2, (1, 2))
     assert flags["limit"].default == 12 and flags["budget"].default == 16 << 20
-    assert flags["made"].default is UNSET and not flags["made"].required
-    assert flags["made"].help == "computed: the dataclass's own default applies"
-    assert "describe" not in flags
+    assert flags["made"].default == () and not flags["made"].required and flags["made"].help == "made by a factory"
+    assert (flags["plain"].default, flags["plain"].help) == (7, "")
+    assert [f.name for f in field_flags(Required)] == ["path", "count"] and field_flags(Required)[0].required
 
 
 def test_a_field_without_default_is_a_required_flag():
@@ -147,17 +151,89 @@ def test_only_skip_and_overrides():
         parser_for(only=("nested",))
 
 
-def test_a_class_read_by_name_without_importing_it():
+CONFIG_MODULES = (
+    "ingest.config",
+    "embed",
+    "index.build.config",
+    "index.live.config",
+    "query.config",
+    "rerank.config",
+    "eval.config",
+    "cluster.demo",
+)
+
+
+def test_configs_are_read_without_importing_their_stages():
     code = (
-        "import sys; from cli.flags import field_flags, source_constant; "
-        "f = {x.name: x for x in field_flags('eval.evaluate:EvalConfig')}; "
+        "import sys; from cli.flags import field_flags; from eval.config import EvalConfig; "
+        f"import {', '.join(CONFIG_MODULES)}; "
+        "f = {x.name: x for x in field_flags(EvalConfig)}; "
         "assert f['k'].default == 1000 and 'mAP@k' in f['k'].help, f['k']; "
-        "assert source_constant('core.multiscale:ROTATIONS') == (1, 2, 4); "
         "sys.exit(1 if 'torch' in sys.modules or 'eval.evaluate' in sys.modules else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert source_constant("eval.scaling:DEFAULT_SIZES")[-1] == 100_000_000  # a constant over several lines
+
+
+def test_the_stages_reexport_their_configs():
+    """The configs moved to torch-free modules stay importable from the stages that use them."""
+    import embed
+    import embed.adapt
+    import embed.augment
+    import embed.train_itq
+    import embed.whiten
+    import eval.config
+    import eval.evaluate
+    import eval.scaling
+    import index.build.config
+    import index.build.stage
+    import index.live.add_rows
+    import index.live.compact
+    import index.live.config
+    import index.live.delete_rows
+    import ingest.config
+    import ingest.demo_data
+    import ingest.pack
+    import query.config
+    import query.retrieve
+    import rerank.ames_train
+    import rerank.config
+
+    pairs = [
+        (embed.adapt.AdaptConfig, embed.AdaptConfig),
+        (embed.augment.AugmentConfig, embed.AugmentConfig),
+        (embed.train_itq.TrainITQConfig, embed.TrainITQConfig),
+        (embed.whiten.WhitenConfig, embed.WhitenConfig),
+        (eval.evaluate.EvalConfig, eval.config.EvalConfig),
+        (eval.scaling.ScalingConfig, eval.config.ScalingConfig),
+        (index.build.stage.IndexConfig, index.build.config.IndexConfig),
+        (index.live.add_rows.AddConfig, index.live.config.AddConfig),
+        (index.live.compact.CompactConfig, index.live.config.CompactConfig),
+        (index.live.delete_rows.DeleteConfig, index.live.config.DeleteConfig),
+        (ingest.pack.PackConfig, ingest.config.PackConfig),
+        (query.retrieve.QueryConfig, query.config.QueryConfig),
+        (rerank.ames_train.TrainConfig, rerank.config.TrainConfig),
+        (rerank.ames_train.WarpConfig, rerank.config.WarpConfig),
+        (ingest.demo_data.DemoConfig, ingest.config.DemoConfig),
+    ]
+    assert all(old is new for old, new in pairs)
+
+
+def test_every_command_flag_has_declared_help():
+    """Each flag of a stage config carries the help its field declares (none is left without)."""
+    from cluster.demo import DemoRunConfig
+    from embed import AdaptConfig, AugmentConfig, TrainITQConfig, WhitenConfig
+    from eval.config import EvalConfig, ScalingConfig
+    from index.build.config import IndexConfig
+    from index.live.config import AddConfig, CompactConfig, DeleteConfig
+    from ingest.config import IngestConfig, PackConfig
+    from query.config import QueryConfig
+    from rerank.config import TrainConfig
+
+    configs = [DemoRunConfig, AdaptConfig, AugmentConfig, TrainITQConfig, WhitenConfig, EvalConfig, ScalingConfig]
+    configs += [IndexConfig, AddConfig, CompactConfig, DeleteConfig, IngestConfig, PackConfig, QueryConfig, TrainConfig]
+    bare = [f"{c.__qualname__}.{f.name}" for c in configs for f in field_flags(c) if not f.help]
+    assert not bare, f"flag-able fields without declared help: {bare}"
 
 
 # --- the needle commands ------------------------------------------------------------------------
@@ -168,7 +244,7 @@ def _config(argv: list[str], config: type, **given):
 
 
 def test_commands_default_to_the_configs_defaults():
-    """Every command's flags, left alone, give its config's own defaults: the source was read right."""
+    """Every command's flags, left alone, give its config's own defaults."""
     from cli.main import build_parser
     from cli.search import page_config, rerank_config
     from cli.spec_flags import query_files, serve_spec
@@ -301,6 +377,11 @@ def test_eval_without_a_subcommand_is_a_usage_error(capsys):
         ["serve", "--help"],
         ["adapt", "whiten", "--help"],
         ["ames", "train", "--help"],
+        ["index", "build", "--help"],
+        ["index", "add", "--help"],
+        ["locals", "train-itq", "--help"],
+        ["pack", "--help"],
+        ["demo", "--help"],
     ],
 )
 def test_help_imports_no_torch(argv):

@@ -1,0 +1,39 @@
+"""The settings of the living index's commands, torch-free and FAISS-free so that ``needle index
+add --help`` (and ``delete``, ``compact``) imports no stage: AddConfig (index/live/add_rows.py),
+DeleteConfig (index/live/delete_rows.py), CompactConfig (index/live/compact.py). Their flags are
+these fields (cli/flags.py), their help declared with each (core.settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.settings import setting
+
+
+@dataclass(frozen=True)
+class AddConfig:
+    replace: bool = setting(
+        False,
+        "a key the index already holds: delete its old row, index the new one (else an error)",
+    )
+    s3_endpoint_url: str | None = setting(None, "S3-compatible endpoint for s3:// indexes and descriptors")
+    drift_error_ratio: float = setting(
+        1.25,
+        "recommend a rebuild past this ratio of mean quantisation errors (new/trained)",
+    )
+    drift_top_share_ratio: float = setting(
+        2.0,
+        "... or past this ratio of the fullest 1 % of lists' shares (new/trained)",
+    )
+
+
+@dataclass(frozen=True)
+class DeleteConfig:
+    s3_endpoint_url: str | None = setting(None, "S3-compatible endpoint for an s3:// index")
+
+
+@dataclass(frozen=True)
+class CompactConfig:
+    keep: int | None = setting(None, "keep the files of the newest N generations, remove older ones (None: keep all)")
+    merge_below: float = setting(0.25, "also rewrite segments under this share of their shard's largest segment")
+    s3_endpoint_url: str | None = setting(None, "S3-compatible endpoint for an s3:// index")
