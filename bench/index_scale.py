@@ -180,6 +180,57 @@ def gb(x: float) -> float:
     return round(x / 2**30, 2)
 
 
+def merged_single(single: Path, infos: dict, shard_dirs: list[Path]) -> Path:
+    """An index of one shard directory holding every shard's rows: their FAISS files merged, their
+    vectors, ids and keys concatenated in shard order (what ``needle index build --shards 1`` would
+    write with the same trained index)."""
+    import pyarrow as pa
+    import pyarrow.ipc
+
+    from core.hashing import file_sha256
+    from index.build.shard import concatenate_vectors, merge_parts, write_keys_of_ids
+    from index.build.stage import IDS_FILE, INDEX_FILE, INFOS_FILE, SHARD_INFOS_FILE, VECTORS_FILE
+    from index.keys import KEY_FILES
+    from index.shard_files import read_ids
+
+    if infos.get("locals"):
+        raise SystemExit("the single-index comparison merges no local tokens: pass --no-single")
+    shutil.rmtree(single, ignore_errors=True)
+    directory = single / "shard_000"
+    directory.mkdir(parents=True)
+    ntotal = merge_parts([str(d / INDEX_FILE) for d in shard_dirs], directory / INDEX_FILE)
+    rows = concatenate_vectors([d / VECTORS_FILE for d in shard_dirs], directory / VECTORS_FILE, infos["dim"])
+    ids = pa.concat_tables([read_ids(d / IDS_FILE) for d in shard_dirs])
+    with pa.OSFile(str(directory / IDS_FILE), "wb") as sink, pa.ipc.new_file(sink, ids.schema) as writer:
+        writer.write_table(ids)
+    write_keys_of_ids(directory / IDS_FILE, directory)
+    shards = [json.loads((d / SHARD_INFOS_FILE).read_text()) for d in shard_dirs]
+    offsets, base = {}, 0  # Parquet shard id -> first position, over all rows in shard order
+    for shard in shards:
+        offsets.update({k: base + v for k, v in shard["shard_offsets"].items()})
+        base += shard["rows"]
+    names = [INDEX_FILE, VECTORS_FILE, IDS_FILE, *KEY_FILES]
+    checksums = {n: {"bytes": (directory / n).stat().st_size, "sha256": file_sha256(directory / n)} for n in names}
+    shard_infos = {
+        **shards[0],
+        **{"shard": 0, "name": directory.name, "rows": rows, "ntotal": ntotal, "shard_offsets": offsets},
+        "files": [f for shard in shards for f in shard["files"]],
+        "rejected_non_finite": sum(shard["rejected_non_finite"] for shard in shards),
+        "checksums": checksums,
+    }
+    (directory / SHARD_INFOS_FILE).write_text(json.dumps(shard_infos))
+    entry = {
+        "name": directory.name,
+        "rows": rows,
+        "ntotal": ntotal,
+        "parquet_shard_ids": sorted(int(k) for k in offsets),
+        "bytes": sum(c["bytes"] for c in checksums.values()),
+    }
+    single_infos = {**infos, "shards": [entry], "config": {**infos["config"], "shards": 1}}
+    (single / INFOS_FILE).write_text(json.dumps(single_infos))
+    return single
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1_000_000)
@@ -199,8 +250,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from index.build.shard import concatenate_vectors, merge_parts
-    from index.build.stage import IDS_FILE, INDEX_FILE, INFOS_FILE, VECTORS_FILE
+    from index.build.stage import INFOS_FILE
     from index.memory import process_memory
     from index.search import load_index
     from index.shard_files import index_file_paths
@@ -236,29 +286,8 @@ def main() -> None:
     del service
     ray.shutdown()
 
-    if not args.no_single:  # the shards merged (same trained quantizer, same codes), in one directory
-        import pyarrow as pa
-        import pyarrow.ipc
-
-        from index.shard_files import read_ids
-
-        single = work / "single"
-        shutil.rmtree(single, ignore_errors=True)
-        single.mkdir()
-        merge_parts([str(path) for path in index_paths], single / INDEX_FILE)
-        shard_dirs = [path.parent for path in index_paths]
-        concatenate_vectors([d / VECTORS_FILE for d in shard_dirs], single / VECTORS_FILE, infos["dim"])
-        ids = pa.concat_tables([read_ids(d / IDS_FILE) for d in shard_dirs])
-        with pa.OSFile(str(single / IDS_FILE), "wb") as sink, pa.ipc.new_file(sink, ids.schema) as writer:
-            writer.write_table(ids)
-        offsets, base = {}, 0  # the layout built before shard directories: positions over all rows
-        for d in shard_dirs:
-            shard = json.loads((d / "shard_infos.json").read_text())
-            offsets.update({k: base + v for k, v in shard["shard_offsets"].items()})
-            base += shard["rows"]
-        single_infos = {k: v for k, v in infos.items() if k not in ("layout", "shards")}
-        single_infos.update(index_files=[INDEX_FILE], shard_offsets=offsets, config={**infos["config"], "shards": 1})
-        (single / INFOS_FILE).write_text(json.dumps(single_infos))
+    if not args.no_single:  # the shards merged (same trained quantizer, same codes), in one shard directory
+        single = merged_single(work / "single", infos, [path.parent for path in index_paths])
         single_index = load_index(single)
         for nprobe, factor in sweep_points:
             sweep.append({"index": "single", **measure(single_index, xq, gt, args.k, nprobe, factor)})

@@ -12,3 +12,8 @@ class IndexFileError(NeedleDataError, NeedleInputError):
 
 class UnknownKeyError(NeedleInputError):
     """A key that is not in the index."""
+
+
+class OldIndexLayoutError(IndexFileError):
+    """An index directory built before shard directories (files at the top, no ``"layout":
+    "shard-directories"`` in its index_infos.json): no longer read; ``needle index build`` rebuilds it."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from index.errors import IndexFileError
-from index.layout import LAYOUT_SHARDS
+from index.layout import check_layout
 
 MANIFEST_FORMAT = 1
 SEGMENT_FIELDS = ("name", "rows", "ntotal", "parquet_shard_ids", "bytes", "deleted")
@@ -220,10 +220,6 @@ class Generation:
     @staticmethod
     def zero(infos: IndexInfos) -> Generation:
         """What ``needle index build`` wrote: each shard directory its one segment."""
-        if infos.layout != LAYOUT_SHARDS:
-            raise IndexFileError(
-                "an index built before shard directories has one generation only: rebuild it to add, delete or compact"
-            )
         shards = tuple(ShardSegments(i, (entry,)) for i, entry in enumerate(infos.shards))
         return Generation(0, None, shards, {"command": "build"})
 
@@ -296,15 +292,14 @@ class IndexInfos:
     other field kept as recorded (``fields``) for the loaders and the answers that report them."""
 
     fields: Mapping[str, Any]  # the whole record, as read (its "shards" as written)
-    shards: tuple[Segment, ...]  # its shard directories (empty: an index built before them)
+    shards: tuple[Segment, ...]  # its shard directories
 
     @staticmethod
     def from_json(data: bytes | str | Mapping[str, Any], source: str) -> IndexInfos:
         """The infos in ``data`` (the file ``source``; or its record, already read), validated:
         an index of shard directories lists them, and they add up to its rows and vectors."""
         record = data if isinstance(data, Mapping) else parse_json_object(data, source)
-        if record.get("layout") != LAYOUT_SHARDS:
-            return IndexInfos(dict(record), ())  # built before shard directories: read as it is
+        check_layout(record, source)  # an index built before shard directories: refused, rebuild it
         shards = tuple(Segment.from_json(s, source) for s in _list(record, "shards", source))
         if not shards:
             raise IndexFileError(f"{source} lists no shards")
@@ -320,14 +315,7 @@ class IndexInfos:
 
     def to_json(self) -> dict[str, object]:
         """The record to write (core.atomic.write_json_atomic, or the S3 build's write_json)."""
-        if not self.shards:
-            return dict(self.fields)
         return {**self.fields, "shards": [s.to_json(with_deleted=False) for s in self.shards]}
-
-    @property
-    def layout(self) -> str | None:
-        layout = self.fields.get("layout")
-        return layout if isinstance(layout, str) else None
 
     @property
     def dim(self) -> int:

@@ -76,10 +76,6 @@ def write_key_files(chunks: Iterable[pa.Array], directory: Path, sort_keys: pa.C
     return len(order)
 
 
-def has_key_files(directory: Path) -> bool:
-    return all((Path(directory) / name).is_file() for name in KEY_FILES)
-
-
 class _SortedKeys:
     """The keys in sorted order as a read-only sequence, for ``bisect`` (reads only what it compares)."""
 

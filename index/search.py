@@ -17,17 +17,15 @@ never misses one and there are no replicas to report on.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from core.errors import NeedleInputError
 from core.location import LocalLocation
@@ -35,16 +33,15 @@ from core.quoting import short_repr
 from core.tokens import LocalTokens
 from index.build.merge import checked_queries, inner_products_at, merge_shortlists, shortlist_size, trim_to_shortlist
 from index.errors import IndexFileError, UnknownKeyError
-from index.generation import GenerationView, IndexInfos, Segment
+from index.generation import GenerationView, Segment
 from index.gpu.engine import check_device
 from index.images import ImageSource
-from index.keys import KeyStore, has_key_files
-from index.layout import IDS_FILE, INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE, VECTORS_FILE
+from index.layout import INFOS_FILE, SHARD_INFOS_FILE
 from index.live.deletes import segment_deletes
 from index.live.generations import read_view
-from index.live.row_map import DenseRows, RowMap, row_map_of
+from index.live.row_map import RowMap, row_map_of
 from index.live.segment_merge import MergedSegments, grouped_candidates, merged_groups
-from index.locals import LocalStore, open_local_store
+from index.locals import LocalStore
 from index.shard import Shard, is_valid_descriptor, make_shard, warm_coarse
 from index.shard_files import (
     ShardedKeys,
@@ -52,13 +49,7 @@ from index.shard_files import (
     ShardFiles,
     ShardLayout,
     open_shard_files,
-    read_faiss,
-    read_ids,
-    read_infos,
-    read_infos_and_vectors,
 )
-
-log = logging.getLogger(__name__)
 
 
 class StoredTokensScorer(Protocol):
@@ -87,10 +78,10 @@ class SearchIndex:
     vectors: np.ndarray | ShardedVectors  # (N, d) float16, memory-mapped (over shard directories: each shard's)
     infos: dict[str, Any]  # index_infos.json (a generation's: GenerationView.as_infos), as Index.infos reports it
     path: Path
-    keys: KeyStore | ShardedKeys | None = None  # the key lookup files; None for an index built before them (scans)
-    layout: ShardLayout | None = None  # the shard directories (None: an index built before them, files at the top)
+    keys: ShardedKeys  # the shards' key lookup files
+    layout: ShardLayout  # the shard directories (segments) of the generation opened
+    view: GenerationView  # the generation opened
     merge_small: bool = True  # search a living index's small segments as one FAISS index (index/live/segment_merge.py)
-    view: GenerationView | None = None  # the generation opened (None: an index built before shard directories)
 
     @property
     def d(self) -> int:
@@ -150,16 +141,14 @@ class SearchIndex:
 
     @cached_property
     def row_map(self) -> RowMap:
-        return self.layout.row_map if self.layout is not None else DenseRows(self.infos["shard_offsets"])
+        return self.layout.row_map
 
     @cached_property
     def local_store(self) -> LocalStore | None:
         """The rows' binary local tokens by position (None: the index was built without them); over
         shard directories, one store whose segments are the shards' own files, each at its shard's
         first position."""
-        if self.layout is not None:
-            return self.layout.local_store(self.path, self.infos)
-        return open_local_store(self.path, self.infos)
+        return self.layout.local_store(self.path, self.infos)
 
     def positions_of_rows(self, I: np.ndarray) -> np.ndarray:
         """Row ids -> positions in ids/vectors (-1 stays -1)."""
@@ -172,9 +161,7 @@ class SearchIndex:
         return self.ids["row"].to_numpy()
 
     def position_of(self, key: str) -> int:
-        # The key files answer in O(log n) pages; an index built before them scans the mapped key
-        # column (~0.1 s per 10M keys).
-        position = self.keys.position_of(key) if self.keys is not None else pc.index(self.ids["key"], key).as_py()
+        position = self.keys.position_of(key)  # the shards' key files: O(log n) pages each
         if position < 0:
             raise UnknownKeyError(f"key {short_repr(key)} is not in the index at {self.path}")
         return position
@@ -226,11 +213,7 @@ class SearchIndex:
         """Row ids (nq, k) -> keys, None for the -1 padding."""
         I = np.atleast_2d(I)
         positions = self.positions_of_rows(I)
-        if self.keys is not None:
-            flat = self.keys.keys_at(positions)
-        else:  # an index built before the key files: a take over the whole chunked column
-            keys = self.ids["key"].take(pa.array(positions.clip(0).reshape(-1))).to_pylist()
-            flat = [k if v else None for k, v in zip(keys, (positions >= 0).reshape(-1))]
+        flat = self.keys.keys_at(positions)
         return [flat[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
 
     # --- the rest of query/index_protocol.py's Index: trivial where every shard is here --------
@@ -278,9 +261,7 @@ class SearchIndex:
 
     def source_files(self) -> list[dict[str, Any]]:
         """The Parquet files every shard (segment) recorded in its infos, with the tar each was
-        ingested from where recorded (empty for an index built before shard directories)."""
-        if self.layout is None:
-            return []
+        ingested from where recorded."""
         return [entry for infos in self.layout.shard_infos for entry in infos.get("files", []) or []]
 
     def thumbnail(self, key: str, px: int, tar_dirs: tuple[str, ...] = ()) -> bytes:
@@ -307,48 +288,14 @@ def load_index(
     ``with_shards=False`` skips the FAISS files (a coordinator whose shards live in Ray actors);
     ``device``: where flat shards scan (see ``Shard.device``); ``served``: an earlier generation
     of the same index, open in this process, whose unchanged segments are taken over rather than
-    opened again (``reused_segments``).
+    opened again (``reused_segments``). A directory that is no index, or one built before shard
+    directories (index.errors.OldIndexLayoutError), is refused by ``read_infos_at``, naming
+    ``needle index build`` as the fix.
     """
     check_device(device)
     path = Path(path)
-    if (path / INFOS_FILE).is_file():
-        built = IndexInfos.from_json(read_infos(path), str(path / INFOS_FILE))
-        if built.layout == LAYOUT_SHARDS:
-            view = read_view(LocalLocation(path), built, generation)
-            return load_shard_directories(path, view, mmap, with_shards, device, reused_segments(served, path, device))
-    for name in (IDS_FILE, VECTORS_FILE, INFOS_FILE):
-        if not (path / name).is_file():
-            raise IndexFileError(f"index directory {path} has no {name}")
-    infos, vectors = read_infos_and_vectors(path)
-    try:
-        ids = read_ids(path / IDS_FILE)
-    except Exception as exc:  # pyarrow raises its own types for corrupt files
-        raise IndexFileError(f"cannot read index files in {path}: {type(exc).__name__}: {exc}") from exc
-    names = infos.get("index_files", ["index.faiss"])
-    missing = [n for n in names if not (path / n).is_file()]
-    if missing:
-        raise IndexFileError(f"index directory {path} has no {', '.join(missing)}")
-    faiss_indexes = [read_faiss(path / name, mmap) for name in names] if with_shards else []
-    rows = ids.num_rows
-    ntotal = sum(s.ntotal for s in faiss_indexes) if with_shards else infos.get("ntotal")
-    if rows != len(vectors) or rows != infos.get("rows") or ntotal != infos.get("ntotal"):
-        raise IndexFileError(
-            f"index {path} is inconsistent: {ntotal} vectors in the index files (infos: {infos.get('ntotal')}), "
-            f"{rows} ids in {IDS_FILE}, {len(vectors)} rows in {VECTORS_FILE} (infos: {infos.get('rows')})"
-        )
-    if vectors.ndim != 2 or vectors.shape[1] != infos.get("dim") or any(s.d != vectors.shape[1] for s in faiss_indexes):
-        raise IndexFileError(f"index {path}: {VECTORS_FILE} has shape {vectors.shape}, the index d={infos.get('dim')}")
-    shards = [make_shard(index, vectors, infos, device) for index in faiss_indexes]
-    keys = KeyStore(path) if has_key_files(path) else None
-    if keys is not None and len(keys) != rows:
-        raise IndexFileError(f"index {path} is inconsistent: {len(keys)} keys in its key files, {rows} in {IDS_FILE}")
-    if keys is None:
-        log.warning(
-            "index %s has no key files (built before them): key lookups scan the key column; rebuild "
-            "the index to answer them in O(log n)",
-            path,
-        )
-    return SearchIndex(shards, ids, vectors, infos, path, keys)
+    view = read_view(LocalLocation(path), number=generation)
+    return load_shard_directories(path, view, mmap, with_shards, device, reused_segments(served, path, device))
 
 
 def load_shard_directories(
@@ -376,7 +323,7 @@ def load_shard_directories(
         old = reused.get(entry.name)
         if old is not None and with_shards and same_segment_files(old, directory, entry):
             old_entry, shard = old
-            opened.append(cast(ShardFiles, shard.files))  # (same_segment_files: it has them)
+            opened.append(shard.files)
             # its search params and coarse comparisons kept; a new delete set: a new Shard over its files
             kept.append(shard if old_entry.deleted == entry.deleted else None)
         else:
@@ -395,10 +342,7 @@ def load_shard_directories(
     location = LocalLocation(path)
     deletes = [shard.deletes if shard is not None else segment_deletes(location, e) for shard, e in zip(kept, entries)]
     shards = (
-        [
-            shard if shard is not None else make_shard(o.index, o.vectors, o.infos, device, o, d)
-            for o, d, shard in zip(opened, deletes, kept)
-        ]
+        [shard if shard is not None else make_shard(o, device, d) for o, d, shard in zip(opened, deletes, kept)]
         if with_shards
         else []
     )
@@ -411,7 +355,7 @@ def load_shard_directories(
         return bool(len(deletes[shard])) and bool(deletes[shard].contains(opened[shard].ids["row"][position].as_py()))
 
     keys = ShardedKeys([o.keys for o in opened], bases, deleted)
-    return SearchIndex(shards, ids, vectors, view.as_infos(), path, keys, layout, view=view)
+    return SearchIndex(shards, ids, vectors, view.as_infos(), path, keys, layout, view)
 
 
 def reused_segments(served: SearchIndex | None, path: Path, device: str) -> dict[str, tuple[Segment, Shard]]:
@@ -419,7 +363,7 @@ def reused_segments(served: SearchIndex | None, path: Path, device: str) -> dict
     this process at ``path`` with its shards (nothing otherwise). Segment directories are written
     once under a name never used again (index/live/writer.py), so a later generation that names
     one names the same files: serving it again costs no reading, no mapping and no FAISS load."""
-    if served is None or not served.shards or served.view is None or Path(served.path) != path:
+    if served is None or not served.shards or Path(served.path) != path:
         return {}
     entries = served.view.segments
     if len(entries) != len(served.shards):
@@ -427,7 +371,7 @@ def reused_segments(served: SearchIndex | None, path: Path, device: str) -> dict
     return {
         e.name: (e, shard)
         for e, shard in zip(entries, served.shards)
-        if shard.files is not None and shard.files.index is not None and shard.device == device
+        if shard.files.index is not None and shard.device == device
     }
 
 
@@ -435,7 +379,7 @@ def same_segment_files(old: tuple[Segment, Shard], directory: Path, entry: Segme
     """Whether the open segment ``old`` is the one ``entry`` names: the same counts, and the same
     ``shard_infos.json`` (its files' sizes and SHA-256) on disk now."""
     old_entry, shard = old
-    if shard.files is None or (old_entry.rows, old_entry.ntotal) != (entry.rows, entry.ntotal):
+    if (old_entry.rows, old_entry.ntotal) != (entry.rows, entry.ntotal):
         return False
     try:
         return json.loads((directory / SHARD_INFOS_FILE).read_text()) == shard.files.infos

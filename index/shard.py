@@ -1,8 +1,7 @@
 """One shard of an index: a FAISS index file and the float16 vectors of its rows, searched in this
 process (index/search.py) or by a shard actor (shards/shard_actor.py), with the same code.
 
-``open_shard`` opens a shard by itself: a shard directory (nothing outside it is read), or one
-FAISS file of a directory built before shard directories and that directory's shared files.
+``open_shard`` opens a shard directory by itself (nothing outside it is read).
 
 A flat (exact) shard is searched by its FAISS index on the CPU, unless a GPU backend is present
 (faiss-gpu, or torch with CUDA: index/gpu/engine.py) and the search is large enough to pay for copying
@@ -38,7 +37,7 @@ from index.gpu.resident import ResidentDatabase, keep_resident
 from index.live.deletes import DeleteSet, search_live
 from index.live.row_map import RowMap, row_map_of
 from index.locals import LocalStore, open_local_store
-from index.shard_files import ShardFiles, open_shard_files, read_faiss, read_infos_and_vectors
+from index.shard_files import ShardFiles, open_shard_files
 from ingest.descriptors import STATUS_OK
 
 # A flat shard scans on the GPU from this many vectors and queries on ("auto"). Below them the
@@ -56,13 +55,13 @@ class Shard:
     Ray actor (cluster/serve.py), with the same code."""
 
     index: Any  # FAISS index, ids = Parquet row ids
-    vectors: np.ndarray  # (N, d) float16 memory map of the directory's vectors (this shard reads its rows)
+    vectors: np.ndarray  # (N, d) float16 memory map of its shard directory's vectors
     row_map: RowMap  # row ids -> positions in ``vectors`` (index/live/row_map.py)
     exact: bool  # a flat index: its scores need no re-scoring
     nprobe: int  # default lists visited
     quantizer_ef: int | None  # HNSW coarse quantizer depth recorded by the build
+    files: ShardFiles  # its shard directory's own files
     device: str = "auto"  # flat shards on a GPU: large searches when one is present (auto), never (cpu), always (cuda)
-    files: ShardFiles | None = None  # a shard directory's own files (None: a shard of an old single directory)
     deletes: DeleteSet = field(default_factory=lambda: DeleteSet.empty())  # rows deleted in the generation served
     resident: ResidentDatabase | bool | None = field(default=None, init=False, repr=False, compare=False)
     # its vectors on the GPU (device "cuda"): None until its first scan there, False where they do not fit
@@ -78,8 +77,6 @@ class Shard:
 
     def keys_of(self, I: np.ndarray) -> list[list[str | None]]:
         """Row ids (nq, k) of this shard -> keys from its own key files, None for the -1 padding."""
-        if self.files is None:
-            raise IndexFileError("a shard of an index built before shard directories has no key files of its own")
         I = np.atleast_2d(I)
         flat = self.files.keys.keys_at(self.positions_of_rows(I))
         return [flat[i * I.shape[1] : (i + 1) * I.shape[1]] for i in range(I.shape[0])]
@@ -88,16 +85,12 @@ class Shard:
         """Row ids (C,) of this shard -> their keys as one NUL-joined buffer (what the shard channel
         sends: no string made here), or as a list where that cannot hold them (no rows, a key
         holding a NUL)."""
-        if self.files is None:
-            raise IndexFileError("a shard of an index built before shard directories has no key files of its own")
         positions = self.positions_of_rows(np.asarray(rows, np.int64).reshape(-1))
         joined = self.files.keys.joined_keys_at(positions)
         return joined if joined is not None else self.files.keys.keys_at(positions)
 
     def position_of(self, key: str) -> int:
         """The shard-local position of ``key`` from this shard's own key files (O(log n)), or -1."""
-        if self.files is None:
-            raise IndexFileError("a shard of an index built before shard directories has no key files of its own")
         position = self.files.keys.position_of(key)
         if position >= 0 and len(self.deletes) and self.deletes.contains(self.files.ids["row"][position].as_py()):
             return -1  # deleted in the generation served: unknown
@@ -105,16 +98,12 @@ class Shard:
 
     def vector_at(self, position: int) -> np.ndarray | None:
         """The float32 vector at a shard-local position, or None where its row has no valid descriptor."""
-        if self.files is None:
-            raise IndexFileError("a shard of an index built before shard directories has no id table of its own")
         vector = np.asarray(self.vectors[position], dtype=np.float32)
         return vector if is_valid_descriptor(vector, self.files.ids["status"][position].as_py()) else None
 
     @cached_property
     def local_store(self) -> LocalStore | None:
         """This shard directory's local tokens, by its own positions (None: built without them)."""
-        if self.files is None:
-            raise IndexFileError("a shard of an index built before shard directories has no local store of its own")
         return open_local_store(self.files.directory, self.files.infos)
 
     @cached_property
@@ -171,10 +160,9 @@ class Shard:
         with RESIDENT_LOCK:
             if self.resident is None:
                 positions, _ = self.scan_layout
-                where = f" {self.files.directory}" if self.files is not None else ""
                 kept = keep_resident(
                     lambda: chunks_at(self.vectors, positions), len(positions), self.vectors.shape[1],
-                    label=f"flat shard{where} ({self.ntotal} vectors)",
+                    label=f"flat shard {self.files.directory} ({self.ntotal} vectors)",
                 )  # fmt: skip
                 self.resident = False if kept is None else kept
         return self.resident if isinstance(self.resident, ResidentDatabase) else None
@@ -364,37 +352,25 @@ def cached_params(
     return cache[nprobe, skip_deleted]
 
 
-def make_shard(
-    index: Any,
-    vectors: np.ndarray,
-    infos: dict[str, Any],
-    device: str = "auto",
-    files: ShardFiles | None = None,
-    deletes: DeleteSet | None = None,
-) -> Shard:
-    """A shard over ``vectors`` whose positions its infos give (the old directory's infos, or a
-    shard directory's ``shard_infos.json``: ``index.live.row_map``), less the rows ``deletes`` names."""
+def make_shard(files: ShardFiles, device: str = "auto", deletes: DeleteSet | None = None) -> Shard:
+    """A shard over a shard directory's opened ``files`` (its FAISS index loaded), whose
+    positions its ``shard_infos.json`` gives (``index.live.row_map``), less the rows ``deletes`` names."""
+    infos = files.infos
     return Shard(
-        index,
-        vectors,
-        row_map_of(infos, files.ids if files is not None else None),
+        files.index,
+        files.vectors,
+        row_map_of(infos, files.ids),
         infos.get("kind") == "flat",
         int(infos.get("nprobe", 64)),
         infos.get("quantizer_ef"),
-        device,
         files,
+        device,
         deletes or DeleteSet.empty(),
     )
 
 
 def open_shard(path: str | Path, name: str, device: str = "auto", deletes: DeleteSet | None = None) -> Shard:
     """One shard of an index, with its own memory maps (a Ray shard actor's view): the shard
-    directory ``path / name`` by itself (nothing outside it is read), or for an index built
-    before shard directories, its FAISS file ``name`` and the directory's shared files."""
-    path = Path(path)
+    directory ``path / name`` by itself (nothing outside it is read)."""
     device = check_device(device)
-    if (path / name).is_dir():
-        files = open_shard_files(path / name)
-        return make_shard(files.index, files.vectors, files.infos, device, files, deletes)
-    infos, vectors = read_infos_and_vectors(path)
-    return make_shard(read_faiss(path / name), vectors, infos, device)
+    return make_shard(open_shard_files(Path(path) / name), device, deletes)

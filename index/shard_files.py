@@ -2,8 +2,8 @@
 
 An index is one self-contained directory per shard (``shard_000/`` ...: its FAISS index, ids,
 float16 vectors, key files and local tokens, at shard-local positions, and ``shard_infos.json``),
-listed by the top-level ``index_infos.json``; directories built before that layout (files at the
-top, ``shard_*.faiss``) still load. ``open_shard_files`` opens one shard directory by itself (a
+listed by the top-level ``index_infos.json`` (index.layout.check_layout refuses any other layout).
+``open_shard_files`` opens one shard directory by itself (a
 shard actor reads nothing outside it); ``ShardLayout``, ``ShardedVectors`` and ``ShardedKeys``
 are the views of an index over all its shard directories in one process: a position (or a row id)
 is routed to the shard that owns it, and nothing concatenates the shards' keys, vectors or tokens.
@@ -25,7 +25,7 @@ import pyarrow.ipc
 from index.errors import IndexFileError
 from index.generation import Segment
 from index.keys import KeyFileError, KeyStore
-from index.layout import IDS_FILE, INDEX_FILE, INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE, VECTORS_FILE
+from index.layout import IDS_FILE, INDEX_FILE, INFOS_FILE, SHARD_INFOS_FILE, VECTORS_FILE
 from index.live.row_map import RoutedRows, RowMap
 from index.locals import LocalStore, LocalStoreError
 
@@ -45,13 +45,6 @@ def read_faiss(path: Path, mmap: bool = True) -> Any:
             raise IndexFileError(f"cannot read {path}: {str(exc).splitlines()[0]}") from exc
 
 
-def read_infos(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / INFOS_FILE).read_text())
-    except Exception as exc:
-        raise IndexFileError(f"cannot read {path / INFOS_FILE}: {type(exc).__name__}: {exc}") from exc
-
-
 def map_vectors(path: Path) -> np.ndarray:
     """The float16 refine vectors, memory-mapped for random access: without readahead a cold
     2000-row shortlist read 4-5x faster here (0.13-0.2 s instead of 0.64-0.87 s from this disk)."""
@@ -61,14 +54,6 @@ def map_vectors(path: Path) -> np.ndarray:
     if hasattr(mmap, "MADV_RANDOM") and getattr(vectors, "_mmap", None) is not None:
         vectors._mmap.madvise(mmap.MADV_RANDOM)
     return vectors
-
-
-def read_infos_and_vectors(path: Path) -> tuple[dict[str, Any], np.ndarray]:
-    """``index_infos.json`` and the mapped vectors of an index directory, or IndexFileError."""
-    try:
-        return json.loads((path / INFOS_FILE).read_text()), map_vectors(path / VECTORS_FILE)
-    except Exception as exc:  # numpy and json each raise their own types for corrupt files
-        raise IndexFileError(f"cannot read index files in {path}: {type(exc).__name__}: {exc}") from exc
 
 
 def read_ids(path: Path) -> Any:
@@ -287,15 +272,10 @@ class ShardLayout:
 
 
 def shard_names(infos: dict[str, Any]) -> list[str]:
-    """What ``open_shard`` takes for each shard: shard directories, or an old directory's FAISS files."""
-    if infos.get("layout") == LAYOUT_SHARDS:
-        return [entry["name"] for entry in infos["shards"]]
-    return list(infos.get("index_files", [INDEX_FILE]))
+    """The shard directories (segments) an index's infos list, in order: what ``open_shard`` takes."""
+    return [entry["name"] for entry in infos["shards"]]
 
 
 def index_file_paths(path: Path | str, infos: dict[str, Any]) -> list[Path]:
     """The FAISS index files of an index directory, in shard order."""
-    path = Path(path)
-    if infos.get("layout") == LAYOUT_SHARDS:
-        return [path / name / INDEX_FILE for name in shard_names(infos)]
-    return [path / name for name in shard_names(infos)]
+    return [Path(path) / name / INDEX_FILE for name in shard_names(infos)]

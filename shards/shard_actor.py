@@ -196,7 +196,7 @@ class ShardActor(ShardCalls):
         """The source tars of this shard's rows (recorded per Parquet file in its infos)."""
         with self._lock:
             if self._images is None:
-                files = self.shard.files.infos.get("files", []) if self.shard.files is not None else []
+                files = self.shard.files.infos.get("files", [])
                 urls = tar_urls_of_files(files, self.images_conf.endpoint_url)
                 self._images = SourceImages(urls, self.images_conf)
             return self._images
@@ -270,8 +270,7 @@ class ShardActor(ShardCalls):
         on this machine)."""
         from query.recorded import index_itq
 
-        infos = self.shard.files.infos if self.shard.files is not None else {}
-        return index_itq(infos, self.name)
+        return index_itq(self.shard.files.infos, self.name)
 
     def memory(self) -> dict[str, int]:
         """This actor's process memory (see index.memory)."""

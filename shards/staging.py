@@ -31,8 +31,8 @@ from core.hashing import file_sha256
 from core.location import Location, location_of
 from core.storage import StorageError, is_s3
 from index.errors import IndexFileError
-from index.generation import IndexInfos, Segment
-from index.layout import INFOS_FILE, LAYOUT_SHARDS, SHARD_INFOS_FILE
+from index.generation import Segment
+from index.layout import INFOS_FILE, SHARD_INFOS_FILE
 from index.live.deletes import DeleteSet, segment_deletes
 
 log = logging.getLogger(__name__)
@@ -90,16 +90,9 @@ def read_index_infos(
     its shards (segments) are listed with their rows, vectors and bytes, and add up to its counts."""
     from index.live.generations import read_view
 
-    url = source_url(source)
-    location = source_location(url, endpoint_url)
-    recorded = read_json(location, INFOS_FILE)  # an IndexFileError naming the file where it is missing
-    infos = IndexInfos.from_json(recorded, f"{url}/{INFOS_FILE}")
-    if infos.layout != LAYOUT_SHARDS:
-        raise IndexFileError(
-            f"index {url} was built before shard directories: serving it across nodes needs an index of "
-            "self-contained shard directories (rebuild it)"
-        )
-    return read_view(location, infos, generation).as_infos()
+    # read_view reads index_infos.json first (read_infos_at): no index, or one built before shard
+    # directories, is refused there with the command that builds one
+    return read_view(source_location(source, endpoint_url), number=generation).as_infos()
 
 
 def read_delete_set_of(source: str, entry: dict[str, Any], endpoint_url: str | None) -> DeleteSet:

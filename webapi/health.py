@@ -21,7 +21,6 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from index.shard_files import shard_names
 from query.index_protocol import Index
 from webapi.guard import Gate, busy_message
 from webapi.http_errors import json_response
@@ -34,7 +33,7 @@ def health_answer(index: Index) -> tuple[int, dict[str, Any]]:
     """(status, body) of /health: the index's size, dimension, shards and kind, and the replicas'
     state where the shards are served elsewhere (503 when a shard has no live replica)."""
     infos = index.infos
-    shards = len(infos.get("shard_segments") or shard_names(infos))
+    shards = len(infos["shard_segments"])  # a generation view's (index.generation.GenerationView.as_infos)
     out: dict[str, Any] = {"ntotal": index.ntotal, "d": index.d, "shards": shards, "kind": infos.get("kind")}
     out["generation"] = int(infos.get("generation", 0))  # the generation served (docs/live_index.md)
     replicas = index.health()  # {} in one process: every shard is here

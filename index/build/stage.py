@@ -16,8 +16,8 @@ rows, at shard-local positions (its rows in file order):
 - ``shard_infos.json``: its Parquet files and their offsets, counts, every file's size and SHA-256
 
 and ``index_infos.json`` at the top: the plan and why, sizes, the list of shards, the ingestion's
-extractor info. Indexes built before shard directories (files at the top) still load
-(index/search.py).
+extractor info, and ``"layout": "shard-directories"``: readers refuse an index without it (built
+before shard directories, files at the top: index.layout.check_layout names this command as the fix).
 
 Steps, one module each, chained here: plan (index/build/plan.py: stage and scan the files' footers
 and row ids, cut them into parts and shards), train (index/build/train.py: on a sample read file

@@ -51,10 +51,15 @@ def manifest_name(number: int) -> str:
 
 
 def read_infos_at(location: Location) -> IndexInfos:
-    """The build's ``index_infos.json`` (generation 0), validated; or IndexFileError."""
-    data = location.read_bytes(INFOS_FILE)
+    """The build's ``index_infos.json`` (generation 0), validated: what every reader of an index
+    reads first. IndexFileError where there is none (not an index), OldIndexLayoutError for an
+    index built before shard directories (index.layout.check_layout)."""
+    try:
+        data = location.read_bytes(INFOS_FILE)
+    except Exception as exc:  # a directory in its place, no permission; botocore's own types
+        raise IndexFileError(f"cannot read {location.url}/{INFOS_FILE}: {type(exc).__name__}: {exc}") from exc
     if data is None:
-        raise IndexFileError(f"index {location.url} has no {INFOS_FILE}")
+        raise IndexFileError(f"{location.url} is not an index (no {INFOS_FILE}): build one with `needle index build`")
     return IndexInfos.from_json(data, f"{location.url}/{INFOS_FILE}")
 
 

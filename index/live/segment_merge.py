@@ -142,13 +142,13 @@ def merged_groups(shards: list[Shard], small_share: float = SMALL_SHARE) -> list
     groups = []
     for same in coarse_classes(shards):
         largest = max(int(shards[i].index.ntotal) for i in same)
-        small = [i for i in same if shards[i].files is not None and shards[i].index.ntotal < small_share * largest]
+        small = [i for i in same if shards[i].index.ntotal < small_share * largest]
         if len(small) < 2:
             continue
         try:
             groups.append(merge_segments(small, [shards[i] for i in small]))
         except (RuntimeError, ValueError, IndexFileError) as exc:  # searched one by one: the same answers, slower
-            log.warning("segments %s not merged for search: %s", [shards[i].files.directory.name for i in small], exc)  # type: ignore[union-attr]
+            log.warning("segments %s not merged for search: %s", [shards[i].files.directory.name for i in small], exc)
     return groups
 
 
@@ -156,9 +156,7 @@ def merge_segments(members: list[int], shards: list[Shard]) -> MergedSegments:
     """One in-memory IVF index of ``shards``' codes and row ids: each segment's FAISS file read
     again into memory (theirs stay as served: FAISS's ``merge_from`` empties its source, and
     memory-mapped lists cannot be copied), merged into the first one's."""
-    if any(s.files is None for s in shards):
-        raise ValueError("a segment without its own directory")
-    copies = [read_faiss(s.files.directory / INDEX_FILE, mmap=False) for s in shards]  # type: ignore[union-attr]
+    copies = [read_faiss(s.files.directory / INDEX_FILE, mmap=False) for s in shards]
     stages = [coarse_stage(c) for c in copies]
     if any(stage is None for stage in stages):
         raise ValueError("a segment that is not an IVF index")
@@ -188,7 +186,7 @@ def without_deleted(merged: Any, shards: list[Shard]) -> DeleteSet:
 
 def owners_of(shards: list[Shard]) -> np.ndarray:
     """Parquet file id -> which of ``shards`` holds that file's rows (-1: none of them)."""
-    files = [np.unique(row_column(s.files.ids) >> ROW_SHARD_SHIFT) for s in shards]  # type: ignore[union-attr]
+    files = [np.unique(row_column(s.files.ids) >> ROW_SHARD_SHIFT) for s in shards]
     size = int(max((int(f.max()) + 1 for f in files if len(f)), default=0))
     owners = np.full(size, -1, np.int32)
     for member, ids in enumerate(files):

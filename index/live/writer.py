@@ -34,7 +34,6 @@ from core.atomic import write_synced
 from core.errors import NeedleInputError
 from core.kill_points import kill_point
 from core.location import Location, location_of
-from index.errors import IndexFileError
 from index.generation import DeleteFile, Generation, IndexInfos, Segment, ShardSegments, WriterStamp
 from index.keys import KEY_FILES
 from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
@@ -195,15 +194,11 @@ class writing:
 
     def __init__(self, index: str | Path, endpoint_url: str | None = None):
         self.location: Location = location_of(index, endpoint_url)
-        root = self.location.local_root
-        if root is not None and not (root / "index_infos.json").is_file():
-            raise IndexFileError(f"{index} is not an index directory (no index_infos.json)")
         self.lock: Any = None
         self.writer: Writer | None = None
 
     def __enter__(self) -> Writer:
-        infos = read_infos_at(self.location)
-        Generation.zero(infos)  # an index of another layout: refused before any file is made
+        infos = read_infos_at(self.location)  # no index, or one built before shard directories: refused here
         root = self.location.local_root
         if root is not None:  # a directory takes the writer lock; S3 has none (see the module's doc)
             self.lock = take_lock(root / LOCK_FILE)

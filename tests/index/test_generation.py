@@ -11,7 +11,7 @@ import pytest
 from core.location import location_of
 from index.build.stage import IndexConfig
 from index.build.stage import main as build
-from index.errors import IndexFileError
+from index.errors import IndexFileError, OldIndexLayoutError
 from index.generation import Generation, IndexInfos
 from index.layout import INFOS_FILE
 from index.live.add_rows import AddConfig
@@ -91,14 +91,14 @@ def test_a_manifest_written_before_the_model_opens_unchanged():
     assert generation.to_json() == data
 
 
-def test_an_index_built_before_shard_directories_opens_unchanged(living, tmp_path):
+def test_an_index_built_before_shard_directories_is_refused_unchanged(living, tmp_path):
     old = to_old_layout(living, tmp_path / "old")
     before = (old / INFOS_FILE).read_bytes()
-    infos = IndexInfos.from_json(before, INFOS_FILE)
-    assert infos.layout is None and infos.shards == () and infos.to_json() == json.loads(before)
-    index = load_index(old)
-    assert index.ntotal == 90 and index.view is None
-    assert (old / INFOS_FILE).read_bytes() == before
+    with pytest.raises(OldIndexLayoutError, match=f"index {old} was built before shard directories"):
+        IndexInfos.from_json(before, f"{old}/{INFOS_FILE}")
+    with pytest.raises(OldIndexLayoutError, match=f"rebuild it with `needle index build --descriptors .* --out {old}`"):
+        read_view(location_of(old))
+    assert (old / INFOS_FILE).read_bytes() == before and not (old / "generations").exists()
 
 
 def test_the_view_reads_index_infos_once_and_reports_the_old_infos(living):

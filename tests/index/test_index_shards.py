@@ -1,7 +1,7 @@
 """Self-contained shard directories: a sharded index answers exactly like one shard and like an
 exact search (ties included), every lookup is routed to the owning shard, a shard directory
 opens by itself anywhere, broken shard files are named, and indexes built before shard
-directories still load."""
+directories are refused, naming ``needle index build``."""
 
 import json
 import shutil
@@ -13,7 +13,7 @@ import pyarrow.ipc
 import pytest
 
 from index.build.stage import INFOS_FILE, SHARD_INFOS_FILE, IndexConfig, main
-from index.errors import IndexFileError, UnknownKeyError
+from index.errors import IndexFileError, OldIndexLayoutError, UnknownKeyError
 from index.locals import read_token_records
 from index.search import load_index
 from index.shard import open_shard
@@ -245,22 +245,39 @@ def test_verify_shard_checks_every_byte(built, tmp_path):
 
 
 @pytest.mark.parametrize("shards", [1, 2])
-def test_an_index_built_before_shard_directories_still_loads(built, collection, tmp_path, shards):
-    _, rows, xb = collection
-    new = load_index(built["ivfpq", shards])
-    old = load_index(to_old_layout(built["ivfpq", shards], tmp_path / "old"))
-    assert old.layout is None and len(old.shards) == shards
-    xq = queries(xb)
-    for a, b in zip(old.search(xq, 20), new.search(xq, 20)):
-        np.testing.assert_array_equal(a, b)
-    assert old.keys_of(rows[None, ::9]) == new.keys_of(rows[None, ::9])
-    assert old.position_of("000005/00049") == new.position_of("000005/00049") == len(rows) - 1
-    np.testing.assert_array_equal(old.vector_of("000002/00001"), new.vector_of("000002/00001"))
-    picks = np.arange(len(rows))
-    np.testing.assert_array_equal(old.local_store.batch(picks).codes, new.local_store.batch(picks).codes)
-    name = shard_names(old.infos)[-1]
-    for a, b in zip(open_shard(tmp_path / "old", name).search(xq, 5), old.shards[-1].search(xq, 5)):
-        np.testing.assert_array_equal(a, b)
+def test_an_index_built_before_shard_directories_is_refused_naming_the_rebuild(built, collection, tmp_path, shards):
+    """No reader opens the layout built before shard directories: one typed error naming the
+    directory and the command that rebuilds it from the descriptors it records."""
+    desc = collection[0]
+    old = to_old_layout(built["ivfpq", shards], tmp_path / "old")
+    assert json.loads((old / INFOS_FILE).read_text())["descriptors"] == [str(desc)]
+    with pytest.raises(OldIndexLayoutError) as refused:
+        load_index(old)
+    assert str(refused.value) == (
+        f'index {old} was built before shard directories (its {INFOS_FILE} has no "layout": '
+        f'"shard-directories"), a layout needle no longer reads: rebuild it with '
+        f"`needle index build --descriptors {desc} --out {old}`"
+    )
+    with pytest.raises(OldIndexLayoutError, match=f"--out {old}"):
+        load_index(old, with_shards=False)
+    top = "index.faiss" if shards == 1 else "shard_001.faiss"  # a shard is a directory, never a top-level file
+    with pytest.raises(IndexFileError, match=f"{top}.*no {SHARD_INFOS_FILE}"):
+        open_shard(old, top)
+
+
+def test_the_rebuild_named_without_recorded_descriptors_and_a_directory_that_is_no_index(built, tmp_path):
+    old = to_old_layout(built["ivfpq", 1], tmp_path / "old")
+    infos = json.loads((old / INFOS_FILE).read_text())
+    (old / INFOS_FILE).write_text(json.dumps({k: v for k, v in infos.items() if k != "descriptors"}))
+    with pytest.raises(OldIndexLayoutError, match=f"--descriptors <its descriptor directories> --out {old}`"):
+        load_index(old)
+    (old / INFOS_FILE).unlink()  # ids.arrow, vectors and FAISS files, but no index_infos.json
+    with pytest.raises(IndexFileError) as refused:
+        load_index(old)
+    assert not isinstance(refused.value, OldIndexLayoutError)
+    assert str(refused.value) == f"{old} is not an index (no {INFOS_FILE}): build one with `needle index build`"
+    with pytest.raises(IndexFileError, match="is not an index"):
+        load_index(tmp_path / "nothing here")
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -8,7 +8,7 @@ from index.build.stage import IndexConfig, main
 from index.errors import UnknownKeyError
 from index.keys import KEY_FILES, KEY_OFFSETS_FILE, KEYS_FILE, SLICED_MAX, KeyFileError, KeyStore, write_key_files
 from index.search import load_index
-from tests.support.index import clustered_unit_vectors, to_old_layout, write_descriptor_file
+from tests.support.index import clustered_unit_vectors, write_descriptor_file
 
 
 def _random_keys(n: int, seed: int) -> list[str]:
@@ -117,17 +117,14 @@ def test_index_answers_keys_from_its_key_files_like_the_id_table(tmp_path):
         write_descriptor_file(tmp_path / "desc", f"{s:06d}", s, xb)
     out = main(IndexConfig(), tmp_path / "desc", tmp_path / "index")
     index = load_index(out)
-    assert index.keys is not None and index.infos["key_files"] == list(KEY_FILES)
+    assert index.infos["key_files"] == list(KEY_FILES)
     xq = np.concatenate(parts)[::17]
     _, I = index.search(xq, 30)
     I[:, -3:] = -1  # FAISS's padding
-    keys = index.keys_of(I)
-    old = load_index(to_old_layout(out, tmp_path / "old", key_files=False))  # built before the key files
-    assert old.layout is None
-    assert old.keys is None
-    assert old.keys_of(I) == keys
-    all_keys = old.ids["key"].to_pylist()
+    all_keys = index.ids["key"].to_pylist()
+    positions = index.positions_of_rows(I)
+    assert index.keys_of(I) == [[all_keys[p] if p >= 0 else None for p in row] for row in positions]
     for key in all_keys[::29]:
-        assert index.position_of(key) == old.position_of(key) == all_keys.index(key)
+        assert index.position_of(key) == all_keys.index(key)
     with pytest.raises(UnknownKeyError):
         index.position_of("not/a-key")

@@ -136,11 +136,14 @@ def test_http_503_partial_and_health(built, tmp_path):
 
 
 def test_old_layout_is_refused_for_serving_across_nodes(built, tmp_path):
+    from index.errors import OldIndexLayoutError
     from tests.support.index import to_old_layout
 
     old = to_old_layout(built[1], tmp_path / "old")
-    with pytest.raises(IndexFileError, match="built before shard directories"):
+    with pytest.raises(OldIndexLayoutError, match=f"index {old} was built before shard directories.*--out {old}`"):
         read_index_infos(old)
+    with pytest.raises(IndexFileError, match=f"{tmp_path} is not an index .*`needle index build`"):
+        read_index_infos(tmp_path)
 
 
 def test_serve_flags_for_shards():

@@ -1,5 +1,5 @@
 """Writing schema-v1 Parquet files of synthetic descriptors for index tests; an index in the layout
-built before shard directories."""
+built before shard directories (which every reader refuses: the tests of that refusal)."""
 
 import json
 import shutil
@@ -43,10 +43,11 @@ def write_descriptor_file(
     return write_parquet_atomic(table, Path(directory) / f"{shard}.parquet")
 
 
-def to_old_layout(out: Path, target: Path, key_files: bool = True) -> Path:
-    """An index directory as built before shard directories: ids, vectors, key files, local
-    segments and ``index.faiss`` / ``shard_*.faiss`` at the top, global positions (``key_files``
-    False: also before the key files)."""
+def to_old_layout(out: Path, target: Path) -> Path:
+    """The index ``out`` copied to ``target`` as built before shard directories (no reader opens
+    it: index.errors.OldIndexLayoutError): ids, vectors, key files, local segments and
+    ``index.faiss`` / ``shard_*.faiss`` at the top, global positions, and its infos without
+    ``layout`` (its ``descriptors`` kept, as that build recorded them)."""
     infos = json.loads((out / INFOS_FILE).read_text())
     target.mkdir()
     shards = [json.loads((out / e["name"] / SHARD_INFOS_FILE).read_text()) for e in infos["shards"]]
@@ -54,8 +55,7 @@ def to_old_layout(out: Path, target: Path, key_files: bool = True) -> Path:
     ids = pa.concat_tables(tables)
     with pa.OSFile(str(target / "ids.arrow"), "wb") as sink, pa.ipc.new_file(sink, ids.schema) as writer:
         writer.write_table(ids)
-    if key_files:
-        write_key_files(ids["key"].chunks, target)
+    write_key_files(ids["key"].chunks, target)
     np.save(
         target / "vectors.f16.npy",
         np.concatenate([np.load(out / e["name"] / "vectors.f16.npy") for e in infos["shards"]]),

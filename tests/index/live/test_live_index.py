@@ -216,12 +216,12 @@ def test_ivfpq_recall_after_churn_matches_a_fresh_build_and_compaction_changes_n
     np.testing.assert_array_equal(D_after, D_live)
 
 
-def test_an_index_built_before_shard_directories_stays_one_generation(flat, tmp_path):
+def test_an_index_built_before_shard_directories_is_refused_by_a_writer(flat, tmp_path):
+    from index.errors import OldIndexLayoutError
     from tests.support.index import to_old_layout
 
     index_dir, live, _ = flat
     old = to_old_layout(index_dir, tmp_path / "old")
-    assert load_index(old).generation == 0 and load_index(old).ntotal == len(live.rows)
-    with pytest.raises(NeedleInputError, match="rebuild it"):
+    with pytest.raises(OldIndexLayoutError, match=f"rebuild it with `needle index build --descriptors .* --out {old}`"):
         delete(DeleteConfig(), [sorted(live.rows)[0]], old)
-    assert not (old / "generations").exists()  # nothing written
+    assert not (old / "generations").exists()  # nothing written, not even the writer lock
