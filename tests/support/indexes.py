@@ -51,10 +51,6 @@ class SyntheticIndex:
     def sizes(self) -> dict[int, int]:
         return dict(self.files)
 
-    @property
-    def ntotal(self) -> int:
-        return sum(n for _, n in self.files)
-
     def parts(self, xb: np.ndarray) -> Iterator[tuple[str, int, np.ndarray]]:
         """(file name, Parquet shard id, its vectors as written: float16) of each file of ``xb`` (the
         builder's vectors)."""
