@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny real-image tars, a session Ray instance, a small-resolution extractor."""
+"""Shared fixtures: tiny real-image tars, a session Ray instance, a small-resolution extractor, the
+synthetic indexes (tests/support/indexes.py: each kind built once a session)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.indexes import flat_index as flat_index
+from tests.support.indexes import live_flat_index as live_flat_index
+from tests.support.indexes import synthetic_indexes as synthetic_indexes
 from tests.support.tars import jpeg_bytes, write_tar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -8,12 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from index.build.stage import IndexConfig, main
+from index.build.stage import main
 from index.search import load_index
-from tests.support.index import clustered_unit_vectors, write_descriptor_file
+from tests.support.indexes import SERVED_480, write_synthetic
+from tests.support.indexes import SERVED_IVF as IVF
 from tests.support.ports import free_port, urlopen_json
-
-IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=8, points_per_list=50, nprobe=4, refine_factor=3)
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +20,7 @@ def built(tmp_path_factory):
     from dataclasses import replace
 
     root = tmp_path_factory.mktemp("serve")
-    for s in range(4):
-        write_descriptor_file(root / "desc", f"{s:06d}", s, clustered_unit_vectors(120, 32, seed=10 + s))
+    write_synthetic(SERVED_480, root)
     main(IVF, root / "desc", root / "single")
     main(replace(IVF, shards=4), root / "desc", root / "sharded")
     return root

@@ -14,16 +14,13 @@ import numpy as np
 import pytest
 
 from core.storage import MARKER_SUFFIX, s3_client
-from index.build.stage import IndexConfig, main
+from index.build.stage import main
 from index.search import load_index
 from ingest.source_images import thumbnail_jpeg
-from tests.support.index import write_descriptors_with_tokens, write_source_tars
+from tests.support.indexes import CLUSTER_TOKENS, write_synthetic
 
 pytestmark = [pytest.mark.ray, pytest.mark.s3, pytest.mark.slow]
 
-SIZES = {0: 700, 1: 600, 2: 800, 3: 500, 4: 650, 5: 750}
-D = 32
-IVF = IndexConfig(kind="ivfpq", nlist=32, pq_bytes=8, points_per_list=20, nprobe=8, refine_factor=2, shards=4)
 TIMEOUT = 3.0  # seconds a request waits for the shards (2 loaded cores: a restarting actor competes)
 
 
@@ -53,13 +50,12 @@ def cluster():
 def index_on_s3(s3_endpoint, tmp_path_factory):
     """(s3:// URL of the index, the single-process index of a local copy, the vectors)."""
     root = tmp_path_factory.mktemp("serve_cluster")
-    xb = write_descriptors_with_tokens(root / "desc", SIZES, D, seed=11)
+    xb, tars = write_synthetic(CLUSTER_TOKENS, root, lambda path: f"s3://serving/tars/{path.name}")
     client = s3_client(s3_endpoint)
     client.create_bucket(Bucket="serving")
-    tars = write_source_tars(root / "desc", root / "tars", SIZES, 8, lambda path: f"s3://serving/tars/{path.name}")
     for path in tars.values():
         client.upload_file(str(path), "serving", f"tars/{path.name}")
-    url = main(replace(IVF, s3_endpoint_url=s3_endpoint), root / "desc", "s3://serving/index")
+    url = main(replace(CLUSTER_TOKENS.config, s3_endpoint_url=s3_endpoint), root / "desc", "s3://serving/index")
     local = root / "copy"
     for item in client.list_objects_v2(Bucket="serving", Prefix="index/")["Contents"]:
         name = item["Key"][len("index/") :]

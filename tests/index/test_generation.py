@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 
 from core.location import location_of
-from index.build.stage import IndexConfig
-from index.build.stage import main as build
 from index.errors import IndexFileError, OldIndexLayoutError
 from index.generation import Generation, IndexInfos
 from index.layout import INFOS_FILE
@@ -21,6 +19,7 @@ from index.live.delete_rows import main as delete
 from index.live.generations import manifest_name, read_manifest, read_view
 from index.search import load_index
 from tests.support.index import clustered_unit_vectors, to_old_layout, write_descriptor_file
+from tests.support.indexes import LIVING, build_synthetic
 
 D = 16
 
@@ -29,9 +28,7 @@ D = 16
 def living(tmp_path_factory):
     """A flat index of 2 shards with an add (generation 1) and a delete (generation 2) published."""
     tmp = tmp_path_factory.mktemp("living")
-    for i in range(3):
-        write_descriptor_file(tmp / "desc", f"t{i}", i, clustered_unit_vectors(30, D, seed=i))
-    index_dir = build(IndexConfig(kind="flat", shards=2), tmp / "desc", tmp / "index")
+    index_dir, _ = build_synthetic(LIVING, tmp)
     write_descriptor_file(tmp / "more", "t7", 7, clustered_unit_vectors(20, D, seed=7))
     add(AddConfig(), tmp / "more", index_dir)
     delete(DeleteConfig(), ["t0/00003", "t7/00001", "t2/00010"], index_dir)

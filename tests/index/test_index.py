@@ -15,14 +15,13 @@ from index.search import load_index
 from index.shard_files import read_ids
 from ingest.descriptors import DescriptorFileError, make_row_id
 from tests.support.index import clustered_unit_vectors, write_descriptor_file
+from tests.support.indexes import EXACT_DESCRIPTORS
 
 
 @pytest.fixture
-def collection(tmp_path):
-    parts = [clustered_unit_vectors(150, 32, seed=s) for s in range(3)]
-    for s, xb in enumerate(parts):
-        write_descriptor_file(tmp_path / "desc", f"{s:06d}", s, xb)
-    return tmp_path / "desc", np.concatenate(parts).astype(np.float32)
+def collection(synthetic_indexes):
+    """(the descriptors, their vectors), shared read-only."""
+    return synthetic_indexes.get(EXACT_DESCRIPTORS)
 
 
 def test_flat_search_equals_exact_search(tmp_path, collection):

@@ -13,7 +13,7 @@ from core.storage import MARKER_SUFFIX, s3_client
 from index.build.s3 import build_shard_task
 from index.build.stage import INFOS_FILE, SHARD_INFOS_FILE, IndexConfig, main
 from index.search import load_index
-from tests.support.index import clustered_unit_vectors, write_descriptor_file
+from tests.support.indexes import S3_DESCRIPTORS
 
 pytestmark = [pytest.mark.s3]
 
@@ -21,12 +21,8 @@ IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=4, points_per_list=20, nprobe=
 
 
 @pytest.fixture(scope="module")
-def descriptors(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("s3index") / "desc"
-    parts = [clustered_unit_vectors(80, 16, seed=s) for s in range(4)]
-    for s, xb in enumerate(parts):
-        write_descriptor_file(directory, f"{s:06d}", s, xb)
-    return directory, np.concatenate(parts).astype(np.float32)
+def descriptors(synthetic_indexes):
+    return synthetic_indexes.get(S3_DESCRIPTORS)
 
 
 @pytest.fixture

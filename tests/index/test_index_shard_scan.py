@@ -12,9 +12,6 @@ from index.build.stage import IndexConfig, main
 from index.gpu.engine import exact_search, gpu_backend_available
 from index.search import load_index
 from tests.support.exact_search import CPU_BACKENDS, assert_same_neighbours
-
-# pytest fixtures and the fixtures they request, imported by name (``x as x``: on purpose, not unused)
-from tests.support.exact_search import flat_index as flat_index
 from tests.support.index import clustered_unit_vectors, write_descriptor_file
 
 # --- a flat shard's scan ----------------------------------------------------------------------

@@ -10,16 +10,13 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from index.build.stage import IndexConfig
-from index.build.stage import main as build
 from index.live.delete_rows import DeleteConfig
 from index.live.delete_rows import main as delete
 from index.search import load_index
 from query.index_protocol import Index
 from query.live_index import LiveIndex
-from tests.support.index import clustered_unit_vectors, write_descriptor_file
+from tests.support.index import clustered_unit_vectors
 from tests.support.live import D
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,14 +24,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def protocol_members() -> set[str]:
     return {name for name in vars(Index) if not name.startswith("_")}
-
-
-@pytest.fixture
-def flat_index(tmp_path):
-    desc = tmp_path / "desc"
-    for i in range(3):
-        write_descriptor_file(desc, f"t{i}", i, clustered_unit_vectors(40, D, seed=i))
-    return build(IndexConfig(kind="flat", shards=2), desc, tmp_path / "index")
 
 
 def follow(path):
@@ -56,28 +45,28 @@ def test_live_index_answers_every_member_itself_never_by_delegating_unknown_name
     assert protocol_members() <= set(vars(LiveIndex))
 
 
-def test_an_index_that_never_changes_pins_to_itself(flat_index):
-    index = load_index(flat_index)
+def test_an_index_that_never_changes_pins_to_itself(live_flat_index):
+    index = load_index(live_flat_index)
     index.warm()
     with index.pinned() as view:
         assert view is index and view.generation == 0
 
 
-def test_a_sharded_index_pins_to_itself(tmp_path, flat_index):
+def test_a_sharded_index_pins_to_itself(tmp_path, live_flat_index):
     from tests.support.serve_shards import coordinator
 
-    sharded = coordinator(flat_index, tmp_path / "cache")
+    sharded = coordinator(live_flat_index, tmp_path / "cache")
     sharded.warm()  # the shard actors warmed their shards as they started
     with sharded.pinned() as view:
         assert view is sharded and view.generation == sharded.generation == 0
 
 
-def test_a_pinned_view_and_the_live_index_answer_from_one_generation(flat_index):
-    live = follow(flat_index)
+def test_a_pinned_view_and_the_live_index_answer_from_one_generation(live_flat_index):
+    live = follow(live_flat_index)
     xq = clustered_unit_vectors(3, D, seed=9).astype(np.float32)
     with live.pinned() as view:
         assert view.generation == 0 and view.ntotal == 120
-        delete(DeleteConfig(), ["t1/00003"], flat_index)
+        delete(DeleteConfig(), ["t1/00003"], live_flat_index)
         assert live.reload()  # new requests get generation 1 ...
         # ... this one goes on with generation 0, through the view and through the live index
         assert view.generation == live.generation == 0 and live.ntotal == 120
@@ -88,8 +77,8 @@ def test_a_pinned_view_and_the_live_index_answer_from_one_generation(flat_index)
     assert live.generation == 1 and live.ntotal == 119
 
 
-def test_a_request_scope_is_pinned_to_the_generation_it_started_on(flat_index):
-    live = follow(flat_index)
+def test_a_request_scope_is_pinned_to_the_generation_it_started_on(live_flat_index):
+    live = follow(live_flat_index)
     entered, release, seen = threading.Event(), threading.Event(), []
 
     def request():
@@ -102,7 +91,7 @@ def test_a_request_scope_is_pinned_to_the_generation_it_started_on(flat_index):
     thread = threading.Thread(target=request)
     thread.start()
     entered.wait(5)
-    delete(DeleteConfig(), ["t0/00000"], flat_index)
+    delete(DeleteConfig(), ["t0/00000"], live_flat_index)
     assert live.reload() and live.generation == 1
     release.set()
     thread.join(5)

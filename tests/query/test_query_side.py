@@ -353,10 +353,10 @@ def clip_index(tmp_path_factory):
     text tower end to end."""
     from embed.registry import describe
     from index.build.stage import IndexConfig, main
-    from tests.support.index import clustered_unit_vectors, write_descriptor_file
+    from tests.support.indexes import CLIP_DESCRIPTORS, write_synthetic
 
     root = tmp_path_factory.mktemp("clip_index")
-    write_descriptor_file(root / "desc", "000000", 0, clustered_unit_vectors(40, 512, seed=3))
+    write_synthetic(CLIP_DESCRIPTORS, root)
     write_ingest_info(
         root / "desc",
         {

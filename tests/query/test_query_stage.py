@@ -6,17 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from tests.support.index import clustered_unit_vectors, write_descriptor_file
+from tests.support.indexes import QUERY_FLAT
 
 
 @pytest.fixture(scope="module")
-def index_dir(tmp_path_factory):
-    from index.build.stage import IndexConfig, main
-
-    root = tmp_path_factory.mktemp("query_stage")
-    for s in range(2):
-        write_descriptor_file(root / "desc", f"{s:06d}", s, clustered_unit_vectors(60, 16, seed=s))
-    return main(IndexConfig(kind="flat"), root / "desc", root / "index")
+def index_dir(synthetic_indexes):
+    return synthetic_indexes.get(QUERY_FLAT)[0]
 
 
 def test_main_writes_the_answer_and_its_info(index_dir, tmp_path):

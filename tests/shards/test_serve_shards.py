@@ -8,14 +8,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from index.build.stage import SHARD_INFOS_FILE, IndexConfig, main
+from index.build.stage import SHARD_INFOS_FILE
 from index.errors import UnknownKeyError
 from index.search import load_index
 from query.retrieve import QueryConfig, search, stored_tokens
 from rerank.rerank import RerankConfig
 from shards.coordinator import ShardedIndex, ShardsUnavailable
 from shards.staging import read_index_infos
-from tests.support.index import write_descriptors_with_tokens
+from tests.support.indexes import ALIKED_FLAT
 from tests.support.serve_shards import SIZES, D, coordinator, queries
 
 # pytest fixtures and the fixtures they request, imported by name (``x as x``: on purpose, not unused)
@@ -251,12 +251,9 @@ def test_expansion_after_reranking_equals_brute_force_on_the_shards(built, shard
 
 
 @pytest.fixture(scope="module")
-def aliked_index(tmp_path_factory):
+def aliked_index(synthetic_indexes):
     """Two index shards of rows whose tokens are recorded as ALIKED's (the packaged ITQ)."""
-    root = tmp_path_factory.mktemp("glue_shards")
-    sizes = {0: 40, 1: 30}
-    xb = write_descriptors_with_tokens(root / "desc", sizes, D, seed=5, aliked=True)
-    return main(IndexConfig(kind="flat", shards=2), root / "desc", root / "index"), xb
+    return synthetic_indexes.get(ALIKED_FLAT)
 
 
 def test_second_verification_on_shards_equals_the_single_index(aliked_index, tmp_path):

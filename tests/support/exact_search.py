@@ -1,14 +1,11 @@
 """Reference searches (FAISS's flat index; brute force in float64, ties to the smaller id), random
-data, a three-shard flat index and each id's inverted list, shared by the tests of exact search
-and of the GPU add."""
+data and each id's inverted list, shared by the tests of exact search and of the GPU add (their
+three-shard flat index: the ``flat_index`` fixture, tests/support/indexes.py)."""
 
 import faiss
 import numpy as np
-import pytest
 
-from index.build.stage import IndexConfig, main
 from index.gpu.engine import WORST
-from tests.support.index import clustered_unit_vectors, write_descriptor_file
 
 CPU_BACKENDS = ("faiss-cpu", "torch")  # torch on the CPU: the CUDA backend's code, run in CI
 
@@ -47,17 +44,6 @@ def random_data(n, d, nq, dtype, seed=0):
     xb = rng.standard_normal((n, d)).astype(dtype)
     xq = rng.standard_normal((nq, d)).astype(np.float32)
     return xq, xb
-
-
-@pytest.fixture
-def flat_index(tmp_path):
-    """Three files, one descriptor of the second rejected (NaN): the scan must skip its row."""
-    parts = [clustered_unit_vectors(150, 32, seed=s) for s in range(3)]
-    parts[1][40, 3] = np.nan
-    for s, xb in enumerate(parts):
-        write_descriptor_file(tmp_path / "desc", f"{s:06d}", s, xb)
-    out = main(IndexConfig(kind="flat", shards=3), tmp_path / "desc", tmp_path / "index")
-    return out, np.concatenate(parts).astype(np.float32)
 
 
 def list_assignment(index, n):

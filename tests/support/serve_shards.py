@@ -1,29 +1,25 @@
-"""A small IVF-PQ index of four shards (with local tokens and source tars) and a coordinator that
-serves it from ShardActor objects in this process (``LocalShards``), shared by the tests of serving
-shards."""
+"""A small IVF-PQ index of four shards with local tokens and source tars (SHARDED_TOKENS, built once
+a session) and a coordinator that serves it from ShardActor objects in this process
+(``LocalShards``), shared by the tests of serving shards."""
 
 import numpy as np
 import pytest
 
-from index.build.stage import IndexConfig, main
 from shards.coordinator import ShardedIndex
 from shards.local_shards import LocalShards
 from shards.shard_actor import ShardActor
 from shards.staging import StageConfig, read_index_infos
-from tests.support.index import write_descriptors_with_tokens, write_source_tars
+from tests.support.indexes import SHARDED_TOKENS
 
-SIZES = {0: 300, 1: 250, 2: 400, 3: 120, 7: 330}
-D = 24
-IVF = IndexConfig(kind="ivfpq", nlist=16, pq_bytes=8, points_per_list=20, nprobe=4, refine_factor=3, shards=4)
+SIZES = SHARDED_TOKENS.sizes
+D = SHARDED_TOKENS.d
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve_shards")
-    xb = write_descriptors_with_tokens(root / "desc", SIZES, D, seed=3)
-    write_source_tars(root / "desc", root / "tars", SIZES)
-    out = main(IVF, root / "desc", root / "index")
-    return root, out, xb
+def built(synthetic_indexes):
+    """(its root, the index, its vectors): SHARDED_TOKENS, built once a session."""
+    out, xb = synthetic_indexes.get(SHARDED_TOKENS)
+    return out.parent, out, xb
 
 
 def coordinator(out, cache, replicas=1, timeout=10.0):

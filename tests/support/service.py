@@ -1,5 +1,6 @@
-"""A small IVF-PQ index and a TestClient of ``needle serve``'s app in front of it, with the limits
-asked, shared by the tests of the service's limits, errors and guard."""
+"""A small IVF-PQ index (SERVED_IVFPQ, built once a session) and a TestClient of ``needle serve``'s
+app in front of it, with the limits asked, shared by the tests of the service's limits, errors,
+guard and connections."""
 
 from __future__ import annotations
 
@@ -8,21 +9,16 @@ import zlib
 
 import pytest
 
-from index.build.stage import IndexConfig, main
 from index.search import load_index
-from tests.support.index import clustered_unit_vectors, write_descriptor_file
+from tests.support.indexes import SERVED_IVFPQ
 
-IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=8, points_per_list=50, nprobe=4, refine_factor=3)
 JSON = {"Content-Type": "application/json"}
 OCTETS = {"Content-Type": "application/octet-stream"}
 
 
 @pytest.fixture(scope="module")
-def index_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("limits")
-    for s in range(2):
-        write_descriptor_file(root / "desc", f"{s:06d}", s, clustered_unit_vectors(150, 32, seed=20 + s))
-    return main(IVF, root / "desc", root / "index")
+def index_dir(synthetic_indexes):
+    return synthetic_indexes.get(SERVED_IVFPQ)[0]
 
 
 @pytest.fixture(scope="module")

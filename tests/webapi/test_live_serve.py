@@ -13,8 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.build.stage import IndexConfig
-from index.build.stage import main as build
 from index.errors import UnknownKeyError
 from index.live.delete_rows import DeleteConfig
 from index.live.delete_rows import main as delete
@@ -76,27 +74,19 @@ def test_a_failing_open_keeps_serving_the_generation_it_has():
     live.close()
 
 
-@pytest.fixture
-def flat_index(tmp_path):
-    desc = tmp_path / "desc"
-    for i in range(3):
-        write_descriptor_file(desc, f"t{i}", i, clustered_unit_vectors(40, D, seed=i))
-    return build(IndexConfig(kind="flat", shards=2), desc, tmp_path / "index")
-
-
 def needle(*args, env_extra=None, **kwargs):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env, **kwargs)
 
 
 @pytest.mark.slow
-def test_serve_follows_a_delete_and_wait_for_returns_once_it_is_visible(flat_index, tmp_path):
+def test_serve_follows_a_delete_and_wait_for_returns_once_it_is_visible(live_flat_index, tmp_path):
     from tests.support.ports import free_port, urlopen_json
 
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "serve", "--index", str(flat_index), "--port", str(port),
+        [sys.executable, "-m", "cli.main", "serve", "--index", str(live_flat_index), "--port", str(port),
          "--reload-interval", "0.5"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -114,11 +104,11 @@ def test_serve_follows_a_delete_and_wait_for_returns_once_it_is_visible(flat_ind
         victim = "t1/00003"
         status, out = urlopen_json(f"{url}/search", {"keys": [victim], "k": 5})
         assert status == 200 and out[0]["results"][0]["key"] == victim
-        vector = load_index(flat_index).vector_of(victim).tolist()
+        vector = load_index(live_flat_index).vector_of(victim).tolist()
         # a writer killed before it publishes: the server keeps answering from what it serves
         write_descriptor_file(tmp_path / "more", "t5", 5, clustered_unit_vectors(20, D, seed=5))
         killed = needle(
-            "index", "add", "--index", str(flat_index), "--descriptors", str(tmp_path / "more"),
+            "index", "add", "--index", str(live_flat_index), "--descriptors", str(tmp_path / "more"),
             env_extra={"NEEDLE_KILL_AT": "before_publish"}, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert killed.returncode == -9, killed.stderr
@@ -128,7 +118,7 @@ def test_serve_follows_a_delete_and_wait_for_returns_once_it_is_visible(flat_ind
         status, out = urlopen_json(f"{url}/search", {"keys": [victim], "k": 5})
         assert status == 200 and out[0]["results"][0]["key"] == victim
         done = needle(
-            "index", "delete", "--index", str(flat_index), "--keys", "-", "--wait-for", url,
+            "index", "delete", "--index", str(live_flat_index), "--keys", "-", "--wait-for", url,
             input=f"{victim}\nnot/there\n", capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
@@ -148,9 +138,9 @@ def test_serve_follows_a_delete_and_wait_for_returns_once_it_is_visible(flat_ind
         server.wait(20)
 
 
-def test_a_deleted_key_has_no_thumbnail_and_no_tokens(flat_index):
-    delete(DeleteConfig(), ["t2/00001"], flat_index)
-    index = load_index(flat_index)
+def test_a_deleted_key_has_no_thumbnail_and_no_tokens(live_flat_index):
+    delete(DeleteConfig(), ["t2/00001"], live_flat_index)
+    index = load_index(live_flat_index)
     with pytest.raises(UnknownKeyError):
         index.thumbnail("t2/00001", 64)
     with pytest.raises(UnknownKeyError):
@@ -159,7 +149,7 @@ def test_a_deleted_key_has_no_thumbnail_and_no_tokens(flat_index):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_shards_switch_generations_together(flat_index, ray_local):
+def test_ray_shards_switch_generations_together(live_flat_index, ray_local):
     """--ray-shards with --reload-interval: after an add and a delete the coordinator answers from
     the new generation's actors like the index loaded in one process; the old actors stop."""
     from cluster.index_job import ray_part_runner
@@ -169,18 +159,18 @@ def test_ray_shards_switch_generations_together(flat_index, ray_local):
     from shards.staging import StageConfig
 
     serving = ShardServing(stage=StageConfig(copy_local=False))
-    live = follow_index(flat_index, 0.2, serving)
+    live = follow_index(live_flat_index, 0.2, serving)
     try:
         first = live._current
-        more = flat_index.parent / "more"
+        more = live_flat_index.parent / "more"
         write_descriptor_file(more, "t7", 7, clustered_unit_vectors(30, D, seed=7))
-        add(AddConfig(), more, flat_index, run_parts=ray_part_runner())  # needle index add --ray
-        delete(DeleteConfig(), ["t0/00000", "t7/00002"], flat_index)
+        add(AddConfig(), more, live_flat_index, run_parts=ray_part_runner())  # needle index add --ray
+        delete(DeleteConfig(), ["t0/00000", "t7/00002"], live_flat_index)
         deadline = time.monotonic() + 120
         while live.generation < 2:
             assert time.monotonic() < deadline, "the coordinator did not switch"
             time.sleep(0.2)
-        single = load_index(flat_index)
+        single = load_index(live_flat_index)
         xq = clustered_unit_vectors(6, D, seed=42).astype(np.float32)
         D_live, I_live = live.search(xq, 20)
         D_one, I_one = single.search(xq, 20)

@@ -19,22 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from index.build.stage import IndexConfig, main
+from index.build.stage import IndexConfig
 from index.search import load_index
-from tests.support.index import clustered_unit_vectors, write_descriptor_file
 from tests.support.ports import free_port
 
+# pytest fixtures and the fixtures they request, imported by name (``x as x``: on purpose, not unused)
+from tests.support.service import index as index
+from tests.support.service import index_dir as index_dir
+
 ROOT = Path(__file__).resolve().parents[2]
-IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=8, points_per_list=50, nprobe=4, refine_factor=3)
 KEY = "000000/00001"
-
-
-@pytest.fixture(scope="module")
-def index_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("connections")
-    for s in range(2):
-        write_descriptor_file(root / "desc", f"{s:06d}", s, clustered_unit_vectors(150, 32, seed=30 + s))
-    return main(IVF, root / "desc", root / "index")
 
 
 @contextlib.contextmanager
@@ -89,11 +83,6 @@ def search(port: int, body: dict) -> tuple[int, object]:
         return exc.code, json.loads(exc.read())
     except OSError as exc:  # a connection refused at --max-connections: its 503 may come before the request
         return 0, repr(exc)  # is sent, and the client then sees a broken pipe or a reset instead
-
-
-@pytest.fixture(scope="module")
-def index(index_dir):
-    return load_index(index_dir)
 
 
 @pytest.mark.parametrize("http", ["h11", "httptools"])

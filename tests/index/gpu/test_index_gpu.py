@@ -36,9 +36,6 @@ from tests.support.exact_search import (
     random_data,
     reference,
 )
-
-# pytest fixtures and the fixtures they request, imported by name (``x as x``: on purpose, not unused)
-from tests.support.exact_search import flat_index as flat_index
 from tests.support.index import clustered_unit_vectors, write_descriptor_file
 
 

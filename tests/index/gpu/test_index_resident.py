@@ -14,9 +14,6 @@ from index.gpu.topk import GROUP, grouped_topk, plan_blocks
 from index.search import load_index
 from tests.support.exact_search import assert_same_neighbours, flat_search, random_data, reference
 
-# pytest fixtures and the fixtures they request, imported by name (``x as x``: on purpose, not unused)
-from tests.support.exact_search import flat_index as flat_index
-
 # --- a database kept on the device, and the streamed engine (run here on the CPU) ----------------
 
 

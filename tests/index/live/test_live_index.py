@@ -22,19 +22,17 @@ from index.live.generations import GenerationConflict, latest_number, read_infos
 from index.live.writer import WriterBusy, writing
 from index.search import load_index
 from tests.support.index import clustered_unit_vectors, write_descriptor_file
+from tests.support.indexes import LIVE_FLAT_4
 from tests.support.live import D, Live, assert_exact
 
 
 @pytest.fixture
-def flat(tmp_path):
+def flat(synthetic_indexes, tmp_path):
     """A flat index of 2 shards over 4 files of 40 rows, and the files' vectors."""
-    desc = tmp_path / "desc"
+    out, xb = synthetic_indexes.copy(LIVE_FLAT_4, tmp_path)
     live = Live()
-    for i in range(4):
-        xb = clustered_unit_vectors(40, D, seed=i)
-        write_descriptor_file(desc, f"t{i}", i, xb)
-        live.add_file(f"t{i}", i, xb)
-    out = build(IndexConfig(kind="flat", shards=2), desc, tmp_path / "index")
+    for name, shard_id, part in LIVE_FLAT_4.parts(xb):
+        live.add_file(name, shard_id, part)
     return out, live, tmp_path
 
 

@@ -19,11 +19,10 @@ import pytest
 
 from core.location import location_of
 from core.storage import s3_client
-from index.build.stage import IndexConfig
-from index.build.stage import main as build
 from index.live.generations import latest_number
 from index.search import load_index
 from tests.support.index import clustered_unit_vectors, write_descriptor_file
+from tests.support.indexes import LIVE_FLAT
 from tests.support.live import D, Live, assert_exact
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -47,18 +46,16 @@ def needle(args: list[str], kill_at: str | None = None, stdin: str | None = None
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
+def made(synthetic_indexes, tmp_path_factory):
     """A flat index of 2 shards over 3 files, one delete already published (so that compact has
     work), the files to add, the keys to delete, and the live rows after each command."""
     tmp = tmp_path_factory.mktemp("kill")
+    index, xb = synthetic_indexes.copy(LIVE_FLAT, tmp)
     live = Live()
-    for i in range(3):
-        xb = clustered_unit_vectors(40, D, seed=i)
-        write_descriptor_file(tmp / "desc", f"t{i}", i, xb)
-        live.add_file(f"t{i}", i, xb)
+    for name, shard_id, part in LIVE_FLAT.parts(xb):
+        live.add_file(name, shard_id, part)
     xb = clustered_unit_vectors(30, D, seed=5)
     write_descriptor_file(tmp / "more", "t5", 5, xb)
-    index = build(IndexConfig(kind="flat", shards=2), tmp / "desc", tmp / "index")
     (tmp / "first.txt").write_text("t0/00001\nt2/00007\n")
     assert needle(["index", "delete", "--index", str(index), "--keys", str(tmp / "first.txt")]).returncode == 0
     for key in ("t0/00001", "t2/00007"):
