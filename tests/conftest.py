@@ -3,7 +3,6 @@ synthetic indexes (tests/support/indexes.py: each kind built once a session)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from tests.support.indexes import flat_index as flat_index
 from tests.support.indexes import live_flat_index as live_flat_index
 from tests.support.indexes import synthetic_indexes as synthetic_indexes
-from tests.support.tars import jpeg_bytes, write_tar
+from tests.support.tars import photo_tars
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -37,18 +36,7 @@ def photos() -> dict[str, np.ndarray]:
 @pytest.fixture
 def tiny_shards(tmp_path: Path, photos) -> list[Path]:
     """Two tars of three real photos each (the second tar's photos are mirrored)."""
-    names = list(photos)
-    shards = []
-    for s in range(2):
-        members = []
-        for i, name in enumerate(names[3 * s : 3 * s + 3]):
-            image = photos[name] if s == 0 else np.ascontiguousarray(photos[name][:, ::-1])
-            members += [
-                (f"{s:02d}{i:03d}.jpg", jpeg_bytes(image)),
-                (f"{s:02d}{i:03d}.json", json.dumps({"photo": name}).encode()),
-            ]
-        shards.append(write_tar(tmp_path / f"{s:06d}.tar", members))
-    return shards
+    return photo_tars(tmp_path, photos)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -23,3 +24,21 @@ def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return path
+
+
+def photo_tars(directory: Path, photos: dict[str, np.ndarray]) -> list[Path]:
+    """Two tars of three real photos each in ``directory`` (the second tar's photos mirrored), each
+    sample a JPEG and a JSON naming its photo."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = list(photos)
+    shards = []
+    for s in range(2):
+        members = []
+        for i, name in enumerate(names[3 * s : 3 * s + 3]):
+            image = photos[name] if s == 0 else np.ascontiguousarray(photos[name][:, ::-1])
+            members += [
+                (f"{s:02d}{i:03d}.jpg", jpeg_bytes(image)),
+                (f"{s:02d}{i:03d}.json", json.dumps({"photo": name}).encode()),
+            ]
+        shards.append(write_tar(directory / f"{s:06d}.tar", members))
+    return shards

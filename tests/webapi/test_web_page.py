@@ -13,10 +13,9 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.support.tars import jpeg_bytes, write_tar
+from tests.support.tars import photo_tars
 
 CHROMIUM = "/usr/bin/chromium"
 OCTETS = {"Content-Type": "application/octet-stream"}  # what the page's upload sends
@@ -35,18 +34,7 @@ def web_index(tmp_path_factory, photos, extractor):
     from ingest.pipeline import process_shard
 
     root = tmp_path_factory.mktemp("web")
-    names = list(photos)
-    shards = []
-    for s in range(2):
-        members = []
-        for i, name in enumerate(names[3 * s : 3 * s + 3]):
-            image = photos[name] if s == 0 else np.ascontiguousarray(photos[name][:, ::-1])
-            members += [
-                (f"{s:02d}{i:03d}.jpg", jpeg_bytes(image)),
-                (f"{s:02d}{i:03d}.json", json.dumps({"photo": name}).encode()),
-            ]
-        (root / "tars").mkdir(exist_ok=True)
-        shards.append(write_tar(root / "tars" / f"{s:06d}.tar", members))
+    shards = photo_tars(root / "tars", photos)
     local = LocalExtractor(LocalConfig(resolution=192, top_k=30, itq=LITE0_ITQ))
     desc = root / "desc"
     for i, shard in enumerate(shards):
