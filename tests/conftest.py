@@ -22,7 +22,6 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "needle-test")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "needle-test")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "coins")
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -15,7 +17,7 @@ from embed.shape_plan import plan_batches
 from ingest.config import IngestConfig
 from ingest.images import decode_resized_many
 from ingest.pipeline import process_shard
-from tests.conftest import SHARED, jpeg_bytes, write_tar
+from tests.support.tars import jpeg_bytes, write_tar
 
 
 def _cuda() -> bool:
@@ -26,7 +28,7 @@ def _cuda() -> bool:
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
-REALBENCH = SHARED / "data" / "realbench"
+REALBENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "realbench"
 
 
 def _mixed_images(rng: np.random.Generator, longer: int = 96, n: int = 12) -> list[np.ndarray]:

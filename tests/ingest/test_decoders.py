@@ -13,7 +13,7 @@ from embed.extract import GlobalExtractor
 from ingest.config import IngestConfig
 from ingest.pipeline import process_shard
 from ingest.process_decode import ProcessDecoder
-from tests.conftest import jpeg_bytes, write_tar
+from tests.support.tars import jpeg_bytes, write_tar
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one intra-op thread
 
