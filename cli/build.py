@@ -15,6 +15,7 @@ from cli.live import add_live_parsers
 from cluster.demo import DemoRunConfig
 from core.errors import NeedleInputError
 from core.multiscale import ROTATIONS
+from core.storage import path_or_url
 from embed import TrainITQConfig
 from index.build.config import IndexConfig
 from ingest.config import DECODERS, PRECISIONS, IngestConfig, PackConfig
@@ -118,17 +119,12 @@ def _index_build(args: argparse.Namespace) -> int:
     if args.ray:
         from cluster.index_job import main
 
-        main(conf, args.descriptors, _index_out(args.out), args.address)
+        main(conf, args.descriptors, path_or_url(args.out), args.address)
     else:
         from index.build.stage import main
 
-        main(conf, args.descriptors, _index_out(args.out))
+        main(conf, args.descriptors, path_or_url(args.out))
     return 0
-
-
-def _index_out(out: str) -> Path | str:
-    """An s3:// output as given (a Path would fold its '//'); a local directory as a Path."""
-    return out if out.startswith("s3://") else Path(out)
 
 
 def _models(args: argparse.Namespace) -> int:

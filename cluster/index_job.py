@@ -79,7 +79,9 @@ def node_cpus(output: Path | str) -> int:
     there), the cluster's for an ``s3://`` one."""
     import ray
 
-    if str(output).startswith("s3://"):
+    from core.location import location_of
+
+    if location_of(output).local_root is None:
         return int(ray.cluster_resources().get("CPU", 1))
     here = ray.get_runtime_context().get_node_id()
     node = next((n for n in ray.nodes() if n["NodeID"] == here), None)

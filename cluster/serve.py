@@ -64,10 +64,11 @@ def serve_sharded(
     the newest); each shard's segments are served by one actor.
     """
     from cluster.ray_shards import RayShards, actor_groups, start_shard_actors, wait_ready
-    from shards.staging import read_index_infos, source_url
+    from core.storage import canonical_url
+    from shards.staging import read_index_infos
 
     serving = serving or ShardServing()
-    source = source_url(path)
+    source = canonical_url(path)
     infos = read_index_infos(source, serving.stage.endpoint_url, generation)
     names = [entry["name"] for entry in infos["shards"]]
     groups = actor_groups(infos, serving.placement.shards_per_actor)

@@ -10,10 +10,11 @@ webapi.connections) under uvicorn only, since under ``--ray`` Serve's proxy owns
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from core.errors import NeedleInputError
+from core.location import location_of
+from core.storage import canonical_url
 from webapi.limits import ANY_HOST, ServiceLimits
 from webapi.spec import TRANSPORTS, Listen, ServeSpec, Shards
 
@@ -73,7 +74,7 @@ def run(spec: ServeSpec) -> None:
     ``spec.listen.ray``; re-ranking on ``spec.rerank.device`` (this process's, or each Serve
     replica's); every request and connection within the spec's limits."""
     index = spec.served_index()
-    if str(index).startswith("s3://") and not spec.shards.ray:
+    if location_of(index).local_root is None and not spec.shards.ray:
         raise NeedleInputError(
             f"--index {index} is on S3: serve it with --ray-shards (each shard actor stages its shard)"
         )
@@ -141,7 +142,7 @@ def run_ray_serve(spec: ServeSpec, limits: ServiceLimits) -> None:
                 "it holds; restart to serve a newer one (without --ray, --ray-shards follows the index)"
             )
     serve.start(http_options={"host": listen.host, "port": listen.port})
-    location = index if index.startswith("s3://") else str(Path(index).resolve())
+    location = canonical_url(index)
     served = dataclasses.replace(spec, index=location)
     serve.run(ray_app(served, actors, serving=serving, limits=limits), name="needle", route_prefix="/")
     log.info(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from core.atomic import fsync_directory, replace_durably, write_synced
+from core.errors import NeedleInputError
 from core.storage import (
     MARKER_SUFFIX,
     StorageError,
@@ -372,3 +374,20 @@ def output_location(url: str | Path, endpoint_url: str | None = None) -> LocalLo
     if location.local_root is not None:
         location.local_root.mkdir(parents=True, exist_ok=True)
     return location
+
+
+# "s3://b/x" as a Path is "s3:/b/x": both spellings of a URL name no local directory.
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
+
+
+def build_output(output: Path | str, endpoint_url: str | None = None) -> LocalLocation | S3Location:
+    """The location ``needle index build`` writes into: a local directory (not made here) or an
+    ``s3://`` prefix; any other URL is refused rather than written to a local directory named
+    ``gs:`` (or ``s3:``, for a mangled ``s3:/b/x``)."""
+    text = str(output)
+    if not is_s3(text) and _URL.match(text):
+        raise NeedleInputError(
+            f"index output {output} is a URL needle index build cannot write: give a local directory or an "
+            "s3://bucket/prefix"
+        )
+    return location_of(output, endpoint_url)

@@ -14,7 +14,10 @@ in tests.
 from __future__ import annotations
 
 import fnmatch
+import re
 import shutil
+import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -133,3 +136,50 @@ def list_s3(url_pattern: str, endpoint_url: str | None = None) -> list[str]:
     paginator = s3_client(endpoint_url).get_paginator("list_objects_v2")
     keys = [o["Key"] for page in paginator.paginate(Bucket=bucket, Prefix=prefix) for o in page.get("Contents", [])]
     return sorted(f"s3://{bucket}/{k}" for k in keys if fnmatch.fnmatchcase(k, pattern))
+
+
+# --- the local/S3 decisions callers ask of a URL (no caller tests the scheme itself) -------------
+
+GLOB_CHARS = re.compile(r"[*?\[]")  # a pattern with one of these is a glob
+
+
+def canonical_url(source: str | Path) -> str:
+    """A location as every node names it: an ``s3://`` URL as given (no trailing slash), a path
+    made absolute."""
+    text = str(source)
+    return text.rstrip("/") if is_s3(text) else str(Path(text).resolve())
+
+
+def path_or_url(text: str) -> Path | str:
+    """An ``s3://`` URL as given (a Path would fold its ``//``); a local path as a Path."""
+    return text if is_s3(text) else Path(text)
+
+
+def may_exist(url: str) -> bool:
+    """Whether ``url`` is worth reading here: an ``s3://`` URL (not checked: the read names it if
+    it is not there) or a local path that exists."""
+    return is_s3(url) or Path(url).exists()
+
+
+def local_directory(url: str) -> Path | None:
+    """``url`` as a Path where it is an existing local directory, else None (an ``s3://`` URL, a file)."""
+    return None if is_s3(url) or not Path(url).is_dir() else Path(url)
+
+
+def s3_matches(pattern: str, endpoint_url: str | None = None) -> list[str] | None:
+    """The ``s3://`` objects a pattern names, sorted: those matching a glob (maybe none), or the
+    pattern itself where it has no glob character; None for a local pattern (not looked at)."""
+    if not is_s3(pattern):
+        return None
+    return list_s3(pattern, endpoint_url) if GLOB_CHARS.search(pattern) else [pattern]
+
+
+def tar_headers(url: str, endpoint_url: str | None = None) -> Iterator[tarfile.TarInfo]:
+    """The members of the tar at ``url``, their data skipped, not kept: an S3 object in one
+    streamed pass (mode ``r|``), a local file by its headers, seeking past the data (``r:``)."""
+    if is_s3(url):
+        with open_url(url, endpoint_url) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+            yield from tar
+    else:
+        with tarfile.open(url, "r:") as tar:
+            yield from tar

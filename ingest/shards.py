@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
 import braceexpand
 
 from core.errors import ShardSpecError
-
-_GLOB_CHARS = re.compile(r"[*?\[]")
+from core.storage import GLOB_CHARS, s3_matches
 
 
 def expand_shards(spec: str | Iterable[str], s3_endpoint_url: str | None = None) -> list[str]:
@@ -32,9 +30,12 @@ def expand_shards(spec: str | Iterable[str], s3_endpoint_url: str | None = None)
     urls: list[str] = []
     for pattern in patterns:
         for expanded in braceexpand.braceexpand(pattern):
-            if expanded.startswith("s3://"):
-                urls.extend(_expand_s3(expanded, s3_endpoint_url))
-            elif _GLOB_CHARS.search(expanded):
+            objects = s3_matches(expanded, s3_endpoint_url)
+            if objects is not None:
+                if not objects:
+                    raise ShardSpecError(f"shard pattern {expanded!r} matches no object")
+                urls.extend(objects)
+            elif GLOB_CHARS.search(expanded):
                 matches = sorted(glob.glob(expanded))
                 if not matches:
                     raise ShardSpecError(f"shard pattern {expanded!r} matches no file")
@@ -49,17 +50,6 @@ def expand_shards(spec: str | Iterable[str], s3_endpoint_url: str | None = None)
     seen: set[str] = set()
     unique = [u for u in urls if not (u in seen or seen.add(u))]
     return unique
-
-
-def _expand_s3(url: str, endpoint_url: str | None) -> list[str]:
-    if not _GLOB_CHARS.search(url):
-        return [url]
-    from core.storage import list_s3
-
-    matches = list_s3(url, endpoint_url)
-    if not matches:
-        raise ShardSpecError(f"shard pattern {url!r} matches no object")
-    return matches
 
 
 def shard_name(url: str) -> str:

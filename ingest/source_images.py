@@ -27,7 +27,7 @@ from typing import Any
 
 from core.errors import ImageDecodeError
 from core.quoting import short_repr
-from core.storage import is_s3, open_url, read_range
+from core.storage import local_directory, may_exist, open_url, read_range, tar_headers
 from ingest.shards import shard_name
 
 WDS_KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset: key = path up to the basename's first dot
@@ -121,7 +121,7 @@ class SourceImages:
         a path that exists), else ``<shard>.tar`` in a tar dir, else the recorded URL (the read
         then names it), else None."""
         url = self.urls.get(shard)
-        if url and (is_s3(url) or Path(url).exists()):
+        if url and may_exist(url):
             return url
         for directory in self.conf.tar_dirs:
             for candidate in (Path(directory) / f"{shard}.tar", Path(directory) / shard):
@@ -139,9 +139,10 @@ class SourceImages:
                 f"no source recorded for shard {short_repr(shard)} (key {short_repr(key)}): "
                 "give the directory of its tar (--shard-dir)"
             )
-        if not is_s3(url) and Path(url).is_dir():  # a directory of image files
+        directory = local_directory(url)
+        if directory is not None:  # a directory of image files
             for suffix in image_suffixes():
-                path = Path(url) / f"{member_key}.{suffix}"
+                path = directory / f"{member_key}.{suffix}"
                 if path.is_file():
                     return path.read_bytes()
             raise FileNotFoundError(f"no image file for {short_repr(member_key)} in {url}")
@@ -158,14 +159,8 @@ class SourceImages:
                 self._members.move_to_end(url)
                 return self._members[url]
         members: dict[str, tuple[int, int]] = {}
-        if is_s3(url):
-            with open_url(url, self.endpoint_url) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
-                for info in tar:  # one pass; each member's data is skipped, not kept
-                    add_member(members, info)
-        else:
-            with tarfile.open(url, "r:") as tar:  # headers only: seeks past the member data
-                for info in tar:
-                    add_member(members, info)
+        for info in tar_headers(url, self.endpoint_url):  # S3: one streamed pass; local: seeks past the data
+            add_member(members, info)
         with self._lock:
             self._members[url] = members
             while len(self._members) > max(1, self.conf.max_tars):

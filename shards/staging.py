@@ -29,7 +29,7 @@ from typing import Any
 from core.atomic import atomic_path, write_json_atomic
 from core.hashing import file_sha256
 from core.location import Location, location_of
-from core.storage import StorageError, is_s3
+from core.storage import StorageError, canonical_url
 from index.errors import IndexFileError
 from index.generation import Segment
 from index.layout import INFOS_FILE, SHARD_INFOS_FILE
@@ -51,16 +51,9 @@ class StageConfig:
     )
 
 
-def source_url(source: str | Path) -> str:
-    """An index location as every node names it: an ``s3://`` URL as given (no trailing slash),
-    a path made absolute."""
-    text = str(source)
-    return text.rstrip("/") if is_s3(text) else str(Path(text).resolve())
-
-
 def source_location(source: str | Path, endpoint_url: str | None) -> Location:
-    """The index location ``source`` (see ``source_url``) with its S3 endpoint."""
-    return location_of(source_url(source), endpoint_url)
+    """The index location ``source`` (see core.storage.canonical_url) with its S3 endpoint."""
+    return location_of(canonical_url(source), endpoint_url)
 
 
 def read_source_bytes(source: Location, relative: str) -> bytes:
@@ -100,7 +93,7 @@ def read_delete_set_of(source: str, entry: dict[str, Any], endpoint_url: str | N
     ``read_index_infos``; empty where none), read from the index location: a small file, never staged."""
     if not entry.get("deleted"):
         return DeleteSet.empty()
-    url = source_url(source)
+    url = canonical_url(source)
     return segment_deletes(source_location(url, endpoint_url), Segment.from_json(entry, f"{url}/{INFOS_FILE}"))
 
 

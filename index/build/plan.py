@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,10 +19,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from core.atomic import write_atomic, write_json_atomic
-from core.errors import NeedleInputError
 from core.hashing import file_sha256
-from core.location import S3Location
-from core.storage import is_s3
+from core.location import S3Location, location_of
 from ingest.descriptors import (
     ROW_SHARD_SHIFT,
     STATUS_OK,
@@ -51,24 +48,6 @@ class FileInfo:
 PartTask = tuple[str, list[FileInfo], int, str, str, str | None, str | None]
 
 
-# "s3://b/x" as a Path is "s3:/b/x": both spellings of a URL name no local directory.
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
-
-
-def output_location(output: Path | str) -> tuple[Path | None, str | None]:
-    """(local directory, None) or (None, ``s3://bucket/prefix``); any other URL is refused rather
-    than written to a local directory named ``gs:`` (or ``s3:``, for a mangled ``s3:/b/x``)."""
-    text = str(output)
-    if is_s3(text):
-        return None, text.rstrip("/")
-    if _URL.match(text):
-        raise NeedleInputError(
-            f"index output {output} is a URL needle index build cannot write: give a local directory or an "
-            "s3://bucket/prefix"
-        )
-    return Path(output), None
-
-
 def descriptor_files(
     descriptors: Path | str | Sequence[Path | str],
     staging: Path | None = None,
@@ -82,7 +61,7 @@ def descriptor_files(
     sources = [descriptors] if isinstance(descriptors, (str, Path)) else list(descriptors)
     files: list[Path] = []
     for i, source in enumerate(sources):
-        if is_s3(source):
+        if location_of(source).local_root is None:
             if staging is None:
                 raise DescriptorFileError(f"{source}: s3:// sources need a staging directory")
             staged = stage_s3_parts(str(source), staging / f"source_{i:03d}", s3_endpoint_url)

@@ -40,7 +40,7 @@ from typing import Any
 
 from core.atomic import write_json_atomic
 from core.hashing import file_sha256
-from core.location import S3Location
+from core.location import S3Location, build_output
 from index.build.add import PartRunner, finish_local_shards, local_parts, run_parts_sequentially
 from index.build.config import DEFAULT_QUANTIZER_EF, IndexConfig
 from index.build.factory import IndexPlan, parse_bytes, plan_index
@@ -51,7 +51,6 @@ from index.build.plan import (
     builds_locals,
     load_adapter,
     local_extractor,
-    output_location,
     plan_shards,
     read_sources,
 )
@@ -170,8 +169,9 @@ def open_build(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str]
     """Where the build writes (its output directory, or a scratch directory and the S3 output),
     and its descriptor files, staged and scanned, with the adapter checked against them."""
     clock = Stopwatch()
-    local, url = output_location(output)
-    storage = S3Location(url, conf.s3_endpoint_url) if url is not None else None
+    location = build_output(output, conf.s3_endpoint_url)
+    local = location.local_root
+    storage = location if isinstance(location, S3Location) else None
     scratch = local if local is not None else Path(tempfile.mkdtemp(prefix="needle-index-"))
     scratch.mkdir(parents=True, exist_ok=True)
     sources = read_sources(descriptors, scratch / "staging", conf.s3_endpoint_url)
