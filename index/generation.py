@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.quoting import short_repr
 from index.errors import IndexFileError
 from index.layout import check_layout
 
@@ -36,27 +37,27 @@ def _int(record: Mapping[str, Any], name: str, source: str) -> int:
     """A non-negative integer field (a JSON bool is not one)."""
     value = _get(record, name, source)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise IndexFileError(f"{source}: field {name!r} is {value!r}, not a non-negative integer")
+        raise IndexFileError(f"{source}: field {name!r} is {short_repr(value)}, not a non-negative integer")
     return value
 
 
 def _str(record: Mapping[str, Any], name: str, source: str) -> str:
     value = _get(record, name, source)
     if not isinstance(value, str) or not value:
-        raise IndexFileError(f"{source}: field {name!r} is {value!r}, not a name")
+        raise IndexFileError(f"{source}: field {name!r} is {short_repr(value)}, not a name")
     return value
 
 
 def _list(record: Mapping[str, Any], name: str, source: str) -> list[Any]:
     value = _get(record, name, source)
     if not isinstance(value, list):
-        raise IndexFileError(f"{source}: field {name!r} is {value!r}, not a list")
+        raise IndexFileError(f"{source}: field {name!r} is {short_repr(value)}, not a list")
     return value
 
 
 def _object(value: object, what: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
-        raise IndexFileError(f"{what} is {value!r}, not a JSON object")
+        raise IndexFileError(f"{what} is {short_repr(value)}, not a JSON object")
     return value
 
 

@@ -31,7 +31,7 @@ from core.hashing import file_sha256
 from core.location import Location, location_of
 from core.storage import StorageError, canonical_url
 from index.errors import IndexFileError
-from index.generation import Segment
+from index.generation import Segment, parse_json_object
 from index.layout import INFOS_FILE, SHARD_INFOS_FILE
 from index.live.deletes import DeleteSet, segment_deletes
 
@@ -65,14 +65,8 @@ def read_source_bytes(source: Location, relative: str) -> bytes:
 
 
 def read_json(source: Location, relative: str) -> dict[str, Any]:
-    data = read_source_bytes(source, relative)
-    try:
-        value = json.loads(data)
-    except ValueError as exc:
-        raise IndexFileError(f"{source.url}/{relative} is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise IndexFileError(f"{source.url}/{relative} is not a JSON object")
-    return value
+    """The JSON object of ``relative`` under an index location, or IndexFileError naming it."""
+    return dict(parse_json_object(read_source_bytes(source, relative), f"{source.url}/{relative}"))
 
 
 def read_index_infos(
