@@ -39,9 +39,14 @@ def write_atomic(path: Path | str, write: Callable[[Path], Any]) -> Path:
     return Path(path)
 
 
+def json_bytes(obj: Any) -> bytes:
+    """The form needle writes its JSON records in: indented, keys sorted, a newline at the end."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
 def write_json_atomic(obj: Any, path: Path | str) -> Path:
-    """``obj`` as indented JSON with sorted keys, written atomically."""
-    return write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
+    """``obj`` as ``json_bytes``, written atomically."""
+    return write_atomic(path, lambda tmp: Path(tmp).write_bytes(json_bytes(obj)))
 
 
 def fsync_directory(path: Path) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from core.atomic import fsync_directory, replace_durably, write_synced
+from core.atomic import fsync_directory, json_bytes, replace_durably, write_synced
 from core.errors import NeedleInputError
 from core.storage import (
     MARKER_SUFFIX,
@@ -79,11 +79,6 @@ class Location(Protocol):
     def commit_file(self, name: str, local_file: Path, marker: dict[str, Any]) -> str: ...
     def committed(self) -> dict[str, dict[str, Any]]: ...  # committed Parquet parts: name -> marker
     def cleanup(self) -> None: ...  # removes the scratch directory made here, if any
-
-
-def json_bytes(obj: Any) -> bytes:
-    """What ``write_json`` writes: indented, keys sorted, a newline at the end."""
-    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
 class LocalLocation:
