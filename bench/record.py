@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -25,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from core.atomic import write_atomic  # noqa: E402
+
 HISTORY_SUFFIX = ".history.jsonl"
 
 
@@ -67,9 +70,7 @@ def save_result(record: dict[str, Any], current: Path | str, label: str = "") ->
     stamped.setdefault("date", datetime.now(UTC).date().isoformat())
     if label:
         stamped["label"] = label
-    tmp = current.with_name(f".{current.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(stamped, indent=1) + "\n")
-    os.replace(tmp, current)
+    write_atomic(current, lambda tmp: Path(tmp).write_text(json.dumps(stamped, indent=1) + "\n"))
     return current
 
 
