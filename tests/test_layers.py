@@ -7,6 +7,7 @@ the imported module."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,7 @@ def _imports(path: Path, package_modules: set[str]) -> set[str]:
     return found
 
 
+@functools.cache  # every import of the tree, parsed once for the tests that read it (none changes it)
 def _graph() -> dict[str, set[str]]:
     files = {_module_name(p): p for floor in FLOORS for p in (ROOT / floor).rglob("*.py")}
     return {name: _imports(path, set(files)) - {name} for name, path in files.items()}
