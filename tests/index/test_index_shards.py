@@ -8,8 +8,6 @@ import shutil
 from dataclasses import replace
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.ipc
 import pytest
 
 from index.build.stage import INFOS_FILE, SHARD_INFOS_FILE, IndexConfig, main
@@ -20,14 +18,10 @@ from index.shard import open_shard
 from index.shard_files import shard_names, verify_shard
 from ingest.descriptors import (
     DescriptorFileError,
-    descriptor_schema,
-    fixed_size_list,
-    list_column,
-    local_fields,
     make_row_id,
     write_parquet_atomic,
 )
-from tests.support.index import clustered_unit_vectors, to_old_layout
+from tests.support.index import clustered_unit_vectors, to_old_layout, token_table
 
 SIZES = {0: 60, 1: 45, 2: 70, 5: 50}  # Parquet shard id -> rows (ids need not be consecutive)
 D = 16
@@ -48,27 +42,8 @@ def collection(tmp_path_factory):
     rows, xb = [], []
     for s, n in SIZES.items():
         tokens = [int(t) for t in rng.integers(0, 6, n)]
-        table = pa.table(
-            {
-                "key": [f"{s:06d}/{i:05d}" for i in range(n)],
-                "shard": [f"{s:06d}"] * n,
-                "row": pa.array([make_row_id(s, i) for i in range(n)], pa.int64()),
-                "global": fixed_size_list(vectors[s], pa.float16()),
-                "width": pa.array([100] * n, pa.int32()),
-                "height": pa.array([80] * n, pa.int32()),
-                "status": ["ok"] * n,
-                "error": [""] * n,
-                "local_codes": list_column(
-                    [rng.integers(0, 256, (t, CODE_BYTES), dtype=np.uint8) for t in tokens],
-                    pa.list_(pa.binary(CODE_BYTES)),
-                ),
-                "local_x": list_column([rng.integers(0, 99, t) for t in tokens], pa.list_(pa.int16())),
-                "local_y": list_column([rng.integers(0, 79, t) for t in tokens], pa.list_(pa.int16())),
-                "local_scale": list_column([rng.integers(0, 2, t) for t in tokens], pa.list_(pa.uint8())),
-                "local_weight": list_column([rng.random(t) for t in tokens], pa.list_(pa.float16())),
-            },
-            schema=descriptor_schema(D, local_fields(True, None)),
-        )
+        codes = [rng.integers(0, 256, (t, CODE_BYTES), dtype=np.uint8) for t in tokens]
+        table = token_table(s, vectors[s], codes, rng)
         write_parquet_atomic(table, directory / f"{s:06d}.parquet")
         rows += [make_row_id(s, i) for i in range(n)]
         xb.append(vectors[s])

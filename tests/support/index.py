@@ -78,6 +78,34 @@ def to_old_layout(out: Path, target: Path) -> Path:
     return target
 
 
+def token_table(shard: int, vectors: np.ndarray, codes: list[np.ndarray], rng: np.random.Generator) -> pa.Table:
+    """A schema-v2 descriptor table of Parquet shard ``shard``: row i has ``vectors[i]`` and the
+    tokens ``codes[i]``, each at a random position, scale and weight drawn from ``rng``."""
+    from core.tokens import CODE_BYTES
+    from ingest.descriptors import list_column, local_fields
+
+    n = len(vectors)
+    counts = [len(c) for c in codes]
+    return pa.table(
+        {
+            "key": [f"{shard:06d}/{i:05d}" for i in range(n)],
+            "shard": [f"{shard:06d}"] * n,
+            "row": pa.array([make_row_id(shard, i) for i in range(n)], pa.int64()),
+            "global": fixed_size_list(vectors, pa.float16()),
+            "width": pa.array([100] * n, pa.int32()),
+            "height": pa.array([80] * n, pa.int32()),
+            "status": ["ok"] * n,
+            "error": [""] * n,
+            "local_codes": list_column(codes, pa.list_(pa.binary(CODE_BYTES))),
+            "local_x": list_column([rng.integers(0, 99, t) for t in counts], pa.list_(pa.int16())),
+            "local_y": list_column([rng.integers(0, 79, t) for t in counts], pa.list_(pa.int16())),
+            "local_scale": list_column([rng.integers(0, 2, t) for t in counts], pa.list_(pa.uint8())),
+            "local_weight": list_column([rng.random(t) for t in counts], pa.list_(pa.float16())),
+        },
+        schema=descriptor_schema(vectors.shape[1], local_fields(True, None)),
+    )
+
+
 def write_descriptors_with_tokens(
     directory: Path, sizes: dict[int, int], d: int, seed: int = 0, aliked: bool = False
 ) -> np.ndarray:
@@ -87,10 +115,8 @@ def write_descriptors_with_tokens(
     recorded as ALIKED's, made with the packaged ITQ projection (what the second verification
     rebuilds descriptors with). Returns the vectors in row order (float32)."""
     from core.tokens import CODE_BYTES
-    from ingest.descriptors import list_column, local_fields
 
     rng = np.random.default_rng(seed)
-    fields = local_fields(True, None)
     ids = sorted(sizes)
     vectors = {s: clustered_unit_vectors(sizes[s], d, seed=seed + s) for s in ids}
     if len(ids) > 1:
@@ -100,26 +126,7 @@ def write_descriptors_with_tokens(
         n = sizes[s]
         tokens = [int(t) for t in rng.integers(0, 13, n)]
         codes = rng.integers(0, 256, (256, CODE_BYTES), dtype=np.uint8)
-        table = pa.table(
-            {
-                "key": [f"{s:06d}/{i:05d}" for i in range(n)],
-                "shard": [f"{s:06d}"] * n,
-                "row": pa.array([make_row_id(s, i) for i in range(n)], pa.int64()),
-                "global": fixed_size_list(vectors[s], pa.float16()),
-                "width": pa.array([100] * n, pa.int32()),
-                "height": pa.array([80] * n, pa.int32()),
-                "status": ["ok"] * n,
-                "error": [""] * n,
-                "local_codes": list_column(
-                    [codes[rng.choice(256, t, replace=False)] for t in tokens], pa.list_(pa.binary(CODE_BYTES))
-                ),
-                "local_x": list_column([rng.integers(0, 99, t) for t in tokens], pa.list_(pa.int16())),
-                "local_y": list_column([rng.integers(0, 79, t) for t in tokens], pa.list_(pa.int16())),
-                "local_scale": list_column([rng.integers(0, 2, t) for t in tokens], pa.list_(pa.uint8())),
-                "local_weight": list_column([rng.random(t) for t in tokens], pa.list_(pa.float16())),
-            },
-            schema=descriptor_schema(d, fields),
-        )
+        table = token_table(s, vectors[s], [codes[rng.choice(256, t, replace=False)] for t in tokens], rng)
         write_parquet_atomic(table, Path(directory) / f"{s:06d}.parquet")
     local: dict = {"extractor": "local", "scales": [1.0, 0.5]}
     if aliked:
