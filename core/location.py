@@ -16,6 +16,7 @@ is never read.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -142,7 +143,7 @@ class LocalLocation:
         target = self.root / name
         if Path(local_file).resolve() != target.resolve():
             target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(local_file, target)
+            move_across(Path(local_file), target)
 
     def download(self, name: str, target: Path) -> None:
         shutil.copyfile(self.root / name, target)
@@ -157,12 +158,19 @@ class LocalLocation:
             return None
 
     def remove(self, names: list[str]) -> None:
+        """Remove each file or directory; a symbolic link is removed itself, never followed. A
+        failure (other than the name being gone already) is raised, naming it."""
         for name in names:
             path = self.root / name
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+            try:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise StorageError(f"cannot remove {path}: {exc}") from exc
 
     def list(self, prefix: str) -> list[str]:
         base = self.root / prefix
@@ -345,17 +353,38 @@ class S3Location:
 
     # last of the class: below it, ``list`` in an annotation would name this method, not the builtin
     def list(self, prefix: str) -> list[str]:
-        """The names one level under ``prefix``: objects and "directories".
-
-        Known bug, kept as it is here (the next issue fixes it): ``list("")`` lists the keys under
-        ``<prefix>//`` (``/`` at a bucket's root), not under ``<prefix>/``, so it finds nothing."""
-        base = self._key(prefix.rstrip("/") + "/")
-        strip = len(self._key(""))
+        """The names one level under ``prefix`` (``""``: the location's top level): objects and
+        "directories", relative to the location, as LocalLocation lists them."""
+        under = prefix.strip("/")
+        root = f"{self.prefix}/" if self.prefix else ""  # every key of the location starts with it
+        start = root + (f"{under}/" if under else "")
         names: set[str] = set()
-        for key in self._list_keys(prefix.rstrip("/") + "/"):
-            head = key[len(base) :].split("/", 1)[0]
-            names.add(base[strip:] + head)
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+            for item in page.get("Contents", []):
+                head = item["Key"][len(start) :].split("/", 1)[0]
+                if head:
+                    names.add((f"{under}/" if under else "") + head)
         return sorted(names)
+
+
+def move_across(source: Path, target: Path) -> None:
+    """Rename ``source`` onto ``target``; across filesystems (``$TMPDIR`` on a tmpfs, a container's
+    volume), copy it beside ``target``, fsync it and rename that instead: never half a file."""
+    try:
+        os.replace(source, target)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(source, "rb") as stream:
+            write_synced(tmp, lambda out: shutil.copyfileobj(stream, out))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_directory(target.parent)
+    source.unlink()
 
 
 def location_of(url: str | Path, endpoint_url: str | None = None) -> LocalLocation | S3Location:

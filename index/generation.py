@@ -14,13 +14,14 @@ generation is published: index/live/generations.py.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.quoting import short_repr
 from index.errors import IndexFileError
-from index.layout import check_layout
+from index.layout import check_delete_file_name, check_layout, check_segment_name, written_for
 
 MANIFEST_FORMAT = 1
 SEGMENT_FIELDS = ("name", "rows", "ntotal", "parquet_shard_ids", "bytes", "deleted")
@@ -79,9 +80,14 @@ class DeleteFile:
     indexed: int  # of them, those with a vector in the segment's FAISS index
 
     @staticmethod
-    def from_json(record: object, source: str) -> DeleteFile:
+    def from_json(record: object, source: str, segment: str | None = None) -> DeleteFile:
+        """The record, validated; ``segment``: the segment it belongs to (its name is in the file's)."""
         record = _object(record, source)
-        return DeleteFile(_str(record, "file", source), _int(record, "rows", source), _int(record, "indexed", source))
+        file = check_delete_file_name(_str(record, "file", source), source, segment)
+        rows, indexed = _int(record, "rows", source), _int(record, "indexed", source)
+        if indexed > rows:
+            raise IndexFileError(f"{source}: field 'indexed' is {indexed}, more than its {rows} rows")
+        return DeleteFile(file, rows, indexed)
 
     def to_json(self) -> dict[str, object]:
         return {"file": self.file, "rows": self.rows, "indexed": self.indexed}
@@ -102,21 +108,27 @@ class Segment:
     @staticmethod
     def from_json(record: object, source: str) -> Segment:
         record = _object(record, source)
-        name = _str(record, "name", source)
+        name = check_segment_name(_str(record, "name", source), source)
         where = f"{source} (segment {name})"
         ids = _list(record, "parquet_shard_ids", where)
         if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
             raise IndexFileError(f"{where}: field 'parquet_shard_ids' is {ids!r}, not a list of integers")
         deleted = record.get("deleted")
-        return Segment(
+        segment = Segment(
             name=name,
             rows=_int(record, "rows", where),
             ntotal=_int(record, "ntotal", where),
             parquet_shard_ids=tuple(ids),
             bytes=_int(record, "bytes", where),
-            deleted=None if deleted is None else DeleteFile.from_json(deleted, f"{where} field 'deleted'"),
+            deleted=None if deleted is None else DeleteFile.from_json(deleted, f"{where} field 'deleted'", name),
             extra={k: v for k, v in record.items() if k not in SEGMENT_FIELDS},
         )
+        if segment.ntotal > segment.rows or segment.deleted_rows > segment.rows:
+            raise IndexFileError(
+                f"{where} is inconsistent: {segment.rows} rows, {segment.ntotal} vectors, "
+                f"{segment.deleted_rows} deleted"
+            )
+        return segment
 
     def to_json(self, with_deleted: bool = True) -> dict[str, object]:
         """Its record (``with_deleted=False``: as ``index_infos.json`` lists a shard, no ``deleted``)."""
@@ -247,6 +259,7 @@ class Generation:
         change = _object(record.get("change"), f"{source} field 'change'")
         extra = {k: v for k, v in record.items() if k not in MANIFEST_FIELDS}
         generation = Generation(number, parent, shards, dict(change), created, writer, extra)
+        check_names(generation, source)
         recorded = record.get("totals")
         if recorded is not None and recorded != generation.totals.to_json():
             raise IndexFileError(
@@ -285,6 +298,27 @@ class Generation:
     def segment_shards(self) -> tuple[int, ...]:
         """The shard of each of ``segments``, in the same order."""
         return tuple(shard.shard for shard in self.shards for _ in shard.segments)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(short_repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def check_names(generation: Generation, source: str) -> None:
+    """A manifest names each segment and delete set once, and nothing written for a later
+    generation than its own (a writer names only what exists when it publishes); IndexFileError
+    naming ``source`` otherwise."""
+    names = [s.name for s in generation.segments] + [s.deleted.file for s in generation.segments if s.deleted]
+    repeated = sorted(n for n, count in Counter(names).items() if count > 1)
+    if repeated:
+        raise IndexFileError(f"{source} names {_names(repeated)} more than once")
+    later = [n for n in names if written_for(n) > generation.number]
+    if later:
+        raise IndexFileError(
+            f"{source} (generation {generation.number}) names {_names(later)}, written for a later one"
+        )
+    if generation.parent is not None and generation.parent >= generation.number:
+        raise IndexFileError(f"{source}: field 'parent' is {generation.parent}, not before {generation.number}")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import pyarrow.ipc
 from index.errors import IndexFileError
 from index.generation import Segment
 from index.keys import KeyFileError, KeyStore
-from index.layout import IDS_FILE, INDEX_FILE, INFOS_FILE, SHARD_INFOS_FILE, VECTORS_FILE
+from index.layout import IDS_FILE, INDEX_FILE, INFOS_FILE, SHARD_INFOS_FILE, VECTORS_FILE, listed_files
 from index.live.row_map import RoutedRows, RowMap
 from index.locals import LocalStore, LocalStoreError
 
@@ -96,9 +96,11 @@ def open_shard_files(
         raise shard_error(directory, f"no {SHARD_INFOS_FILE}")
     try:
         infos = json.loads(infos_path.read_text())
-        checksums = dict(infos["checksums"])
     except Exception as exc:
         raise shard_error(directory, f"cannot read {SHARD_INFOS_FILE}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(infos, dict):
+        raise shard_error(directory, f"{SHARD_INFOS_FILE} is not a JSON object")
+    checksums = listed_files(infos, str(infos_path))
     for name, recorded in checksums.items():
         file = directory / name
         if not file.is_file():

@@ -32,7 +32,7 @@ from core.location import Location, location_of
 from core.storage import StorageError, canonical_url
 from index.errors import IndexFileError
 from index.generation import Segment, parse_json_object
-from index.layout import INFOS_FILE, SHARD_INFOS_FILE
+from index.layout import INFOS_FILE, SHARD_INFOS_FILE, check_segment_name, listed_files
 from index.live.deletes import DeleteSet, segment_deletes
 
 log = logging.getLogger(__name__)
@@ -144,10 +144,9 @@ def stage_shard(
     shard, which must agree. IndexFileError naming the shard and file on any mismatch."""
     location = source_location(source, conf.endpoint_url)
     source = location.url
+    check_segment_name(name, f"index {source}")  # joined to the cache directory below: never a path
     infos = read_json(location, f"{name}/{SHARD_INFOS_FILE}")
-    checksums = infos.get("checksums")
-    if not isinstance(checksums, dict) or not checksums:
-        raise IndexFileError(f"index shard {name} of {source}: {SHARD_INFOS_FILE} lists no files with checksums")
+    checksums = listed_files(infos, f"index shard {name} of {source}: {SHARD_INFOS_FILE}")
     if entry is not None and (entry.get("rows"), entry.get("ntotal")) != (infos.get("rows"), infos.get("ntotal")):
         raise IndexFileError(
             f"index shard {name} of {source}: {SHARD_INFOS_FILE} says {infos.get('rows')} rows, "

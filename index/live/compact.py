@@ -16,7 +16,6 @@ killed before it published) are removed on every run.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +28,28 @@ from core.errors import NeedleInputError
 from core.kill_points import kill_point
 from index.build.records import BuildFields
 from index.build.shard import IDS_SCHEMA, _checksum, write_float16_npy_header, write_keys_of_ids
-from index.generation import Segment, ShardSegments
+from index.errors import IndexFileError
+from index.generation import Generation, Segment, ShardSegments
 from index.keys import KEY_FILES
-from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
+from index.layout import (
+    DELETE_FILE_NAME,
+    IDS_FILE,
+    INDEX_FILE,
+    SEGMENT_NAME,
+    SHARD_INFOS_FILE,
+    VECTORS_FILE,
+    written_for,
+)
 from index.live.config import CompactConfig
-from index.live.generations import DELETES_DIR, latest_number, manifest_name, read_manifest
+from index.live.generations import (
+    DELETES_DIR,
+    GenerationRemoved,
+    is_tombstone,
+    latest_number,
+    manifest_name,
+    read_manifest,
+    tombstone,
+)
 from index.live.writer import Writer, writing
 from index.locals import TOKEN_DTYPE, SegmentInfo, _save_npy, locals_infos, open_local_store
 from index.shard import is_valid_descriptor
@@ -236,34 +252,76 @@ def file_entries(opened: list[ShardFiles], live: tuple[np.ndarray, ...]) -> tupl
 
 def remove_unreferenced(writer: Writer, keep: int | None) -> list[str]:
     """Remove the files no kept generation names: with ``keep``, the newest ``keep`` generations
-    are kept (older manifests go too); always, the files of writers that never published (named
-    for a generation that exists, by no manifest)."""
+    are kept (the older manifests become tombstones, their numbers never published again);
+    always, the files of writers that never published (named for a generation that exists, by no
+    manifest). Only names of the index's own forms are candidates, and any error reading a kept
+    manifest, or a file the newest one names being missing, stops it before it removes anything."""
     location = writer.location
     newest = latest_number(location)
     first_kept = max(0, newest - keep + 1) if keep is not None else 0
+    referenced = kept_names(writer, first_kept, newest)
+    candidates = [n for n in location.list("") if SEGMENT_NAME.fullmatch(n)]
+    candidates += [n for n in location.list(DELETES_DIR) if DELETE_FILE_NAME.fullmatch(n)]
+    doomed = sorted(n for n in candidates if n not in referenced and written_for(n) <= newest)
+    retired = retired_manifests(location, first_kept) if keep is not None else []
+    if retired:
+        kill_point("retiring")
+        for number in retired:  # before their files go: no reader opens a generation half removed
+            location.replace(manifest_name(number), tombstone(number))
+        log.info("retired generations %s (tombstones keep their numbers taken)", retired)
+    if doomed:
+        kill_point("removing")
+        location.remove(doomed)
+        log.info("removed %d files and directories no kept generation names", len(doomed))
+    return doomed + [manifest_name(n) for n in retired]
+
+
+def kept_names(writer: Writer, first_kept: int, newest: int) -> set[str]:
+    """Every segment and delete set the kept generations name. A kept generation already retired
+    (a tombstone, or a manifest an older needle removed) names nothing; any other failure to read
+    one raises (IndexFileError, or the storage's own error): nothing may be removed on a guess.
+    The newest generation's files must all be there, or the index is broken and nothing is removed."""
+    location = writer.location
     referenced: set[str] = set()
     for number in range(first_kept, newest + 1):
         try:
-            manifest = read_manifest(location, number)
-        except Exception:  # a generation already removed
+            manifest = read_manifest(location, number, infos=writer.infos)
+        except GenerationRemoved:
             continue
+        except IndexFileError:
+            if number == newest or location.read_bytes(manifest_name(number)) is not None:
+                raise
+            continue  # removed by a needle that deleted manifests (before tombstones)
         for segment in manifest.segments:
             referenced.add(segment.name)
             if segment.deleted is not None:
                 referenced.add(segment.deleted.file)
-    candidates = [n for n in location.list("") if re.fullmatch(r"(shard_\d+|seg_\d+_s\d+_[0-9a-f]+)", n)]
-    candidates += location.list(DELETES_DIR)
-    doomed = [n for n in candidates if n not in referenced and written_by(n) <= newest]
-    if keep is not None:
-        doomed += [manifest_name(n) for n in range(1, first_kept) if location.read_bytes(manifest_name(n)) is not None]
-    if doomed:
-        kill_point("removing")
-        location.remove(sorted(doomed))
-        log.info("removed %d files and directories no kept generation names", len(doomed))
-    return sorted(doomed)
+        if number == newest:
+            check_present(writer, manifest)
+    return referenced
 
 
-def written_by(name: str) -> int:
-    """The generation a segment or delete file was written for (0: the build's shard directories)."""
-    match = re.search(r"(?:seg_|deletes/)(\d+)_", name)
-    return int(match.group(1)) if match else 0
+def check_present(writer: Writer, manifest: Generation) -> None:
+    """IndexFileError where a file the newest generation names is missing (a broken index:
+    compaction stops, and ``needle index compact`` exits non-zero, instead of removing more)."""
+    location = writer.location
+    for segment in manifest.segments:
+        for name in [f"{segment.name}/{SHARD_INFOS_FILE}", *([segment.deleted.file] if segment.deleted else [])]:
+            if location.stat(name) is None:
+                raise IndexFileError(
+                    f"index {location.url} is broken: generation {manifest.number} names {name}, which is missing; "
+                    "compaction removed nothing"
+                )
+
+
+def retired_manifests(location: Any, first_kept: int) -> list[int]:
+    """The manifests before ``first_kept`` still to retire, ascending. Compaction retires them in
+    ascending order, so walking down from ``first_kept`` the first tombstone (or manifest removed by
+    an older needle) marks where an earlier compaction got to: each is read once in the index's life."""
+    retired = []
+    for number in range(first_kept - 1, 0, -1):
+        data = location.read_bytes(manifest_name(number))
+        if data is None or is_tombstone(data, location.url_of(manifest_name(number))):
+            break
+        retired.append(number)
+    return retired[::-1]

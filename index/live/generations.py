@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from core.errors import NeedleInputError
-from core.kill_points import kill_point
 from core.location import Location
+from core.quoting import short_repr
 from index.errors import IndexFileError
-from index.generation import Generation, GenerationView, IndexInfos, parse_json_object
+from index.generation import MANIFEST_FORMAT, Generation, GenerationView, IndexInfos, parse_json_object
 from index.layout import INFOS_FILE
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,20 @@ TRAINED_EMPTY_FILE = f"{GENERATIONS_DIR}/trained.faiss"  # the build's trained q
 class GenerationConflict(NeedleInputError):
     """Another writer published the generation this one meant to publish: nothing of this run was
     published; run the command again (it starts from the newer generation)."""
+
+
+class PublishOutcomeUnknown(IndexFileError):
+    """Publishing failed in a way that may have published the generation (an S3 PUT that errored
+    may still be applied): the writer keeps every file it wrote; running the command again finds
+    out, and compaction removes the files of a generation that was never published."""
+
+
+class GenerationRemoved(IndexFileError):
+    """A generation whose manifest ``needle index compact --keep`` replaced by a tombstone."""
+
+
+MANIFEST_NAME = re.compile(r"(\d{6,12})\.json")
+MAX_GENERATION = 10**12 - 1  # manifest names have at most 12 digits
 
 
 def manifest_name(number: int) -> str:
@@ -63,26 +78,38 @@ def read_infos_at(location: Location) -> IndexInfos:
     return IndexInfos.from_json(data, f"{location.url}/{INFOS_FILE}")
 
 
-def pointed_number(location: Location) -> int:
-    """The generation ``CURRENT.json`` points to (0 where there is none)."""
+def pointed_number(location: Location) -> int | None:
+    """The generation ``CURRENT.json`` points to; None where there is none or it is unusable (not
+    JSON, not a generation number): the pointer is a hint, so a bad one is logged and readers fall
+    back to listing the manifests, never failing on it."""
+    source = f"{location.url}/{CURRENT_FILE}"
     data = location.read_bytes(CURRENT_FILE)
     if data is None:
-        return 0
-    source = f"{location.url}/{CURRENT_FILE}"
-    number = parse_json_object(data, source).get("generation")
-    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-        raise IndexFileError(f"{source}: field 'generation' is {number!r}, not a generation number")
+        return None
+    try:
+        number = parse_json_object(data, source).get("generation")
+    except IndexFileError as exc:
+        log.warning("ignoring %s: %s", source, exc)
+        return None
+    if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= MAX_GENERATION:
+        log.warning("ignoring %s: field 'generation' is %s, not a generation number", source, short_repr(number))
+        return None
     return number
+
+
+def listed_numbers(location: Location) -> list[int]:
+    """The numbers of the manifests under ``generations/`` (removed ones' tombstones included)."""
+    names = (Path(name).name for name in location.list(GENERATIONS_DIR))
+    return sorted(int(match.group(1)) for name in names if (match := MANIFEST_NAME.fullmatch(name)))
 
 
 def latest_number(location: Location) -> int:
     """The newest published generation: from the pointer, then forward while a next manifest exists
-    (a writer killed after publishing but before moving the pointer); 0 where none was published."""
+    (a writer killed after publishing but before moving the pointer); where the pointer is missing,
+    unusable or names no manifest, from the manifests listed; 0 where none was published."""
     number = pointed_number(location)
-    if number and location.read_bytes(manifest_name(number)) is None:
-        # the pointer's manifest was removed (compact --keep): the newest one listed
-        numbers = [int(Path(n).stem) for n in location.list(GENERATIONS_DIR) if Path(n).stem.isdigit()]
-        number = max(numbers, default=0)
+    if number is None or (number and location.read_bytes(manifest_name(number)) is None):
+        number = max(listed_numbers(location), default=0)
     while location.read_bytes(manifest_name(number + 1)) is not None:
         number += 1
     return number
@@ -97,7 +124,22 @@ def read_manifest(location: Location, number: int | None = None, infos: IndexInf
     data = location.read_bytes(manifest_name(number))
     if data is None:
         raise IndexFileError(f"index {location.url} has no generation {number} ({manifest_name(number)})")
-    return Generation.from_json(data, f"{location.url}/{manifest_name(number)}", number)
+    source = f"{location.url}/{manifest_name(number)}"
+    if is_tombstone(data, source):
+        raise GenerationRemoved(
+            f"generation {number} of index {location.url} was removed (`needle index compact --keep`)"
+        )
+    return Generation.from_json(data, source, number)
+
+
+def tombstone(number: int) -> bytes:
+    """What a removed generation's manifest becomes: its number stays taken (an exclusive create
+    of it fails), so no writer that started from an older generation can publish it again."""
+    return (json.dumps({"format": MANIFEST_FORMAT, "generation": number, "removed": True}) + "\n").encode()
+
+
+def is_tombstone(data: bytes, source: str) -> bool:
+    return parse_json_object(data, source).get("removed") is True
 
 
 def read_view(location: Location, infos: IndexInfos | None = None, number: int | None = None) -> GenerationView:
@@ -108,15 +150,52 @@ def read_view(location: Location, infos: IndexInfos | None = None, number: int |
 
 
 def publish(location: Location, generation: Generation) -> None:
-    """Publish ``generation``: the exclusive create of its manifest (GenerationConflict where
-    another writer published that number first), then the pointer."""
-    number = generation.number
+    """Publish ``generation``: the exclusive create of its manifest. GenerationConflict where
+    another writer published that number first (nothing of this one is published);
+    PublishOutcomeUnknown where the create failed in a way that may still have published it (its
+    files must be kept). The pointer is the caller's to move, after it forgot what it wrote."""
+    name = manifest_name(generation.number)
+    data = generation.to_json()
     try:
-        location.create_exclusive(manifest_name(number), generation.to_json())
-    except FileExistsError as exc:
+        location.create_exclusive(name, data)
+        return
+    except FileExistsError:
+        failure: Exception | None = None
+    except Exception as exc:  # a full disk, a failed PUT: the manifest may or may not be there
+        failure = exc
+    try:
+        there = location.read_bytes(name)
+    except Exception as exc:
+        raise PublishOutcomeUnknown(unknown_message(location, generation, failure or exc)) from exc
+    if there == data:
+        return  # ours: a retried request of ours had been applied, or the error came after the create
+    if there is not None:
         raise GenerationConflict(
-            f"index {location.url}: generation {number} was published by another writer while this one ran "
-            f"(from generation {generation.parent}); nothing of this run was published: run it again"
-        ) from exc
-    kill_point("published")
-    location.replace(CURRENT_FILE, (json.dumps({"generation": number}) + "\n").encode())
+            f"index {location.url}: generation {generation.number} was published by another writer while this one "
+            f"ran (from generation {generation.parent}); nothing of this run was published: run it again"
+        )
+    if failure is None or location.local_root is None:
+        # S3: a PUT that failed for the client may still be applied later; a directory is certain
+        raise PublishOutcomeUnknown(unknown_message(location, generation, failure)) from failure
+    raise failure
+
+
+def unknown_message(location: Location, generation: Generation, cause: Exception | None) -> str:
+    return (
+        f"index {location.url}: publishing generation {generation.number} failed ({type(cause).__name__}: {cause}) "
+        "and it cannot be told whether it was published; its files are kept. Run the command again: it finds "
+        "what was published, and `needle index compact` removes the files of what was not"
+    )
+
+
+def move_pointer(location: Location, number: int) -> None:
+    """Point ``CURRENT.json`` at generation ``number``; a failure is logged, not raised: the
+    generation is published (readers find it by stepping forward from any older pointer, or by
+    listing the manifests)."""
+    try:
+        location.replace(CURRENT_FILE, (json.dumps({"generation": number}) + "\n").encode())
+    except Exception as exc:
+        log.warning(
+            "generation %d of %s is published, but %s could not be updated (%s: %s); readers find it all the same",
+            number, location.url, CURRENT_FILE, type(exc).__name__, exc,
+        )  # fmt: skip

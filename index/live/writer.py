@@ -34,14 +34,28 @@ from core.atomic import write_synced
 from core.errors import NeedleInputError
 from core.kill_points import kill_point
 from core.location import Location, location_of
-from index.generation import DeleteFile, Generation, IndexInfos, Segment, ShardSegments, WriterStamp
+from index.errors import IndexFileError
+from index.generation import (
+    DeleteFile,
+    Generation,
+    IndexInfos,
+    Segment,
+    ShardSegments,
+    WriterStamp,
+    parse_json_object,
+)
 from index.keys import KEY_FILES
-from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE
+from index.layout import IDS_FILE, INDEX_FILE, SHARD_INFOS_FILE, VECTORS_FILE, listed_files
 from index.live.deletes import merge_rows, segment_deletes
 from index.live.generations import (
+    CURRENT_FILE,
     DELETES_DIR,
     GENERATIONS_DIR,
     TRAINED_EMPTY_FILE,
+    GenerationConflict,
+    PublishOutcomeUnknown,
+    latest_number,
+    move_pointer,
     publish,
     read_infos_at,
     read_manifest,
@@ -49,6 +63,8 @@ from index.live.generations import (
 
 log = logging.getLogger(__name__)
 LOCK_FILE = f"{GENERATIONS_DIR}/writer.lock"
+SCRATCH_DIR = ".writer-scratch"  # a local index's writer scratch (removed at the end, or by the next writer)
+SCRATCH_PREFIX = "needle-writer-"  # an S3 index's writer scratch under the temporary directory: + "<pid>-"
 
 
 class WriterBusy(NeedleInputError):
@@ -79,9 +95,10 @@ class Writer:
 
     @property
     def root(self) -> Path:
-        """Where new segments are built: the index directory itself, or (S3) the location's scratch
-        directory (removed with the session)."""
-        return self.location.local_scratch()
+        """Where new segments are built: the index directory itself, or (S3) this writer's scratch
+        (uploaded from there by ``commit_segment``)."""
+        root = self.location.local_root
+        return root if root is not None else self.scratch / "segments"
 
     def segment_name(self, shard: int) -> str:
         return f"seg_{self.number:06d}_s{shard:03d}_{self.token}"
@@ -98,7 +115,7 @@ class Writer:
         upload is nothing to do)."""
         directory = self.root / name
         infos = json.loads((directory / SHARD_INFOS_FILE).read_text())
-        for file in infos["checksums"]:
+        for file in listed_files(infos, str(directory / SHARD_INFOS_FILE)):
             self.location.upload(f"{name}/{file}", directory / file)
         self.location.upload(f"{name}/{SHARD_INFOS_FILE}", directory / SHARD_INFOS_FILE)
         kill_point("segment_written")
@@ -114,7 +131,11 @@ class Writer:
         return path.parent
 
     def segment_infos(self, segment: str) -> dict[str, Any]:
-        return json.loads(self.segment_file(segment, SHARD_INFOS_FILE).read_text())
+        """A published segment's ``shard_infos.json``, its file names checked (they are joined to paths)."""
+        path = self.segment_file(segment, SHARD_INFOS_FILE)
+        infos = parse_json_object(path.read_bytes(), self.location.url_of(f"{segment}/{SHARD_INFOS_FILE}"))
+        listed_files(infos, self.location.url_of(f"{segment}/{SHARD_INFOS_FILE}"))
+        return dict(infos)
 
     def deleted_rows(self, segment: Segment) -> np.ndarray:
         """The rows a segment's delete set in the parent holds (empty where none)."""
@@ -175,17 +196,37 @@ class Writer:
             self.number, self.parent.number, tuple(shards), dict(change), round(time.time(), 3), stamp
         )
         kill_point("before_publish")
-        publish(self.location, manifest)
-        self.created.clear()  # published: nothing of it is removed any more
+        latest = latest_number(self.location)
+        if latest != self.parent.number:  # checked here and, atomically, by the exclusive create
+            raise GenerationConflict(
+                f"index {self.location.url}: generation {latest} was published by another writer while this one "
+                f"ran (from generation {self.parent.number}); nothing of this run was published: run it again"
+            )
+        try:
+            publish(self.location, manifest)
+        except PublishOutcomeUnknown:
+            self.created.clear()  # perhaps published: its files stay (compaction removes them if not)
+            raise
+        self.created.clear()  # published: nothing a manifest names is ever removed by this writer
+        kill_point("published")
+        move_pointer(self.location, self.number)
         log.info("published generation %d of %s: %s", self.number, self.location.url, change.get("command"))
         return manifest
 
     def discard(self) -> None:
-        """Remove what this writer wrote but did not publish."""
-        if self.created:
-            log.info("removing the unpublished files of this writer: %s", ", ".join(self.created))
-            self.location.remove(self.created)
-            self.created.clear()
+        """Remove what this writer wrote for a generation it did not publish (only its own names:
+        each holds its token). A failure to remove is logged, not raised over the error that made
+        the writer stop: the files are unreferenced, and ``needle index compact`` removes them."""
+        if not self.created:
+            return
+        names, self.created = list(self.created), []
+        log.info("removing the unpublished files of this writer: %s", ", ".join(names))
+        try:
+            self.location.remove(names)
+        except Exception as exc:
+            log.warning(
+                "could not remove %s (%s: %s); `needle index compact` removes them", names, type(exc).__name__, exc
+            )
 
 
 class writing:
@@ -200,14 +241,15 @@ class writing:
     def __enter__(self) -> Writer:
         infos = read_infos_at(self.location)  # no index, or one built before shard directories: refused here
         root = self.location.local_root
-        if root is not None:  # a directory takes the writer lock; S3 has none (see the module's doc)
-            self.lock = take_lock(root / LOCK_FILE)
         try:
+            if root is not None:  # a directory takes the writer lock; S3 has none (see the module's doc)
+                refuse_links(root)
+                self.lock = take_lock(root / LOCK_FILE)
             parent = read_manifest(self.location, infos=infos)
+            scratch = make_scratch(root)
         except BaseException:
             self.release()
             raise
-        scratch = Path(tempfile.mkdtemp(prefix="needle-writer-"))
         self.writer = Writer(self.location, infos, parent, scratch)
         return self.writer
 
@@ -228,10 +270,59 @@ class writing:
             self.lock = None
 
 
+LINKS_REFUSED = (GENERATIONS_DIR, DELETES_DIR, LOCK_FILE, CURRENT_FILE, SCRATCH_DIR)
+
+
+def refuse_links(root: Path) -> None:
+    """IndexFileError where an entry a writer writes or removes under is a symbolic link: a writer
+    or compaction following one would write (truncate the lock's target) or remove (empty a
+    linked ``deletes/``) outside the index."""
+    for name in LINKS_REFUSED:
+        if (root / name).is_symlink():
+            raise IndexFileError(
+                f"index {root}: {name} is a symbolic link; needle never follows links inside an index "
+                "(replace it with the directory or file itself)"
+            )
+
+
+def make_scratch(root: Path | None) -> Path:
+    """This writer's scratch directory. A local index's is inside it (``.writer-scratch``: on the
+    index's filesystem, so files made there are renamed into place, never copied across devices;
+    one writer at a time holds the lock, so one left by a killed writer is removed first). An S3
+    index's is a private temporary directory named with this pid; those of writers no longer
+    running on this host are removed first (a killed writer's may hold copies of deleted keys)."""
+    if root is not None:
+        scratch = root / SCRATCH_DIR
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir()
+        return scratch
+    base = Path(tempfile.gettempdir())
+    for stale in base.glob(f"{SCRATCH_PREFIX}*"):
+        pid = stale.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not process_alive(int(pid)) and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def take_lock(path: Path) -> Any:
-    """The writer lock (flock, non-blocking), or WriterBusy naming the holder's pid."""
+    """The writer lock (flock, non-blocking), or WriterBusy naming the holder's pid. Opened
+    without following a link (``O_NOFOLLOW``): a linked lock file would have its target truncated."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+")  # noqa: SIM115 (held open for the session: the lock lives with it)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise IndexFileError(f"cannot open the writer lock {path}: {exc}") from exc
+    handle = os.fdopen(fd, "r+")  # held open for the session: the lock lives with it
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -2,6 +2,7 @@
 ``s3://`` prefix (a moto server on 127.0.0.1)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -115,13 +116,55 @@ def test_scratch_of_a_prefix_is_removed_by_cleanup(location):
     assert not scratch.exists()
 
 
+def test_listing_the_top_level_names_every_entry(location):
+    """``list("")`` lists the location's own top level, on S3 as in a directory (it once listed
+    ``<prefix>//`` and found nothing, so compaction never removed a superseded segment on S3)."""
+    for name in ("a.json", "seg_a/x.bin", "seg_a/sub/y.bin", "deletes/1.npy"):
+        location.replace(name, b"x")
+    assert location.list("") == ["a.json", "deletes", "seg_a"]
+    assert location.list("seg_a") == ["seg_a/sub", "seg_a/x.bin"]
+    assert location.list("seg_a/") == ["seg_a/sub", "seg_a/x.bin"]
+
+
 @pytest.mark.s3
-def test_listing_the_top_of_a_prefix_finds_nothing(s3_endpoint):
-    """The known bug kept by this refactor (the next issue fixes it): ``list("")`` lists ``<prefix>//``."""
+def test_listing_the_root_of_a_bucket(s3_endpoint):
     s3_client(s3_endpoint).create_bucket(Bucket="loc-top")
-    location = location_of("s3://loc-top/root", s3_endpoint)
+    location = location_of("s3://loc-top", s3_endpoint)
     location.replace("a.json", b"{}")
-    assert location.list("") == []
+    location.replace("d/b.json", b"{}")
+    assert location.list("") == ["a.json", "d"] and location.list("d") == ["d/b.json"]
+
+
+def test_removing_a_link_removes_the_link_never_its_target(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    root = tmp_path / "index"
+    root.mkdir()
+    (root / "seg_link").symlink_to(outside)
+    location_of(root).remove(["seg_link"])
+    assert not (root / "seg_link").exists() and (outside / "keep.txt").read_text() == "mine"
+
+
+def test_a_file_moves_across_filesystems_whole(tmp_path, monkeypatch):
+    """``upload`` of a local index renames its file into place; where the scratch is on another
+    filesystem (EXDEV), it copies beside the target and renames that."""
+    import errno
+    import os as os_module
+
+    real = os_module.replace
+    source = tmp_path / "scratch.npy"
+    source.write_bytes(b"rows")
+
+    def cross_device(a, b):
+        if Path(a) == source:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real(a, b)
+
+    monkeypatch.setattr("core.location.os.replace", cross_device)
+    location_of(tmp_path / "index").upload("deletes/1.npy", source)
+    assert (tmp_path / "index" / "deletes" / "1.npy").read_bytes() == b"rows" and not source.exists()
+    assert [p.name for p in (tmp_path / "index" / "deletes").iterdir()] == ["1.npy"]
 
 
 def test_replace_durably_leaves_no_temporary_file(tmp_path):

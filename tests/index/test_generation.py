@@ -160,7 +160,7 @@ SEGMENT = "shards.0.segments.0"
         (f"{SEGMENT}.parquet_shard_ids", [0, "1"], "'parquet_shard_ids'"),
         (f"{SEGMENT}.parquet_shard_ids", 0, "'parquet_shard_ids'"),
         (f"{SEGMENT}.deleted", [], "'deleted'"),
-        (f"{SEGMENT}.deleted", {"file": "d.npy", "rows": 1}, "'indexed'"),
+        (f"{SEGMENT}.deleted", {"file": "deletes/000001_shard_000_ab.npy", "rows": 1}, "'indexed'"),
         (f"{SEGMENT}.deleted", {"file": 3, "rows": 1, "indexed": 1}, "'file'"),
         ("parent", -2, "'parent'"),
         ("change", "add", "'change'"),
@@ -173,6 +173,44 @@ def test_each_malformed_manifest_field_is_refused_naming_it(path, value, named):
     data = written_like_the_writer(broken(path, value))
     with pytest.raises(IndexFileError, match=rf"m\.json.*{named}"):
         Generation.from_json(data, "m.json", 1)
+
+
+HOSTILE_NAMES = [
+    (f"{SEGMENT}.name", "/etc", "not a segment name"),
+    (f"{SEGMENT}.name", "../other_index/shard_000", "not a segment name"),
+    (f"{SEGMENT}.name", "shard_000/../../x", "not a segment name"),
+    (f"{SEGMENT}.name", "seg_000001_s000_abc/..", "not a segment name"),
+    (f"{SEGMENT}.name", "shard_000\n", "not a segment name"),
+    (f"{SEGMENT}.name", "seg_000002_s000_ab", "written for a later one"),  # generation 1 cannot name it
+    (f"{SEGMENT}.deleted", {"file": "/root/.ssh/authorized_keys", "rows": 1, "indexed": 1}, "not a delete set"),
+    (f"{SEGMENT}.deleted", {"file": "deletes/../../.bashrc", "rows": 1, "indexed": 1}, "not a delete set"),
+    (
+        f"{SEGMENT}.deleted",
+        {"file": "deletes/000001_shard_001_ab.npy", "rows": 1, "indexed": 1},
+        "of segment shard_000",
+    ),
+    (f"{SEGMENT}.deleted", {"file": "deletes/000001_shard_000_ab.npy", "rows": 1, "indexed": 2}, "'indexed'"),
+    (f"{SEGMENT}.deleted", {"file": "deletes/000001_shard_000_ab.npy", "rows": 9, "indexed": 0}, "inconsistent"),
+    (f"{SEGMENT}.ntotal", 6, "inconsistent"),
+    ("parent", 1, "'parent'"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "message"), HOSTILE_NAMES)
+def test_a_manifest_naming_anything_outside_its_own_files_is_refused(path, value, message):
+    """Names are read from storage: a crafted manifest must not make a writer or a stager touch a
+    path outside the index (absolute, ``..``), another segment's delete set, or a later generation's files."""
+    data = written_like_the_writer(broken(path, value))
+    with pytest.raises(IndexFileError, match=rf"m\.json.*{message}"):
+        Generation.from_json(data, "m.json", 1)
+
+
+def test_a_manifest_naming_a_segment_twice_is_refused():
+    record = json.loads(json.dumps(MANIFEST))
+    segment = record["shards"][0]["segments"][0]
+    record["shards"][0]["segments"].append(dict(segment))
+    with pytest.raises(IndexFileError, match=r"m\.json names 'shard_000' more than once"):
+        Generation.from_json(written_like_the_writer(record), "m.json", 1)
 
 
 def test_a_manifest_of_another_number_or_format_or_not_json_is_refused():
@@ -222,7 +260,7 @@ def test_a_shard_entry_of_index_infos_is_checked_like_a_segment():
     with pytest.raises(IndexFileError, match=r"segment shard_001.*'parquet_shard_ids'"):
         IndexInfos.from_json(json.dumps(record), "i.json")
     record = infos_record()
-    record["shards"][0]["deleted"] = {"file": "x.npy", "rows": 1, "indexed": 1}
+    record["shards"][0]["deleted"] = {"file": "deletes/000001_shard_000_ab.npy", "rows": 1, "indexed": 1}
     with pytest.raises(IndexFileError, match="only a manifest"):
         IndexInfos.from_json(json.dumps(record), "i.json")
 

@@ -4,6 +4,8 @@ The flat index's answers after every change equal a brute-force search over the 
 IVF-PQ index after 20 % churn keeps the recall of a fresh build over the same live rows.
 """
 
+import json
+
 import numpy as np
 import pytest
 
@@ -129,7 +131,8 @@ def test_compact_removes_deleted_bytes_and_old_generations(flat):
             assert victim.encode() not in data or path.suffix == ".json", path
     del live.rows[victim]
     assert_exact(index_dir, live, clustered_unit_vectors(5, D, seed=8).astype(np.float32))
-    assert not (index_dir / "generations" / "000001.json").exists()
+    retired = json.loads((index_dir / "generations" / "000001.json").read_text())
+    assert retired == {"format": 1, "generation": 1, "removed": True}  # a tombstone: its number stays taken
 
 
 def test_two_writers_the_second_fails_and_nothing_is_lost(flat):
