@@ -45,6 +45,7 @@ from core.storage import (
 log = logging.getLogger(__name__)
 
 S3_MISSING = ("NoSuchKey", "404", "NotFound")  # error codes of an object that is not there
+S3_FORBIDDEN = ("AccessDenied", "403", "Forbidden")  # also what a missing object answers without ListBucket
 S3_EXISTS = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")  # If-None-Match refused
 
 
@@ -64,6 +65,7 @@ class Location(Protocol):
     def local_root(self) -> Path | None: ...  # the directory, or None where files are remote
     def url_of(self, name: str) -> str: ...
     def read_bytes(self, name: str) -> bytes | None: ...  # None: not there
+    def probe(self, name: str) -> bytes | None: ...  # read_bytes, where "forbidden" also means not there
     def read_required(self, name: str) -> bytes: ...  # StorageError naming the file where unreadable
     def read_range(self, name: str, offset: int, size: int) -> bytes: ...
     def read_json(self, name: str) -> Any | None: ...  # None: not there
@@ -102,6 +104,9 @@ class LocalLocation:
             return (self.root / name).read_bytes()
         except FileNotFoundError:
             return None
+
+    def probe(self, name: str) -> bytes | None:
+        return self.read_bytes(name)
 
     def read_required(self, name: str) -> bytes:
         try:
@@ -236,6 +241,20 @@ class S3Location:
             return bytes(self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read())
         except ClientError as exc:
             if error_code(exc) in S3_MISSING:
+                return None
+            raise
+
+    def probe(self, name: str) -> bytes | None:
+        """``read_bytes`` of a name that may well not exist (the next generation's manifest): without
+        ``s3:ListBucket`` S3 answers a missing object with 403, not 404, so here a 403 means absent
+        too. Never used for a name that must exist: there a 403 is an error naming the object."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.read_bytes(name)
+        except ClientError as exc:
+            if error_code(exc) in S3_FORBIDDEN:
+                log.debug("%s: 403, taken as absent (no s3:ListBucket permission answers so)", self.url_of(name))
                 return None
             raise
 

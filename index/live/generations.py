@@ -83,7 +83,7 @@ def pointed_number(location: Location) -> int | None:
     JSON, not a generation number): the pointer is a hint, so a bad one is logged and readers fall
     back to listing the manifests, never failing on it."""
     source = f"{location.url}/{CURRENT_FILE}"
-    data = location.read_bytes(CURRENT_FILE)
+    data = location.probe(CURRENT_FILE)
     if data is None:
         return None
     try:
@@ -105,14 +105,29 @@ def listed_numbers(location: Location) -> list[int]:
 
 def latest_number(location: Location) -> int:
     """The newest published generation: from the pointer, then forward while a next manifest exists
-    (a writer killed after publishing but before moving the pointer); where the pointer is missing,
-    unusable or names no manifest, from the manifests listed; 0 where none was published."""
+    (a writer killed after publishing but before moving the pointer). Where the pointer is missing
+    or unusable, forward from 0 (a retired generation's tombstone keeps its place in the chain);
+    where that finds no chain or the pointer names no manifest (an index compacted by a needle that
+    deleted manifests), from the newest manifest listed. 0 where none was published."""
     number = pointed_number(location)
-    if number is None or (number and location.read_bytes(manifest_name(number)) is None):
-        number = max(listed_numbers(location), default=0)
-    while location.read_bytes(manifest_name(number + 1)) is not None:
+    if number is None and location.probe(manifest_name(1)) is not None:
+        number = 0
+    elif number is None or (number and location.probe(manifest_name(number)) is None):
+        number = newest_listed(location)
+    while location.probe(manifest_name(number + 1)) is not None:
         number += 1
     return number
+
+
+def newest_listed(location: Location) -> int:
+    """The newest manifest listed under ``generations/`` (0: none). Where the listing is refused
+    (S3 without ``s3:ListBucket``) there is no chain to list: 0, with a warning."""
+    try:
+        return max(listed_numbers(location), default=0)
+    except Exception as exc:  # botocore's own types: any refusal leaves the chain from 0
+        log.warning("cannot list %s/%s (%s: %s); starting from generation 0", location.url, GENERATIONS_DIR,
+                    type(exc).__name__, exc)  # fmt: skip
+        return 0
 
 
 def read_manifest(location: Location, number: int | None = None, infos: IndexInfos | None = None) -> Generation:

@@ -277,3 +277,38 @@ def test_s3_compaction_removes_superseded_segments_and_every_deleted_byte(living
         data = client.get_object(Bucket="purge", Key=key)["Body"].read()
         assert vector.astype(np.float16).tobytes() not in data, key
         assert victim.encode() not in data or key.endswith(".json"), key
+
+
+@pytest.mark.s3
+def test_without_list_permission_a_missing_object_is_a_403_and_generations_still_resolve(living, s3_endpoint):
+    """Without ``s3:ListBucket`` S3 answers a missing object with 403: every generation lookup
+    (the next manifest is always missing) once failed on it."""
+    from botocore.exceptions import ClientError
+
+    index, live, _ = living
+    client = s3_client(s3_endpoint)
+    client.create_bucket(Bucket="nolist")
+    for path in index.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), "nolist", f"idx/{path.relative_to(index)}")
+    url = "s3://nolist/idx"
+    delete(DeleteConfig(s3_endpoint_url=s3_endpoint), ["t0/00012"], url)
+    location = location_of(url, s3_endpoint)
+    real_get = location.client.get_object
+
+    def forbidden_when_missing(**kwargs):
+        try:
+            return real_get(**kwargs)
+        except ClientError as exc:
+            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "GetObject") from exc
+
+    def no_listing(*args, **kwargs):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "ListObjectsV2")
+
+    location.client.get_object = forbidden_when_missing
+    location.client.get_paginator = no_listing
+    assert latest_number(location) == 1
+    location.client.delete_object(Bucket="nolist", Key=f"idx/{CURRENT_FILE}")
+    assert latest_number(location) == 1  # forward from 0 through the manifests
+    with pytest.raises(ClientError, match="AccessDenied"):
+        location.read_bytes("generations/000009.json")  # only probes take a 403 for absent
