@@ -208,7 +208,7 @@ def check_case(backend: Backend, command: str, number: int, kind: str, base: Bas
     assert generation in (1, 2), (command, number, kind, generation)
     assert_exact(backend.snapshot(url), after(command, base) if generation == 2 else base.live, XQ)
     if held is not None:  # a server that opened the parent answers from it all along
-        D_ref, I_ref = base.live.brute_force(XQ, 10)
+        _, I_ref = base.live.brute_force(XQ, 10)
         np.testing.assert_array_equal(held.search(XQ, 10)[1], I_ref)
     run(command, url, base, backend.endpoint)  # again, without faults: the change made once
     if backend.endpoint is None:  # on S3, checked after the compaction below (each copy costs seconds)

@@ -132,7 +132,7 @@ def test_a_linked_writer_lock_is_never_truncated(living, tmp_path):
     target.write_text("do not truncate me")
     (index / "generations").mkdir(exist_ok=True)
     (index / "generations" / "writer.lock").symlink_to(target)
-    with pytest.raises(IndexFileError, match="writer.lock is a symbolic link"):
+    with pytest.raises(IndexFileError, match=r"writer\.lock is a symbolic link"):
         delete(DeleteConfig(), ["t0/00001"], index)
     assert target.read_text() == "do not truncate me"
 
@@ -272,7 +272,8 @@ def test_s3_compaction_removes_superseded_segments_and_every_deleted_byte(living
     assert set(superseded) <= set(change["removed"])
     keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket="purge", Prefix="idx/")
             for o in page.get("Contents", [])]  # fmt: skip
-    assert not [k for k in keys if k.startswith(tuple(f"idx/{n}/" for n in superseded) + ("idx/deletes/",))], keys
+    gone = (*(f"idx/{n}/" for n in superseded), "idx/deletes/")
+    assert not [k for k in keys if k.startswith(gone)], keys
     for key in keys:
         data = client.get_object(Bucket="purge", Key=key)["Body"].read()
         assert vector.astype(np.float16).tobytes() not in data, key
@@ -285,7 +286,7 @@ def test_without_list_permission_a_missing_object_is_a_403_and_generations_still
     (the next manifest is always missing) once failed on it."""
     from botocore.exceptions import ClientError
 
-    index, live, _ = living
+    index, _, _ = living
     client = s3_client(s3_endpoint)
     client.create_bucket(Bucket="nolist")
     for path in index.rglob("*"):
