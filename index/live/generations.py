@@ -13,7 +13,10 @@ of two writers that start from the same generation only one publishes its succes
 gets ``GenerationConflict`` and publishes nothing (its change is not lost: it re-runs on top of
 the winner's). ``CURRENT.json`` (the pointer) is replaced after the manifest, as a hint: readers
 start there and step forward while a next manifest exists, so a writer killed between the two
-leaves its generation published, and one killed before the manifest leaves nothing visible.
+leaves its generation published, and one killed before the manifest leaves nothing visible. A
+missing or malformed pointer is never fatal: the chain of manifests is followed from 0 instead.
+``compact --keep`` retires a manifest by replacing it with a tombstone, never by deleting it: a
+number, once published, can never be published again (a paused writer's exclusive create fails).
 
 A reader loads one generation and answers from exactly its files (``read_view``: the build's infos
 with the generation's segments, index.generation.GenerationView). What the files hold, read,
