@@ -7,8 +7,10 @@ then publishes the next generation's manifest (index.live.generations.publish). 
 visible before that, and nothing published is ever changed. A local index also takes an advisory
 lock (``generations/writer.lock``, released by the kernel even on ``kill -9``), so a second local
 writer fails at once with the first one's pid; on S3 (no locks) the exclusive create of the
-manifest is what refuses the second. A writer that fails removes what it wrote; one that was
-killed leaves unreferenced files, which ``needle index compact`` removes (``orphans``).
+manifest is what refuses the second. A writer that fails removes what it wrote, only that, and
+only while it is certain its manifest was not published: from the moment the exclusive create may
+have succeeded nothing it wrote is removed (docs/live_index.md's failure table). One that was
+killed leaves unreferenced files, which ``needle index compact`` removes.
 """
 
 from __future__ import annotations
