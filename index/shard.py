@@ -319,8 +319,17 @@ def candidates_of(
 
 def is_valid_descriptor(vector: np.ndarray, status: str | None) -> bool:
     """Whether a stored row's vector can be a query: its image was read (``status`` ok) and its
-    descriptor is finite and not all zeros."""
-    return status == STATUS_OK and bool(np.isfinite(vector).all()) and bool(vector.any())
+    descriptor is finite and not all zeros (``valid_descriptors`` of one row)."""
+    return bool(valid_descriptors(np.asarray(vector).reshape(1, -1), np.array([status], object))[0])
+
+
+def valid_descriptors(vectors: np.ndarray, statuses: np.ndarray) -> np.ndarray:
+    """Which rows of ``vectors`` (n, d) with ``statuses`` (n,) are valid descriptors: status ok,
+    finite, not all zeros (-0.0 counts as zero). The one definition of a row a FAISS index holds:
+    the build and add index these rows only, delete and compact count them (``ntotal``)."""
+    x = np.asarray(vectors)
+    ok = np.asarray(statuses, object) == STATUS_OK
+    return ok & np.isfinite(x).all(axis=1) & (x != 0).any(axis=1)
 
 
 def with_selector(params: Any | None, deletes: DeleteSet) -> Any | None:

@@ -154,13 +154,12 @@ def replaced_rows(writer: Writer, files: list[FileInfo], replace_keys: bool) -> 
         raise DuplicateKeyError(f"key {short_repr(twice[0])} is in more than one added row ({len(twice)} such keys)")
     parent = ParentKeys(writer)
     found = parent.find_many(keys)
-    present = [(key, found[key]) for key in keys if key in found]
-    if present and not replace_keys:
+    if len(found) and not replace_keys:
         raise DuplicateKeyError(
-            f"key {short_repr(present[0][0])} is already in the index ({len(present)} of the added keys are): "
-            "delete them first, or add with --replace"
+            f"key {short_repr(keys[int(found.key[0])])} is already in the index ({len(found)} of the added keys "
+            "are): delete them first, or add with --replace"
         )
-    return parent.deletes_of(writer, [at for _, at in present])
+    return parent.deletes_of(writer, found)
 
 
 def balance(writer: Writer, files: list[FileInfo]) -> dict[int, list[FileInfo]]:

@@ -39,17 +39,17 @@ def main(conf: DeleteConfig, keys: list[str], index: Path | str) -> dict[str, An
     with writing(index, conf.s3_endpoint_url) as writer:
         parent = ParentKeys(writer)
         found = parent.find_many(keys)
-        unknown = [key for key in keys if key not in found]
-        deletes = parent.deletes_of(writer, list(found.values()))
+        unknown = found.missing(len(keys))
+        deletes = parent.deletes_of(writer, found)
         change: dict[str, Any] = {
             "command": "delete",
             "deleted": sum(len(rows) for rows, _ in deletes.values()),
             "unknown": len(unknown),
-            "unknown_keys": unknown[:REPORTED_UNKNOWN],
+            "unknown_keys": [keys[i] for i in unknown[:REPORTED_UNKNOWN].tolist()],
             "generation": None,
         }
-        if unknown:
-            log.warning("%d of %d keys are not in %s (first: %r)", len(unknown), len(keys), index, unknown[0])
+        if len(unknown):
+            log.warning("%d of %d keys are not in %s (first: %r)", len(unknown), len(keys), index, keys[unknown[0]])
         if not deletes:
             return change
         change["generation"] = writer.publish(next_shards(writer, {}, deletes), change).number

@@ -1,0 +1,104 @@
+"""``needle index delete`` at scale and as key files store keys (issue 55).
+
+The vectorised lookup gives the delete sets a per-key reference gives (several segments, rows
+deleted already, unknown keys, failed and all-zero rows); a segment's vectors read from S3 in
+runs equal the local ones; keys are read split on newlines only.
+"""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import index.live.keys as live_keys
+import index.live.writer as live_writer
+from core.location import location_of
+from core.storage import s3_client
+from index.keys import KeyStore
+from index.live.add_rows import AddConfig
+from index.live.add_rows import main as add
+from index.live.delete_rows import DeleteConfig
+from index.live.delete_rows import main as delete
+from index.live.generations import read_infos_at, read_manifest
+from index.live.keys import ParentKeys
+from index.live.writer import ID_FILES, Writer, writing
+from index.shard import is_valid_descriptor
+from index.shard_files import read_ids
+from tests.support.index import clustered_unit_vectors, write_descriptor_file
+from tests.support.indexes import LIVE_FLAT_4
+from tests.support.live import D
+
+
+@pytest.fixture
+def segmented(synthetic_indexes, tmp_path):
+    """LIVE_FLAT_4 after an add of a file with a failed row and two all-zero ok rows (a new segment
+    per shard it reaches) and a delete of some keys: (index, every key)."""
+    out, _ = synthetic_indexes.copy(LIVE_FLAT_4, tmp_path)
+    xb = clustered_unit_vectors(30, D, seed=4)
+    xb[[3, 4]] = 0
+    path = write_descriptor_file(tmp_path / "more", "t4", 4, xb)
+    table = pq.read_table(path)
+    status = ["failed" if i == 5 else "ok" for i in range(len(table))]
+    pq.write_table(table.set_column(table.schema.get_field_index("status"), "status", pa.array(status)), path)
+    add(AddConfig(), tmp_path / "more", out)
+    keys = [f"t{f}/{i:05d}" for f in range(4) for i in range(40)] + [f"t4/{i:05d}" for i in range(30)]
+    delete(DeleteConfig(), keys[::7], out)
+    return out, keys
+
+
+def reference_deletes(writer: Writer, keys: list[str]) -> dict[int, tuple[list[int], int]]:
+    """The delete sets a key at a time: the first segment holding a live row of the key."""
+    out: dict[int, tuple[list[int], int]] = {}
+    for key in keys:
+        for number, entry in enumerate(writer.parent.segments):
+            directory = writer.segment_dir(entry.name, ID_FILES)
+            position = KeyStore(directory).position_of(key)
+            if position < 0:
+                continue
+            table = read_ids(directory / "ids.arrow")
+            row = table["row"][position].as_py()
+            if row in set(writer.deleted_rows(entry).tolist()):
+                continue
+            vector = writer.row_vectors(entry.name, position, 1)[0]
+            rows, indexed = out.get(number, ([], 0))
+            valid = is_valid_descriptor(np.asarray(vector, np.float32), table["status"][position].as_py())
+            out[number] = (sorted([*rows, row]), indexed + int(valid))
+            break
+    return out
+
+
+@pytest.mark.parametrize("ratio", [0, 10**9])  # the Arrow pass over every segment; a binary search per key
+def test_vectorised_deletes_equal_a_per_key_reference(segmented, monkeypatch, ratio):
+    index_dir, keys = segmented
+    monkeypatch.setattr(live_keys, "BINARY_SEARCH_RATIO", ratio)
+    asked = [*keys[::3], "no/such-key", keys[1]]
+    with writing(index_dir) as writer:
+        parent = ParentKeys(writer)
+        found = parent.find_many(asked)
+        got = {n: (rows.tolist(), indexed) for n, (rows, indexed) in parent.deletes_of(writer, found).items()}
+        want = reference_deletes(writer, asked)
+    assert got == want
+    assert len(writer.parent.segments) > 2 and sum(i for _, i in want.values()) < sum(len(r) for r, _ in want.values())
+    missing = {asked[i] for i in found.missing(len(asked))}
+    assert missing == {"no/such-key"} | {k for k in keys[::7] if k in asked}
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("gap", [0, 1 << 20])  # a ranged read per run of rows; the whole file
+def test_vectors_read_from_s3_in_runs_equal_the_local_ones(segmented, s3_endpoint, monkeypatch, tmp_path, gap):
+    index_dir, _ = segmented
+    monkeypatch.setattr(live_writer, "VECTORS_MERGE_GAP", gap)
+    client = s3_client(s3_endpoint)
+    bucket = f"vectors-{gap}"
+    client.create_bucket(Bucket=bucket)
+    for path in index_dir.rglob("*"):
+        if path.is_file() and "writer.lock" not in path.name:
+            client.upload_file(str(path), bucket, f"idx/{path.relative_to(index_dir)}")
+    local, remote = location_of(index_dir), location_of(f"s3://{bucket}/idx", s3_endpoint)
+    a = Writer(local, read_infos_at(local), read_manifest(local), tmp_path / "a")
+    b = Writer(remote, read_infos_at(remote), read_manifest(remote), tmp_path / "b")
+    positions = np.array([17, 3, 4, 30, 2, 39, 18])
+    name = a.parent.segments[0].name
+    np.testing.assert_array_equal(b.vectors_at(name, positions), a.vectors_at(name, positions))
+    np.testing.assert_array_equal(a.vectors_at(name, positions), a.row_vectors(name, 0, 40)[positions])
+    assert b.vectors_at(name, np.zeros(0, np.int64)).shape == (0, D)
