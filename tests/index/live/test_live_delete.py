@@ -5,6 +5,12 @@ deleted already, unknown keys, failed and all-zero rows); a segment's vectors re
 runs equal the local ones; keys are read split on newlines only.
 """
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,19 +20,24 @@ import index.live.keys as live_keys
 import index.live.writer as live_writer
 from core.location import location_of
 from core.storage import s3_client
+from index.build.stage import IndexConfig
+from index.build.stage import main as build
 from index.keys import KeyStore
 from index.live.add_rows import AddConfig
 from index.live.add_rows import main as add
-from index.live.delete_rows import DeleteConfig
+from index.live.delete_rows import DeleteConfig, read_keys
 from index.live.delete_rows import main as delete
-from index.live.generations import read_infos_at, read_manifest
+from index.live.generations import latest_number, read_infos_at, read_manifest
 from index.live.keys import ParentKeys
 from index.live.writer import ID_FILES, Writer, writing
+from index.search import load_index
 from index.shard import is_valid_descriptor
 from index.shard_files import read_ids
 from tests.support.index import clustered_unit_vectors, write_descriptor_file
 from tests.support.indexes import LIVE_FLAT_4
 from tests.support.live import D
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -102,3 +113,60 @@ def test_vectors_read_from_s3_in_runs_equal_the_local_ones(segmented, s3_endpoin
     np.testing.assert_array_equal(b.vectors_at(name, positions), a.vectors_at(name, positions))
     np.testing.assert_array_equal(a.vectors_at(name, positions), a.row_vectors(name, 0, 40)[positions])
     assert b.vectors_at(name, np.zeros(0, np.int64)).shape == (0, D)
+
+
+ODD = ["a\x85b", "c\u2028d", "e\x0bf", "g\x0ch", "i\x1cj", "k\x1dl", "m\x1en", " spaced "]
+
+
+def test_keys_are_read_split_on_newlines_only(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_bytes(("\n".join(ODD) + "\r\nlast\r\n\nlast\n").encode())
+    assert read_keys(str(path)) == [*ODD, "last"]
+
+
+def test_keys_holding_unicode_line_breaks_are_deleted_through_the_command(flat_odd, tmp_path):
+    index_dir, keys = flat_odd
+    path = tmp_path / "takedown.txt"
+    path.write_bytes(("\r\n".join(ODD) + "\r\n").encode())
+    done = run_needle(["index", "delete", "--index", str(index_dir), "--keys", str(path)])
+    assert done.returncode == 0, done.stderr
+    change = json.loads(done.stdout)
+    assert change["deleted"] == len(ODD) and change["unknown"] == 0
+    assert load_index(index_dir).ntotal == len(keys) - len(ODD)
+
+
+def test_strict_refuses_unknown_keys_and_publishes_nothing(flat_odd, tmp_path):
+    index_dir, keys = flat_odd
+    huge = "x" * 100_000
+    path = tmp_path / "takedown.txt"
+    path.write_text("\n".join([keys[0], huge, *(f"gone/{i}" for i in range(30))]) + "\n")
+    done = run_needle(["index", "delete", "--index", str(index_dir), "--keys", str(path), "--strict"])
+    assert done.returncode == 2 and "31 of 32 keys are not in" in done.stderr and huge not in done.stderr
+    assert latest_number(location_of(index_dir)) == 0
+    # without --strict: deleted, the unknown ones reported, at most 20, each cut short
+    change = delete(DeleteConfig(), read_keys(str(path)), index_dir)
+    assert change["deleted"] == 1 and change["unknown"] == 31 and len(change["unknown_keys"]) == 20
+    assert change["unknown_keys"][0] == huge[:197] + "..."
+    manifest = index_dir / "generations" / "000001.json"
+    assert manifest.stat().st_size < 20_000
+    # a re-run of the same list (a takedown after a partial failure) converges: nothing left to do
+    again = delete(DeleteConfig(), read_keys(str(path)), index_dir)
+    assert again["generation"] is None and again["unknown"] == 32
+
+
+@pytest.fixture
+def flat_odd(tmp_path):
+    """A flat index of 2 shards whose keys hold characters str.splitlines splits at."""
+    xb = clustered_unit_vectors(len(ODD) + 10, D, seed=3)
+    keys = [*ODD, *(f"plain/{i}" for i in range(10))]
+    write_descriptor_file(tmp_path / "desc", "o0", 0, xb[:9], keys=keys[:9])
+    write_descriptor_file(tmp_path / "desc", "o1", 1, xb[9:], keys=keys[9:])
+    build(IndexConfig(kind="flat", shards=2), tmp_path / "desc", tmp_path / "index")
+    return tmp_path / "index", keys
+
+
+def run_needle(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
