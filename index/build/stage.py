@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import write_json_atomic
+from core.errors import NeedleInputError
 from core.hashing import file_sha256
-from core.location import S3Location, build_output
+from core.location import Location, S3Location, build_output
 from index.build.add import PartRunner, finish_local_shards, local_parts, run_parts_sequentially
 from index.build.config import DEFAULT_QUANTIZER_EF, IndexConfig
 from index.build.factory import IndexPlan, parse_bytes, plan_index
@@ -68,6 +69,8 @@ from index.layout import (
     TRAINED_FILE,
     VECTORS_FILE,
 )
+from index.live.generations import CURRENT_FILE, GENERATIONS_DIR
+from index.live.writer import LOCK_FILE
 from index.locals import locals_infos
 from index.memory import peak_rss_bytes
 
@@ -170,6 +173,7 @@ def open_build(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str]
     and its descriptor files, staged and scanned, with the adapter checked against them."""
     clock = Stopwatch()
     location = build_output(output, conf.s3_endpoint_url)
+    refuse_living_index(location, output)
     local = location.local_root
     storage = location if isinstance(location, S3Location) else None
     scratch = local if local is not None else Path(tempfile.mkdtemp(prefix="needle-index-"))
@@ -178,6 +182,24 @@ def open_build(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str]
     adapter = load_adapter(conf.adapt, sources.dim)
     clock.lap("scan_s")
     return Build(conf, scratch, storage, sources, adapter, clock)
+
+
+class LivingIndexOutputError(NeedleInputError):
+    """``--out`` holds a living index (generations published by add, delete or compact)."""
+
+
+def refuse_living_index(location: Location, output: Path | str) -> None:
+    """LivingIndexOutputError where ``output`` holds a living index, before anything is written: a
+    build over it would replace the files generation 0 names while its generations still name
+    segments encoded with the old quantizer (``generations/trained.faiss``, which later adds would
+    go on encoding with), and rows it deleted would come back."""
+    written = [n for n in location.list(GENERATIONS_DIR) if Path(n).name != Path(LOCK_FILE).name]
+    if location.read_bytes(CURRENT_FILE) is None and not written:  # (a lock alone: a writer found nothing to do)
+        return
+    raise LivingIndexOutputError(
+        f"--out {output} holds a living index (its {GENERATIONS_DIR}/ has generations written by needle index "
+        "add, delete or compact): build into a new --out folder, or delete this one first"
+    )
 
 
 def plan_of(conf: IndexConfig, n_ok: int, index_dim: int) -> IndexPlan:
