@@ -30,6 +30,7 @@ output builds each shard in one task on its node and uploads it (index/build/s3.
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 import tempfile
 import time
@@ -313,6 +314,9 @@ def index_infos(
 
     conf, sources = build.conf, build.sources
     record = {
+        # this build's identity: a server reports it in /health, and --wait-for checks that the server
+        # it waits on serves this index (a rebuild into another folder, or another index, has another)
+        "index_id": secrets.token_hex(8),
         "config": asdict(conf),
         **_plan_infos(plan, parse_bytes(conf.memory_budget)),
         "n_train": trained.n_train,

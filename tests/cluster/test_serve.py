@@ -83,7 +83,9 @@ def test_http_search_by_key_and_vector(client, built):
         "shards": 1,
         "kind": "ivfpq",
         "generation": 0,
+        "index_id": index.infos["index_id"],  # the build's (16 hex digits)
     }
+    assert len(index.infos["index_id"]) == 16
 
 
 @pytest.mark.parametrize(
