@@ -23,7 +23,7 @@ from core.storage import s3_client
 from index.build.stage import IndexConfig
 from index.build.stage import main as build
 from index.keys import KeyStore
-from index.live.add_rows import AddConfig
+from index.live.add_rows import AddConfig, DuplicateKeyError
 from index.live.add_rows import main as add
 from index.live.delete_rows import DeleteConfig, read_keys
 from index.live.delete_rows import main as delete
@@ -170,3 +170,25 @@ def run_needle(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
+
+
+def test_add_accepts_a_repeated_key_written_as_an_error_row_as_build_does(synthetic_indexes, tmp_path):
+    """Ingest writes a tar's repeated sample key as an error row with the same key: the build accepts
+    such a file, and so does add (the error row kept, not indexed); two ok rows with one key are refused."""
+    out, _ = synthetic_indexes.copy(LIVE_FLAT_4, tmp_path)
+    xb = clustered_unit_vectors(6, D, seed=6)
+    xb[5] = 0
+    keys = [f"t6/{i:05d}" for i in range(5)] + ["t6/00002"]
+    path = write_descriptor_file(tmp_path / "dup", "t6", 6, xb, keys=keys)
+    table = pq.read_table(path)
+    status = pa.array(["ok"] * 5 + ["error"])
+    pq.write_table(table.set_column(table.schema.get_field_index("status"), "status", status), path)
+    build(IndexConfig(kind="flat", shards=1), tmp_path / "dup", tmp_path / "built")  # the build accepts it
+    change = add(AddConfig(), tmp_path / "dup", out)
+    assert change["generation"] == 1 and change["rows"] == 6 and change["vectors"] == 5
+    index = load_index(out)
+    assert index.ntotal == 160 + 5
+    np.testing.assert_array_equal(index.vector_of("t6/00002"), xb[2].astype(np.float32))
+    write_descriptor_file(tmp_path / "twice", "t7", 7, xb, keys=[f"t7/{i % 5:05d}" for i in range(6)])
+    with pytest.raises(DuplicateKeyError, match="more than one added row"):
+        add(AddConfig(), tmp_path / "twice", out)
