@@ -38,7 +38,7 @@ from index.live.deletes import DeleteSet, search_live
 from index.live.row_map import RowMap, row_map_of
 from index.locals import LocalStore, open_local_store
 from index.shard_files import ShardFiles, open_shard_files
-from ingest.descriptors import STATUS_OK
+from ingest.descriptors import valid_descriptors
 
 # A flat shard scans on the GPU from this many vectors and queries on ("auto"). Below them the
 # CPU's FAISS scan is cheap (the auto plan is flat only below 100k vectors), and a batch of few
@@ -321,15 +321,6 @@ def is_valid_descriptor(vector: np.ndarray, status: str | None) -> bool:
     """Whether a stored row's vector can be a query: its image was read (``status`` ok) and its
     descriptor is finite and not all zeros (``valid_descriptors`` of one row)."""
     return bool(valid_descriptors(np.asarray(vector).reshape(1, -1), np.array([status], object))[0])
-
-
-def valid_descriptors(vectors: np.ndarray, statuses: np.ndarray) -> np.ndarray:
-    """Which rows of ``vectors`` (n, d) with ``statuses`` (n,) are valid descriptors: status ok,
-    finite, not all zeros (-0.0 counts as zero). The one definition of a row a FAISS index holds:
-    the build and add index these rows only, delete and compact count them (``ntotal``)."""
-    x = np.asarray(vectors)
-    ok = np.asarray(statuses, object) == STATUS_OK
-    return ok & np.isfinite(x).all(axis=1) & (x != 0).any(axis=1)
 
 
 def with_selector(params: Any | None, deletes: DeleteSet) -> Any | None:

@@ -66,12 +66,12 @@ from index.layout import (
     INDEX_FILE,
     INFOS_FILE,
     LAYOUT_SHARDS,
+    LIVING_FILES,
     SHARD_INFOS_FILE,
     TRAINED_FILE,
     VECTORS_FILE,
+    WRITER_LOCK,
 )
-from index.live.generations import CURRENT_FILE, GENERATIONS_DIR
-from index.live.writer import LOCK_FILE
 from index.locals import locals_infos
 from index.memory import peak_rss_bytes
 
@@ -194,11 +194,12 @@ def refuse_living_index(location: Location, output: Path | str) -> None:
     build over it would replace the files generation 0 names while its generations still name
     segments encoded with the old quantizer (``generations/trained.faiss``, which later adds would
     go on encoding with), and rows it deleted would come back."""
-    written = [n for n in location.list(GENERATIONS_DIR) if Path(n).name != Path(LOCK_FILE).name]
-    if location.read_bytes(CURRENT_FILE) is None and not written:  # (a lock alone: a writer found nothing to do)
+    generations, current = LIVING_FILES
+    written = [n for n in location.list(generations) if Path(n).name != WRITER_LOCK]
+    if location.read_bytes(current) is None and not written:  # (a lock alone: a writer found nothing to do)
         return
     raise LivingIndexOutputError(
-        f"--out {output} holds a living index (its {GENERATIONS_DIR}/ has generations written by needle index "
+        f"--out {output} holds a living index (its {generations}/ has generations written by needle index "
         "add, delete or compact): build into a new --out folder, or delete this one first"
     )
 

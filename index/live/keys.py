@@ -20,8 +20,8 @@ from index.keys import KeyStore
 from index.layout import IDS_FILE
 from index.live.deletes import DeleteSet
 from index.live.writer import ID_FILES, Writer
-from index.shard import valid_descriptors
 from index.shard_files import read_ids
+from ingest.descriptors import valid_descriptors
 
 # A segment is searched key by key (a binary search each, ~0.15 ms) while keys x this < its rows;
 # past that one Arrow pass over its key bytes (~0.1 us a row) is cheaper.
@@ -77,7 +77,7 @@ class ParentKeys:
 
     def deletes_of(self, writer: Writer, found: Found) -> dict[int, tuple[np.ndarray, int]]:
         """Segment number -> (the rows of ``found`` in it, sorted, how many of them have a vector
-        in its FAISS index: index.shard.valid_descriptors): what a delete set grows by."""
+        in its FAISS index: ingest.descriptors.valid_descriptors): what a delete set grows by."""
         out: dict[int, tuple[np.ndarray, int]] = {}
         for number in np.unique(found.segment).tolist():
             mine = found.segment == number

@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from index.layout import LIVING_FILES, WRITER_LOCK
 from index.live.delete_rows import DeleteConfig
 from index.live.delete_rows import main as delete
-from index.live.writer import writing
+from index.live.generations import CURRENT_FILE, GENERATIONS_DIR
+from index.live.writer import LOCK_FILE, writing
 from tests.support.indexes import LIVE_FLAT_4
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -48,3 +50,7 @@ def test_a_build_over_a_build_only_index_rebuilds_it(synthetic_indexes, tmp_path
         pass
     done = build(tmp_path / "desc", out)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_builds_names_of_a_living_index_are_the_writers():
+    assert LIVING_FILES == (GENERATIONS_DIR, CURRENT_FILE) and f"{GENERATIONS_DIR}/{WRITER_LOCK}" == LOCK_FILE

@@ -25,6 +25,8 @@ from index.build.stage import main as build
 from index.keys import KeyStore
 from index.live.add_rows import AddConfig, DuplicateKeyError
 from index.live.add_rows import main as add
+from index.live.compact import CompactConfig
+from index.live.compact import main as compact
 from index.live.delete_rows import DeleteConfig, read_keys
 from index.live.delete_rows import main as delete
 from index.live.generations import latest_number, read_infos_at, read_manifest
@@ -192,3 +194,35 @@ def test_add_accepts_a_repeated_key_written_as_an_error_row_as_build_does(synthe
     write_descriptor_file(tmp_path / "twice", "t7", 7, xb, keys=[f"t7/{i % 5:05d}" for i in range(6)])
     with pytest.raises(DuplicateKeyError, match="more than one added row"):
         add(AddConfig(), tmp_path / "twice", out)
+
+
+def test_all_zero_ok_rows_are_counted_alike_by_build_add_delete_and_compact(tmp_path):
+    """All-zero vectors with status ok (ingest.descriptors.valid_descriptors: not indexed) through add, delete
+    and compact: every total and answer equals a fresh build over the live rows."""
+    files = {}
+    for f in range(3):
+        xb = clustered_unit_vectors(20, D, seed=20 + f)
+        xb[[2, 9]] = 0
+        files[f] = (xb, [f"z{f}/{i:05d}" for i in range(20)])
+    for f in (0, 1):
+        write_descriptor_file(tmp_path / "desc", f"z{f}", f, *files[f])
+    build(IndexConfig(kind="flat", shards=2), tmp_path / "desc", tmp_path / "index")
+    write_descriptor_file(tmp_path / "more", "z2", 2, *files[2])
+    add(AddConfig(), tmp_path / "more", tmp_path / "index")
+    gone = {"z0/00002", "z1/00009", "z2/00002", "z0/00005", "z2/00011"}  # three zero rows, two others
+    delete(DeleteConfig(), sorted(gone), tmp_path / "index")
+    for f, (xb, keys) in files.items():  # the live rows, under their own keys and row ids' files
+        live = [i for i, key in enumerate(keys) if key not in gone]
+        write_descriptor_file(tmp_path / "fresh_desc", f"z{f}", f, xb[live], [keys[i] for i in live])
+    build(IndexConfig(kind="flat", shards=2), tmp_path / "fresh_desc", tmp_path / "fresh")
+    fresh = load_index(tmp_path / "fresh")
+    assert fresh.ntotal == 60 - 6 - 2  # two zero rows per file, less the three deleted, and two more
+    xq = clustered_unit_vectors(4, D, seed=1).astype(np.float32)
+
+    def answers(index):
+        scores, rows = index.search(xq, 100)
+        return index.ntotal, index.keys_of(rows), np.round(scores, 3).tolist()
+
+    assert answers(load_index(tmp_path / "index")) == answers(fresh)
+    compact(CompactConfig(), tmp_path / "index")
+    assert answers(load_index(tmp_path / "index")) == answers(fresh)
