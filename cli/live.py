@@ -16,6 +16,7 @@ from typing import Any
 
 from cli.flags import add_config_flags, config_from_args
 from core.errors import NeedleInputError
+from core.quoting import short_repr
 from index.live.config import AddConfig, CompactConfig, DeleteConfig
 
 log = logging.getLogger("needle")
@@ -25,25 +26,38 @@ class WaitTimeout(NeedleInputError):
     """The server given to ``--wait-for`` did not serve the new generation in time."""
 
 
-def served_generation(url: str, timeout: float = 5.0) -> int | None:
-    """The generation ``url``'s ``/health`` reports, or None where it cannot be asked."""
+class OtherIndexError(NeedleInputError):
+    """The server given to ``--wait-for`` serves another index than the one changed."""
+
+
+def served_state(url: str, timeout: float = 5.0) -> dict[str, Any] | None:
+    """The ``/health`` answer of ``url`` (its ``generation`` and ``index_id``), or None where it
+    cannot be asked."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as answer:
             body = json.loads(answer.read())
     except (OSError, ValueError, urllib.error.URLError):
         return None
-    generation = body.get("generation") if isinstance(body, dict) else None
-    return int(generation) if isinstance(generation, int) else None
+    return body if isinstance(body, dict) and isinstance(body.get("generation"), int) else None
 
 
-def wait_for(url: str, generation: int, timeout: float, poll: float = 0.1) -> float:
-    """Seconds until the server at ``url`` serves ``generation`` (or a newer one), or WaitTimeout."""
+def wait_for(url: str, generation: int, timeout: float, index_id: str | None, poll: float = 0.1) -> float:
+    """Seconds until the server at ``url`` serves ``generation`` (or a newer one) of the index
+    whose ``index_id`` is given; OtherIndexError at once where it serves another index, WaitTimeout
+    after ``timeout``. An index built before index ids (None) is known by its generation only."""
     start = time.monotonic()
     seen = None
     while time.monotonic() - start < timeout:
-        seen = served_generation(url)
-        if seen is not None and seen >= generation:
-            return time.monotonic() - start
+        state = served_state(url)
+        if state is not None:
+            if index_id is not None and state.get("index_id") != index_id:
+                raise OtherIndexError(
+                    f"--wait-for {url}: it serves index {short_repr(state.get('index_id'))}, not this one "
+                    f"({index_id}, in --index's index_infos.json): give the URL of a server of this index"
+                )
+            seen = state["generation"]
+            if seen >= generation:
+                return time.monotonic() - start
         time.sleep(poll)
     raise WaitTimeout(
         f"--wait-for {url}: it serves generation {seen} after {timeout:g} s, not {generation} "
@@ -51,10 +65,24 @@ def wait_for(url: str, generation: int, timeout: float, poll: float = 0.1) -> fl
     )
 
 
+def index_id_of(args: argparse.Namespace) -> str | None:
+    """The ``index_id`` of ``--index`` (None: built before index ids; logged: its server is then
+    known by the generation it reports only)."""
+    from core.location import location_of
+    from index.live.generations import read_infos_at
+
+    index_id = read_infos_at(location_of(args.index, getattr(args, "s3_endpoint_url", None))).fields.get("index_id")
+    if index_id is None:
+        log.warning("%s was built before index ids: --wait-for cannot check which index %s serves", args.index,
+                    args.wait_for)  # fmt: skip
+    return index_id
+
+
 def report(change: dict[str, Any], args: argparse.Namespace) -> int:
     """Print ``change`` as JSON after waiting for ``--wait-for`` where a generation was published."""
     if args.wait_for and change.get("generation") is not None:
-        change["visible_after_s"] = round(wait_for(args.wait_for, int(change["generation"]), args.wait_timeout), 3)
+        waited = wait_for(args.wait_for, int(change["generation"]), args.wait_timeout, index_id_of(args))
+        change["visible_after_s"] = round(waited, 3)
     json.dump(change, sys.stdout, indent=1)
     sys.stdout.write("\n")
     return 0

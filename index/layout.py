@@ -18,6 +18,10 @@ INFOS_FILE = "index_infos.json"
 SHARD_INFOS_FILE = "shard_infos.json"
 TRAINED_FILE = "trained.faiss"
 LAYOUT_SHARDS = "shard-directories"  # index_infos.json "layout" of indexes built as shard directories
+# what a living index adds (index/live/generations.py, index/live/writer.py use the same names;
+# tests/index/live/test_build_over_living.py holds them equal): named here for the build's check
+LIVING_FILES = ("generations", "CURRENT.json")  # its generations' folder, its pointer
+WRITER_LOCK = "writer.lock"  # in the generations' folder: a writer's lock (left by one that found nothing to do)
 
 
 # Every name an index's records give a file or directory (index_infos.json, a manifest, a

@@ -135,7 +135,9 @@ class SearchIndex:
         ``nprobe`` and ``refine_factor`` override the build's defaults for this search.
         """
         xq = self.check_queries(xq, k)
-        k = min(k, self.ntotal)
+        k = min(k, self.ntotal)  # past the live rows: the rows there are (FAISS pads, the answer does not)
+        if k == 0:  # every row deleted: an empty answer, no shard asked
+            return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
         kk = self.shortlist_size(k, refine, refine_factor)
         return merge_shortlists(self.search_shards(xq, kk, nprobe, refine), kk, k)
 

@@ -38,7 +38,7 @@ from index.live.deletes import DeleteSet, search_live
 from index.live.row_map import RowMap, row_map_of
 from index.locals import LocalStore, open_local_store
 from index.shard_files import ShardFiles, open_shard_files
-from ingest.descriptors import STATUS_OK
+from ingest.descriptors import valid_descriptors
 
 # A flat shard scans on the GPU from this many vectors and queries on ("auto"). Below them the
 # CPU's FAISS scan is cheap (the auto plan is flat only below 100k vectors), and a batch of few
@@ -319,8 +319,8 @@ def candidates_of(
 
 def is_valid_descriptor(vector: np.ndarray, status: str | None) -> bool:
     """Whether a stored row's vector can be a query: its image was read (``status`` ok) and its
-    descriptor is finite and not all zeros."""
-    return status == STATUS_OK and bool(np.isfinite(vector).all()) and bool(vector.any())
+    descriptor is finite and not all zeros (``valid_descriptors`` of one row)."""
+    return bool(valid_descriptors(np.asarray(vector).reshape(1, -1), np.array([status], object))[0])
 
 
 def with_selector(params: Any | None, deletes: DeleteSet) -> Any | None:

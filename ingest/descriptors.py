@@ -173,3 +173,13 @@ def read_global(path: Path, columns: tuple[str, ...] = ("row", "key", "status"))
     values = table["global"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
     xb = np.asarray(values, dtype=np.float16).reshape(len(table), dim)
     return table.drop_columns(["global"]), xb
+
+
+def valid_descriptors(vectors: np.ndarray, statuses: np.ndarray) -> np.ndarray:
+    """Which rows of ``vectors`` (n, d) with ``statuses`` (n,) are valid descriptors: status ok,
+    finite, not all zeros (-0.0 counts as zero). The one definition of a row a FAISS index holds
+    (index.shard.is_valid_descriptor is it for one row): the build and add index these rows only,
+    delete and compact count them (``ntotal``)."""
+    x = np.asarray(vectors)
+    ok = np.asarray(statuses, object) == STATUS_OK
+    return ok & np.isfinite(x).all(axis=1) & (x != 0).any(axis=1)

@@ -192,8 +192,6 @@ def query(
     where this process re-ranks (``--device``; rerank.device.resolve_device)."""
     if not keys and not images and not texts and not text_queries and vectors is None:
         raise NeedleInputError("nothing to query: give --key, --image, --text, --text-file or --vectors")
-    if conf.k > index.ntotal:
-        raise NeedleInputError(f"k={conf.k} is larger than the index ({index.ntotal} vectors)")
     blocks: list[np.ndarray] = []
     labels: list[dict[str, Any]] = []
     if keys:

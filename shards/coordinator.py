@@ -240,7 +240,9 @@ class ShardedIndex:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(D, I) as ``SearchIndex.search``: every shard's shortlist, merged by the same code."""
         xq = self.check_queries(xq, k)
-        k = min(k, self.ntotal)
+        k = min(k, self.ntotal)  # past the live rows: the rows there are (FAISS pads, the answer does not)
+        if k == 0:  # every row deleted: an empty answer, no shard asked
+            return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
         kk = self.shortlist_size(k, refine, refine_factor)
         parts = self.call(ShardCalls.search, self.every_shard(xq, kk, nprobe, refine), "the search")
         request = _REQUEST.get()

@@ -36,6 +36,7 @@ def health_answer(index: Index) -> tuple[int, dict[str, Any]]:
     shards = len(infos["shard_segments"])  # a generation view's (index.generation.GenerationView.as_infos)
     out: dict[str, Any] = {"ntotal": index.ntotal, "d": index.d, "shards": shards, "kind": infos.get("kind")}
     out["generation"] = int(infos.get("generation", 0))  # the generation served (docs/live_index.md)
+    out["index_id"] = infos.get("index_id")  # which index (None: built before index ids): --wait-for checks it
     replicas = index.health()  # {} in one process: every shard is here
     out.update(replicas)
     return (200 if replicas.get("ok", True) else 503), out

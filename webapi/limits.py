@@ -236,12 +236,10 @@ class RequestChecks:
         self.infos = infos  # the served index's infos now: its kind, nlist and default nprobe and refine_factor
 
     def k(self, value: Any) -> int:
-        """k: a positive int, at most the index's size and ``max_k_total``."""
-        k = positive_int(value, "k")
-        ntotal = self.ntotal()
-        if k > ntotal:
-            raise FieldError("k", f"k={k} is larger than the index ({ntotal} vectors)")
-        return positive_int(k, "k", self.limits.max_k_total, "max_k_total")
+        """k: a positive int up to ``max_k_total``. A k past the index's live rows is no error
+        (deletes shrink an index under its clients, to none at all): the answer holds the rows
+        there are (the index's search returns min(k, ntotal) columns)."""
+        return positive_int(value, "k", self.limits.max_k_total, "max_k_total")
 
     def nprobe(self, value: Any) -> int | None:
         """nprobe: None (the index's) or a positive int up to ``max_nprobe`` (``[1]`` was a 500 before)."""

@@ -2,7 +2,7 @@
 searches of any ``query.index_protocol.Index`` (one process's ``SearchIndex`` or a coordinator of
 shards, ``shards.coordinator.ShardedIndex``).
 
-Bad input (non-image bytes, wrong vector dimension, k larger than the index, empty text, unknown key,
+Bad input (non-image bytes, wrong vector dimension, k not a positive integer, empty text, unknown key,
 malformed JSON, a field of the wrong type or out of range, an unknown field) is a ``NeedleInputError``
 (a ``webapi.limits.FieldError`` naming the field where the service checks it), answered 400 by the
 app; a request past one of ``ServiceLimits`` (queries, k x queries, image pixels, text length) is

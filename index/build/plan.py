@@ -29,6 +29,7 @@ from ingest.descriptors import (
     has_locals,
     list_descriptor_files,
     read_global,
+    valid_descriptors,
 )
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,12 @@ def read_valid(path: str, dim: int, adapter: Any = None) -> tuple[np.ndarray, np
     rejected = int((ok & ~finite).sum())
     if rejected:
         log.warning("%s: %d descriptors with NaN/inf rejected", path, rejected)
-    keep = ok & finite
+    # the rows an index holds: ingest.descriptors.valid_descriptors, the one definition delete and compact
+    # count by (an all-zero ok row was indexed here but not counted there: ntotal drifted by one)
+    keep = valid_descriptors(xb, table["status"].to_numpy(zero_copy_only=False))
+    zeros = int((ok & finite & ~keep).sum())
+    if zeros:
+        log.warning("%s: %d all-zero descriptors not indexed", path, zeros)
     xb = xb[keep] if adapter is None else adapter.apply(xb[keep]).astype(np.float16)
     return table["row"].to_numpy()[keep], xb, rejected
 

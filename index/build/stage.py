@@ -30,6 +30,7 @@ output builds each shard in one task on its node and uploads it (index/build/s3.
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 import tempfile
 import time
@@ -39,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import write_json_atomic
+from core.errors import NeedleInputError
 from core.hashing import file_sha256
-from core.location import S3Location, build_output
+from core.location import Location, S3Location, build_output
 from index.build.add import PartRunner, finish_local_shards, local_parts, run_parts_sequentially
 from index.build.config import DEFAULT_QUANTIZER_EF, IndexConfig
 from index.build.factory import IndexPlan, parse_bytes, plan_index
@@ -64,9 +66,11 @@ from index.layout import (
     INDEX_FILE,
     INFOS_FILE,
     LAYOUT_SHARDS,
+    LIVING_FILES,
     SHARD_INFOS_FILE,
     TRAINED_FILE,
     VECTORS_FILE,
+    WRITER_LOCK,
 )
 from index.locals import locals_infos
 from index.memory import peak_rss_bytes
@@ -170,6 +174,7 @@ def open_build(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str]
     and its descriptor files, staged and scanned, with the adapter checked against them."""
     clock = Stopwatch()
     location = build_output(output, conf.s3_endpoint_url)
+    refuse_living_index(location, output)
     local = location.local_root
     storage = location if isinstance(location, S3Location) else None
     scratch = local if local is not None else Path(tempfile.mkdtemp(prefix="needle-index-"))
@@ -178,6 +183,25 @@ def open_build(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str]
     adapter = load_adapter(conf.adapt, sources.dim)
     clock.lap("scan_s")
     return Build(conf, scratch, storage, sources, adapter, clock)
+
+
+class LivingIndexOutputError(NeedleInputError):
+    """``--out`` holds a living index (generations published by add, delete or compact)."""
+
+
+def refuse_living_index(location: Location, output: Path | str) -> None:
+    """LivingIndexOutputError where ``output`` holds a living index, before anything is written: a
+    build over it would replace the files generation 0 names while its generations still name
+    segments encoded with the old quantizer (``generations/trained.faiss``, which later adds would
+    go on encoding with), and rows it deleted would come back."""
+    generations, current = LIVING_FILES
+    written = [n for n in location.list(generations) if Path(n).name != WRITER_LOCK]
+    if location.read_bytes(current) is None and not written:  # (a lock alone: a writer found nothing to do)
+        return
+    raise LivingIndexOutputError(
+        f"--out {output} holds a living index (its {generations}/ has generations written by needle index "
+        "add, delete or compact): build into a new --out folder, or delete this one first"
+    )
 
 
 def plan_of(conf: IndexConfig, n_ok: int, index_dim: int) -> IndexPlan:
@@ -291,6 +315,9 @@ def index_infos(
 
     conf, sources = build.conf, build.sources
     record = {
+        # this build's identity: a server reports it in /health, and --wait-for checks that the server
+        # it waits on serves this index (a rebuild into another folder, or another index, has another)
+        "index_id": secrets.token_hex(8),
         "config": asdict(conf),
         **_plan_infos(plan, parse_bytes(conf.memory_budget)),
         "n_train": trained.n_train,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from core.errors import NeedleInputError
@@ -38,7 +39,7 @@ from index.live.drift import CoarseStats, coarse_stats, drift_report, sample_pos
 from index.live.generations import GENERATIONS_DIR
 from index.live.keys import ParentKeys
 from index.live.writer import Writer, next_shards, parent_files, writing
-from ingest.descriptors import DescriptorFileError, has_locals
+from ingest.descriptors import STATUS_OK, DescriptorFileError, has_locals
 
 log = logging.getLogger(__name__)
 TRAINED_STATS_FILE = f"{GENERATIONS_DIR}/trained_drift.json"  # the drift report's baseline
@@ -147,20 +148,25 @@ def replaced_rows(writer: Writer, files: list[FileInfo], replace_keys: bool) -> 
     """Parent segment number -> (rows to delete, how many had vectors) for keys the new files
     re-add (``replace_keys``); a duplicate key without it is a DuplicateKeyError naming it."""
     keys: list[str] = []
+    ok_keys: list[str] = []
     for f in files:
-        keys.extend(pq.read_table(f.path, columns=["key"])["key"].to_pylist())
-    twice = [key for key, count in Counter(keys).items() if count > 1]
+        table = pq.read_table(f.path, columns=["key", "status"])
+        keys.extend(table["key"].to_pylist())
+        ok_keys.extend(table.filter(pc.equal(table["status"], STATUS_OK))["key"].to_pylist())
+    # Two indexable rows under one key are refused. A repeated key's other rows are error rows
+    # (ingest writes a tar's repeated sample key so): kept, as the build keeps them, never indexed.
+    twice = [key for key, count in Counter(ok_keys).items() if count > 1]
     if twice:
         raise DuplicateKeyError(f"key {short_repr(twice[0])} is in more than one added row ({len(twice)} such keys)")
+    keys = list(dict.fromkeys(keys))
     parent = ParentKeys(writer)
     found = parent.find_many(keys)
-    present = [(key, found[key]) for key in keys if key in found]
-    if present and not replace_keys:
+    if len(found) and not replace_keys:
         raise DuplicateKeyError(
-            f"key {short_repr(present[0][0])} is already in the index ({len(present)} of the added keys are): "
-            "delete them first, or add with --replace"
+            f"key {short_repr(keys[int(found.key[0])])} is already in the index ({len(found)} of the added keys "
+            "are): delete them first, or add with --replace"
         )
-    return parent.deletes_of(writer, [at for _, at in present])
+    return parent.deletes_of(writer, found)
 
 
 def balance(writer: Writer, files: list[FileInfo]) -> dict[int, list[FileInfo]]:

@@ -52,9 +52,8 @@ from index.live.generations import (
 )
 from index.live.writer import Writer, writing
 from index.locals import TOKEN_DTYPE, SegmentInfo, _save_npy, locals_infos, open_local_store
-from index.shard import is_valid_descriptor
 from index.shard_files import ShardFiles, open_shard_files
-from ingest.descriptors import ROW_SHARD_SHIFT
+from ingest.descriptors import ROW_SHARD_SHIFT, valid_descriptors
 
 log = logging.getLogger(__name__)
 CHUNK_ROWS = 1 << 15  # rows gathered at a time (vectors, tokens)
@@ -206,7 +205,7 @@ def write_vectors_and_index(
             block = gather([f.vectors for f in opened], which, positions).reshape(-1, dim)
             out.write(np.ascontiguousarray(block, np.float16).tobytes())
             status = gather(statuses, which, positions)
-            ok = np.array([is_valid_descriptor(v, s) for v, s in zip(block, status)], bool)
+            ok = valid_descriptors(block, status)  # what the build and add index, and delete counts
             if ok.any():
                 index.add_with_ids(np.ascontiguousarray(block[ok], np.float32), live[0][start:stop][ok])
                 indexed += int(ok.sum())

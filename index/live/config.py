@@ -30,6 +30,12 @@ class AddConfig:
 @dataclass(frozen=True)
 class DeleteConfig:
     s3_endpoint_url: str | None = setting(None, "S3-compatible endpoint for an s3:// index")
+    # off by default: a takedown list run again after a failure holds keys deleted by the first run,
+    # which are unknown by then; the re-run must still delete the rest and succeed
+    strict: bool = setting(
+        False,
+        "a key the index does not hold (never added, or deleted already) is an error: nothing is deleted",
+    )
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,10 @@ def segment_deletes(location: Location, segment: Segment) -> DeleteSet:
     data = location.read_bytes(segment.deleted.file)
     if data is None:
         raise DeleteSetError(f"cannot read the delete set {label}: it is missing")
-    return read_delete_set(io.BytesIO(data), segment.deleted.indexed, label)
+    deletes = read_delete_set(io.BytesIO(data), segment.deleted.indexed, label)
+    if len(deletes) != segment.deleted.rows:
+        raise DeleteSetError(f"the delete set {label} holds {len(deletes)} rows, its manifest says {segment.deleted.rows}")
+    return deletes
 
 
 def read_delete_set(source: Any, indexed: int, label: str) -> DeleteSet:

@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 LOCK_FILE = f"{GENERATIONS_DIR}/writer.lock"
 SCRATCH_DIR = ".writer-scratch"  # a local index's writer scratch (removed at the end, or by the next writer)
 SCRATCH_PREFIX = "needle-writer-"  # an S3 index's writer scratch under the temporary directory: + "<pid>-"
+# ``Writer.vectors_at`` on S3: rows closer than this share one ranged read (a GET's latency costs
+# about what reading a megabyte does)
+VECTORS_MERGE_GAP = 1 << 20
 
 
 class WriterBusy(NeedleInputError):
@@ -154,25 +157,59 @@ class Writer:
         kill_point("deletes_written")
         return DeleteFile(name, len(rows), int(indexed))
 
-    def row_vector(self, segment: str, position: int) -> np.ndarray:
-        """The float16 vector of one row of a published segment (S3: one ranged read)."""
-        return self.row_vectors(segment, position, 1)[0]
-
     def row_vectors(self, segment: str, start: int, count: int) -> np.ndarray:
         """The float16 vectors of rows ``start:start + count`` of a published segment (S3: one
         ranged read after the ``.npy`` header's)."""
         if self.local:
-            if segment not in self.maps:
-                self.maps[segment] = np.load(self.segment_file(segment, VECTORS_FILE), mmap_mode="r")
-            return np.asarray(self.maps[segment][start : start + count])
+            return np.asarray(self.vectors_map(segment)[start : start + count])
         name = f"{segment}/{VECTORS_FILE}"
+        rows, dim, dtype, data_at = self.vectors_header(name)
+        count = max(0, min(count, rows - start))
+        size = dim * dtype.itemsize
+        data = self.location.read_range(name, data_at + start * size, size * count)
+        return np.frombuffer(data, dtype).reshape(count, dim)
+
+    def vectors_at(self, segment: str, positions: np.ndarray) -> np.ndarray:
+        """The float16 vectors of the rows at ``positions`` (any order) of a published segment, in
+        that order. Locally one gather from the memory map; on S3 the positions, sorted, are read
+        in runs (rows closer than VECTORS_MERGE_GAP bytes share one ranged read), or the whole file
+        is fetched once where the runs would cover most of it (a delete of many keys)."""
+        positions = np.asarray(positions, np.int64)
+        if not len(positions):
+            return np.zeros((0, self.infos.dim), np.float16)
+        if self.local:
+            return np.asarray(self.vectors_map(segment)[positions])
+        name = f"{segment}/{VECTORS_FILE}"
+        rows, dim, dtype, data_at = self.vectors_header(name)
+        size = dim * dtype.itemsize
+        order = np.argsort(positions, kind="stable")
+        ranked = positions[order]
+        breaks = np.flatnonzero(np.diff(ranked) * size > VECTORS_MERGE_GAP) + 1
+        starts, stops = ranked[np.r_[0, breaks]], ranked[np.r_[breaks - 1, len(ranked) - 1]] + 1
+        if int((stops - starts).sum()) * 2 > rows:  # most of the file: fetch it once, whole
+            return np.asarray(np.load(self.segment_file(segment, VECTORS_FILE), mmap_mode="r")[positions])
+        out = np.empty((len(positions), dim), dtype)
+        at = 0
+        for start, stop in zip(starts.tolist(), stops.tolist()):
+            data = self.location.read_range(name, data_at + start * size, (stop - start) * size)
+            block = np.frombuffer(data, dtype).reshape(stop - start, dim)
+            take = ranked[at : at + np.searchsorted(ranked[at:], stop)]
+            out[order[at : at + len(take)]] = block[take - start]
+            at += len(take)
+        return out
+
+    def vectors_map(self, segment: str) -> np.ndarray:
+        """A local published segment's vectors, memory-mapped once."""
+        if segment not in self.maps:
+            self.maps[segment] = np.load(self.segment_file(segment, VECTORS_FILE), mmap_mode="r")
+        return self.maps[segment]
+
+    def vectors_header(self, name: str) -> tuple[int, int, np.dtype, int]:
+        """(rows, dim, dtype, where the data starts) of a ``.npy`` vectors file at the location."""
         head = io.BytesIO(self.location.read_range(name, 0, 128))  # np.save pads its header to 128 bytes
         np.lib.format.read_magic(head)
         shape, _, dtype = np.lib.format.read_array_header_1_0(head)
-        count = max(0, min(count, shape[0] - start))
-        size = shape[1] * dtype.itemsize
-        data = self.location.read_range(name, head.tell() + start * size, size * count)
-        return np.frombuffer(data, dtype).reshape(count, shape[1])
+        return int(shape[0]), int(shape[1]), dtype, head.tell()
 
     def trained_empty(self) -> Path:
         """The build's trained index with no vectors (its coarse quantizer and PQ): written once

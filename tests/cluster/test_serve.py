@@ -83,14 +83,16 @@ def test_http_search_by_key_and_vector(client, built):
         "shards": 1,
         "kind": "ivfpq",
         "generation": 0,
+        "index_id": index.infos["index_id"],  # the build's (16 hex digits)
     }
+    assert len(index.infos["index_id"]) == 16
 
 
 @pytest.mark.parametrize(
     "path,body,message",
     [
         ("/search", {"vectors": [[0.0] * 31], "k": 2}, "expects (n, 32)"),
-        ("/search", {"keys": ["000000/00001"], "k": 100000}, "larger than the index"),
+        ("/search", {"keys": ["000000/00001"], "k": 0}, "positive integer"),
         ("/search", {"text": "   ", "k": 2}, "non-empty string"),
         ("/search", {"keys": ["nope"], "k": 2}, "not in the index"),
         ("/search", {"k": 2}, "exactly one of"),

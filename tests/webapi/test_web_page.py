@@ -179,7 +179,7 @@ def test_search_by_uploaded_image_reranked(client, web_index):
         ("/page/search", {"json": {"text": "  ", "k": 3}}, 400, "empty"),
         ("/page/search", {"json": {"text": "a red car", "k": 3}}, 400, "no text tower"),
         ("/page/search", {"json": {"key": "nope/1", "k": 3}}, 400, "not in the index"),
-        ("/page/search", {"json": {"key": "000000/00001", "k": 1000}}, 400, "larger than the index"),
+        ("/page/search", {"json": {"key": "000000/00001", "k": 10**6}}, 413, "--max-k-total"),
         ("/page/search", {"json": {"key": "000000/00001", "k": 3, "rerank": True, "shortlist": 0}}, 400, "shortlist"),
         ("/page/search", {"json": {"k": 3}}, 400, "exactly one of"),
         ("/page/search", {"content": b"{nope", "headers": {"Content-Type": "application/json"}}, 400, "not JSON"),

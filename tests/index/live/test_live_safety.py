@@ -313,3 +313,13 @@ def test_without_list_permission_a_missing_object_is_a_403_and_generations_still
     assert latest_number(location) == 1  # forward from 0 through the manifests
     with pytest.raises(ClientError, match="AccessDenied"):
         location.read_bytes("generations/000009.json")  # only probes take a 403 for absent
+
+
+def test_a_delete_set_of_another_size_than_recorded_is_refused(living):
+    index, _, _ = living
+    delete(DeleteConfig(), ["t0/00013", "t0/00014"], index)
+    named = next(s.deleted.file for s in read_manifest(location_of(index)).segments if s.deleted)
+    rows = np.load(index / named)
+    np.save(index / named, rows[:1])  # one of the two deleted rows would come back
+    with pytest.raises(IndexFileError, match="holds 1 rows, its manifest says 2"):
+        load_index(index)
