@@ -6,7 +6,7 @@
 - ``POST /search[?partial=1]``  JSON ``{"k", "nprobe"?, "refine_factor"?, "partial"?, one of "keys" |
   "vectors" | "text"}``
 - ``POST /search/image?k=10[&nprobe=N][&partial=1]`` raw image bytes (the request body, at most ``--max-body-mb``)
-- ``GET  /docs``                         the OpenAPI page
+- ``GET  /docs``                         the OpenAPI page, Swagger UI served by this app (webapi.docs_page)
 - ``/`` and the web page's own routes when a ``PageConfig`` is given (webapi.webpage)
 
 Every request passes webapi.guard first (request id, Host, Content-Type, body limits, the
@@ -53,6 +53,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shards.coordinator import ShardsUnavailable
+from webapi.docs_page import add_docs_page
 from webapi.guard import Guard, Route, allowed_hosts, gate_of, read_limited
 from webapi.health import add_health
 from webapi.http_errors import error_response, json_response, request_id, server_locations
@@ -119,6 +120,8 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
         title="needle",
         description="Instance-level image retrieval: search an index by stored key, vector, text or image.",
         version="0.1.0",
+        docs_url=None,  # webapi.docs_page serves it with Swagger UI's files from this app, not a CDN
+        redoc_url=None,  # ReDoc, too, loads from a CDN; /docs is the one OpenAPI page
     )
     locations = server_locations(service.index)
     add_error_handlers(app, locations)
@@ -126,6 +129,7 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
     add_health(app, service.index, gate)
     add_search(app, service, locations)
     add_search_image(app, service, locations)
+    add_docs_page(app)
     if page is not None:
         from webapi.webpage import register_page
 

@@ -7,17 +7,14 @@ import io
 import json
 import os
 import shutil
-import socket
 import tarfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.live_server import CHROMIUM, CHROMIUM_ARGS, served
 from tests.support.tars import photo_tars
 
-CHROMIUM = "/usr/bin/chromium"
 OCTETS = {"Content-Type": "application/octet-stream"}  # what the page's upload sends
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -243,22 +240,8 @@ def test_report_not_configured_is_404(web_index):
 
 @pytest.fixture(scope="module")
 def live_server(app):
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with served(app) as url:
+        yield url
 
 
 @pytest.mark.slow
@@ -270,18 +253,8 @@ def test_page_in_chromium(live_server, web_index, tmp_path):
     query.write_bytes(member(web_index["shards"][0], "00001.jpg"))
     junk = tmp_path / "notes.txt"
     junk.write_bytes(b"this is not an image")
-    args = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ]
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=args, headless=True)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page_errors = []
