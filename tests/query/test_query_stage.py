@@ -62,7 +62,7 @@ def test_a_query_file_that_is_no_image_is_one_line_exit_2(index_dir, tmp_path, c
     [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
     message = record.getMessage()
     assert message.startswith(f"query image {junk}: not an image of JPEG") and "\n" not in message, message
-    with pytest.raises(QueryImageError, match="notes.txt: not an image"):
+    with pytest.raises(QueryImageError, match=r"notes\.txt: not an image"):
         decode_query_image(junk, 64)  # where the model's side decodes it (the check above runs first)
-    with pytest.raises(QueryImageError, match="cannot read query image .*missing.jpg"):
+    with pytest.raises(QueryImageError, match=r"cannot read query image .*missing\.jpg"):
         decode_query_image(tmp_path / "missing.jpg", 64)

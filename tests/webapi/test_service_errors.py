@@ -54,6 +54,18 @@ def test_scrub_keeps_keys_and_media_types():
     assert scrub("cannot read /etc/passwd: denied") == "cannot read <path>: denied"
 
 
+def test_errors_name_the_route_not_a_path(client):
+    """Issue 57, item 5: the scrubber took ``/search`` for a server path: "a <path> body has ..."."""
+    from webapi.http_errors import scrub
+
+    response = client.post("/search", json={"keyz": ["x"], "k": 3}, headers=JSON)
+    assert response.status_code == 400 and "unknown field 'keyz': a /search body has" in response.json()["error"]
+    assert "<path>" not in response.text
+    assert scrub("a /page/search body, not /search/imagery nor /srv/search") == (
+        "a /page/search body, not <path> nor <path>"
+    )
+
+
 def test_data_errors_are_the_servers_fault_but_the_cli_users_input(tmp_path):
     """IndexFileError and StorageError are NeedleDataErrors (5xx behind HTTP) and NeedleInputErrors,
     so the CLI still reports a missing index file as bad input (exit 2)."""
