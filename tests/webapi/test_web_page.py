@@ -355,3 +355,52 @@ def test_report_and_plot_bodies_name_no_server_path(web_index, tmp_path):
     for path in ("/report", "/report/scaling.png"):
         response = bad.get(path)
         assert response.status_code == 404 and "secret-dir" not in response.text, response.text
+
+
+@pytest.mark.slow
+def test_page_reruns_on_the_rerank_box_and_the_same_file(web_index, tmp_path):
+    """Issue 57, item 6: ticking the re-rank box left the old results under it, choosing the same
+    file again did nothing, and an expanded query's global score was shown as a plain "global"."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing (Debian's chromium package)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
+    from index.search import load_index
+    from rerank.expand import ExpansionConfig
+    from rerank.rerank import RerankConfig
+    from webapi.query_service import QueryService
+    from webapi.webapp import create_app
+    from webapi.webpage import PageConfig
+
+    expanding = RerankConfig(method="sp", shortlist=6, expansion=ExpansionConfig(top=3, min_inliers=5))
+    service = QueryService(load_index(web_index["index"]), rerank=expanding)
+    query = tmp_path / "query.jpg"
+    query.write_bytes(member(web_index["shards"][0], "00001.jpg"))
+    uploads = []
+    with served(create_app(service, PageConfig(thumbnail_px=96))) as base, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.on("request", lambda r: uploads.append(r.url) if "/page/search/image" in r.url else None)
+            page.goto(base + "/")
+            page.wait_for_selector("body[data-ready='1']", timeout=15000)
+            page.uncheck("#rerank")
+            page.set_input_files("#file", str(query))
+            page.wait_for_selector("#results .card", timeout=60000)
+            assert page.locator("#results .scores").count() == 0  # not re-ranked: no local evidence
+
+            page.check("#rerank")  # the same query, re-ranked, without choosing the file again
+            page.wait_for_selector("#results .card .scores", timeout=60000)
+            assert len(uploads) == 2 and "rerank=1" in uploads[-1]
+            scores = page.text_content("#results .card .scores")
+            assert scores.startswith("global (expanded query) ") and "inliers" in scores, scores
+            assert "(re-ranked)" in page.text_content("#status")
+
+            page.uncheck("#rerank")
+            page.wait_for_function("document.querySelectorAll('#results .scores').length === 0", timeout=60000)
+            assert len(uploads) == 3 and "rerank=0" in uploads[-1]
+
+            with page.expect_request(lambda r: "/page/search/image" in r.url, timeout=30000):
+                page.set_input_files("#file", str(query))  # the same file again: searched again
+            assert len(uploads) == 4
+        finally:
+            browser.close()
