@@ -123,3 +123,9 @@ def test_the_scrubber_reads_the_index_location_from_the_index_protocol(index, in
     assert server_locations(live) == server_locations(index)
     with pytest.raises(AttributeError):
         server_locations(object())
+
+
+def test_rerank_on_an_index_without_local_tokens_names_the_field(client):
+    response = client.post("/search", json={"keys": [KEY], "k": 3, "rerank": True}, headers=JSON)
+    assert response.status_code == 400 and response.json()["field"] == "rerank"
+    assert "no local tokens" in response.json()["error"]

@@ -235,6 +235,68 @@ def test_report_not_configured_is_404(web_index):
         assert c.get("/report/scaling.png").status_code == 404
 
 
+# --- JSON /search: re-ranking asked per request (issue 57) ------------------------------------------
+
+
+def test_json_search_reranks_per_request(client, web_index):
+    """The page could re-rank per request and the JSON API could not: ``"rerank"`` and
+    ``"shortlist"`` in /search (and ``?rerank=&shortlist=`` of /search/image) now ask for it."""
+    body = {"keys": ["000000/00001"], "k": 3}
+    [plain] = client.post("/search", json=body).json()  # the server was started without --rerank
+    assert "inliers" not in plain["results"][0]
+    response = client.post("/search", json={**body, "rerank": True, "shortlist": 5})
+    assert response.status_code == 200, response.text
+    [top] = response.json()[0]["results"][:1]
+    assert top["key"] == "000000/00001" and top["inliers"] >= 5 and {"global_score", "local_score"} <= set(top)
+    [off] = client.post("/search", json={**body, "rerank": False}).json()
+    assert "inliers" not in off["results"][0]
+    data = member(web_index["shards"][0], "00002.jpg")
+    response = client.post("/search/image?k=3&rerank=true&shortlist=6", content=data, headers=OCTETS)
+    assert response.status_code == 200 and response.json()[0]["results"][0]["inliers"] >= 5, response.text
+
+
+@pytest.mark.parametrize(
+    "extra,field,message",
+    [
+        ({"rerank": "yes"}, "rerank", "must be true or false"),
+        ({"rerank": True, "shortlist": 0}, "shortlist", "positive integer"),
+        ({"rerank": True, "shortlist": 10**6}, "shortlist", "at most the server's --max-k-total"),
+        ({"shortlist": 5}, "shortlist", 'give "rerank": true'),
+    ],
+)
+def test_json_search_rerank_fields_are_checked(client, extra, field, message):
+    response = client.post("/search", json={"keys": ["000000/00001"], "k": 3, **extra})
+    assert response.status_code == 400 and response.json()["field"] == field, response.text
+    assert message in response.json()["error"]
+
+
+def test_json_search_rerank_within_the_servers_settings(web_index):
+    """A server started with --rerank bounds the shortlist a request may ask; vectors cannot be re-ranked."""
+    from fastapi.testclient import TestClient
+
+    from index.search import load_index
+    from rerank.rerank import RerankConfig
+    from webapi.query_service import QueryService
+    from webapi.webapp import create_app
+
+    service = QueryService(load_index(web_index["index"]), rerank=RerankConfig(method="sp", shortlist=6))
+    with TestClient(create_app(service), base_url="http://localhost") as c:
+        body = {"keys": ["000000/00001"], "k": 3}
+        assert "inliers" in c.post("/search", json=body).json()[0]["results"][0]  # the server's default
+        assert "inliers" not in c.post("/search", json={**body, "rerank": False}).json()[0]["results"][0]
+        assert c.post("/search", json={**body, "shortlist": 4}).status_code == 200
+        response = c.post("/search", json={**body, "shortlist": 7})
+        assert response.status_code == 400 and response.json()["field"] == "shortlist"
+        assert "at most the server's --shortlist 6, got 7" in response.json()["error"]
+        response = c.post("/search/image?k=3&shortlist=7", content=member(web_index["shards"][0], "00002.jpg"),
+                          headers=OCTETS)  # fmt: skip
+        assert response.status_code == 400 and response.json()["field"] == "shortlist"
+        vector = service.index.vector_of("000000/00001").tolist()
+        response = c.post("/search", json={"vectors": [vector], "k": 3, "rerank": True})
+        assert response.status_code == 400 and response.json()["field"] == "rerank"
+        assert c.post("/search", json={"vectors": [vector], "k": 3, "rerank": False}).status_code == 200
+
+
 # --- the page in Chromium -------------------------------------------------------------------------
 
 
