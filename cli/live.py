@@ -1,7 +1,8 @@
 """``needle index add``, ``delete`` and ``compact``: changing an index as generations
 (docs/live_index.md). Each prints what changed as JSON (the new generation's ``change``: its
 ``"generation"`` is null where nothing changed). ``--wait-for URL`` returns only once the server
-at URL answers ``/health`` with that generation or a newer one: then the change is visible there."""
+at URL answers ``/health`` with that generation or a newer one: then the change is visible there.
+``info`` and ``keys`` read what it holds now (index/live/inspect.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 from cli.flags import add_config_flags, config_from_args
 from core.errors import NeedleInputError
 from core.quoting import short_repr
-from index.live.config import AddConfig, CompactConfig, DeleteConfig
+from index.live.config import AddConfig, CompactConfig, DeleteConfig, InspectConfig
 
 log = logging.getLogger("needle")
 
@@ -117,6 +118,30 @@ def _compact(args: argparse.Namespace) -> int:
     return report(main(config_from_args(CompactConfig, args), args.index), args)
 
 
+def _info(args: argparse.Namespace) -> int:
+    from core.location import location_of
+    from index.live.inspect import index_info
+
+    conf = config_from_args(InspectConfig, args)
+    json.dump(index_info(location_of(args.index, conf.s3_endpoint_url)), sys.stdout, indent=1)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from core.location import location_of
+    from index.live.inspect import live_keys
+
+    conf = config_from_args(InspectConfig, args)
+    try:
+        for key in live_keys(location_of(args.index, conf.s3_endpoint_url)):
+            sys.stdout.write(key + "\n")  # one at a time: a 100M-key index is never held whole
+        sys.stdout.flush()
+    except BrokenPipeError:  # `needle index keys ... | head`: the reader has what it wanted
+        sys.stdout = None  # type: ignore[assignment]  # no flush of the closed pipe at exit
+    return 0
+
+
 def add_wait_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", required=True, help="the index directory or s3:// prefix to change")
     p.add_argument("--wait-for", metavar="URL", help="return once the server at URL serves the new generation")
@@ -143,3 +168,13 @@ def add_live_parsers(isub: argparse._SubParsersAction) -> None:
     add_wait_flags(p)
     add_config_flags(p, CompactConfig)
     p.set_defaults(func=_compact)
+
+    p = isub.add_parser("info", help="the index's state as JSON: generation, rows, segments per shard, drift, bytes")
+    p.add_argument("--index", required=True, help="the index directory or s3:// prefix")
+    add_config_flags(p, InspectConfig)
+    p.set_defaults(func=_info)
+
+    p = isub.add_parser("keys", help="the keys of the index's live rows, one per line")
+    p.add_argument("--index", required=True, help="the index directory or s3:// prefix")
+    add_config_flags(p, InspectConfig)
+    p.set_defaults(func=_keys)

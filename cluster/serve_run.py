@@ -9,7 +9,9 @@ webapi.connections) under uvicorn only, since under ``--ray`` Serve's proxy owns
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from typing import Any
 
 from core.errors import NeedleInputError
@@ -99,6 +101,7 @@ def run(spec: ServeSpec) -> None:
     serving = shard_serving(spec.shards, spec.page.shard_dirs) if spec.shards.ray else None
     if spec.reload.interval < 0:
         raise NeedleInputError(f"--reload-interval must be >= 0 seconds, got {spec.reload.interval}")
+    sock = listening_socket(listen.host, listen.port)  # before the index loads and "serving" is logged
     search_index = open_index(index, spec.shards.ray, listen.address, serving, spec.reload.interval)
     service = QueryService(search_index, spec.files, rerank, spec.rerank.device, limits)
     app = create_app(service, spec.page_config())
@@ -109,7 +112,28 @@ def run(spec: ServeSpec) -> None:
         listen.port,
         search_index.ntotal,
     )
-    uvicorn.run(app, host=listen.host, port=listen.port, log_level="info", http=guarded_protocol(limits))
+    config = uvicorn.Config(app, host=listen.host, port=listen.port, log_level="info", http=guarded_protocol(limits))
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+class PortInUseError(NeedleInputError):
+    """``--host``/``--port`` that cannot be bound (in use, or not an address of this machine)."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port, for uvicorn to serve on: bound here so that a busy port is
+    one line naming it (exit 2), before anything says "serving" (uvicorn bound it only after)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)  # uvicorn's backlog
+    except socket.gaierror as exc:
+        raise PortInUseError(f"--host {host}: not an address of this machine ({exc.strerror})") from exc
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"--port {port}: {host}:{port} is in use by another process; choose another --port"
+            ) from exc
+        raise PortInUseError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from exc
 
 
 def run_ray_serve(spec: ServeSpec, limits: ServiceLimits) -> None:

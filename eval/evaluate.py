@@ -264,7 +264,7 @@ def _scores(results: list[tuple[dict[str, Any], list[str], list[float]]], truth:
     report = {
         f"map_at_{k}": _mean([p["ap"] for p in per_query]),
         f"recall_at_{k}": _mean([p["recall"] for p in per_query]),
-        # ILIAS's oracle: the positives in the top k x k / |gt|, a perfect re-ranking's bound.
+        # The AP@k of a perfect re-ranking of the top k (eval.metrics.ilias_oracle), in [0, 100].
         f"oracle_at_{k}": _mean([p["oracle"] for p in per_query]),
         "k": k,
         "n_queries": len(per_query),

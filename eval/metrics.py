@@ -72,16 +72,16 @@ def mean_average_precision(
 
 
 def ilias_oracle(ranking: Sequence[Hashable], positives: Collection[Hashable], k: int) -> float:
-    """ILIAS's oracle (in [0, 1] when the list holds k results): the positives in the top k over
-    the top k's length, times k / |positives|. It equals recall@k when the list is k long; on a
-    database smaller than k it is larger than recall, as in the benchmark's code."""
+    """The oracle, in [0, 1]: the AP@k a perfect re-ranking of the top k would reach, its positives
+    first: hits / min(k, |positives|). It is ILIAS's figure (hits / len(list) × k / |positives|)
+    wherever the benchmark computes it, a list of k results and at most k positives; on a database
+    smaller than k ILIAS's formula grows past 1 (840.3 for k = 1000 on 120 images), so it is not
+    used: the recall (hits / |positives|) is what a perfect order cannot change, this is its AP."""
     positives = set(positives)
     if not positives:
         raise NeedleInputError("a query without positives has no oracle; leave it out of the evaluation")
-    top = list(ranking[:k])
-    if not top:
-        return 0.0
-    return sum(1 for item in top if item in positives) / len(top) * (k / len(positives))
+    hits = sum(1 for item in ranking[:k] if item in positives)
+    return hits / min(k, len(positives))
 
 
 def binned_ap(

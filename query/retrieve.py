@@ -21,6 +21,7 @@ from core.errors import NeedleInputError
 from core.tokens import LocalTokens
 from query.config import QueryConfig
 from query.index_protocol import Index
+from query.query_images import decode_query_image
 from query.recorded import QueryFiles, adapter_file, local_files, model_weights
 from query.verify_top import make_reranker, second_verification
 from rerank.expand import ExpansionConfig, expand, verified_top
@@ -81,10 +82,8 @@ def embed_image_files(
 ) -> np.ndarray:
     """(n, d) float32 descriptors of image files, made as during ingestion (and, with ``scales`` or
     ``rotations``, averaged over the query-side variants)."""
-    from ingest.images import decode_resized
-
     extractor = query_extractor(index, files, scales=scales, rotations=rotations)
-    images = [decode_resized(_read_image(path), extractor.resolution, str(path))[0] for path in paths]
+    images = [decode_query_image(path, extractor.resolution) for path in paths]
     return adapt_queries(index, extractor(images)["global"].astype(np.float32), files)
 
 
@@ -292,18 +291,9 @@ def query_tokens_of_images(
     index: Index, paths: list[Path], conf: RerankConfig, files: QueryFiles | None = None
 ) -> list[LocalTokens]:
     """Query-side local tokens of image files."""
-    from ingest.images import decode_resized
-
     extractor = query_local_extractor(index, conf, files)
-    images = [decode_resized(_read_image(path), extractor.resolution, str(path))[0] for path in paths]
+    images = [decode_query_image(path, extractor.resolution) for path in paths]
     return extractor.tokens(images)
-
-
-def _read_image(path: Path) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise NeedleInputError(f"cannot read query image {path}: {exc}") from exc
 
 
 def stored_tokens(index: Index, keys: list[str]) -> list[LocalTokens]:

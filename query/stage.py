@@ -14,6 +14,7 @@ from typing import Any
 from core.atomic import write_json_atomic
 from index.search import load_index
 from query.index_protocol import Index
+from query.query_images import check_query_images
 from query.retrieve import QueryConfig, load_vectors, query
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ def answer(conf: QueryConfig, index: Index | str | Path, inputs: QueryInputs, de
     """The results of ``inputs`` on ``index`` (a directory, or an open index: a SearchIndex, or a
     coordinator of shards served elsewhere): one result dict per query, or that dict alone for a
     single query. ``device``: where this process re-ranks (``--device``)."""
+    check_query_images([Path(p) for p in inputs.images])  # before the index and the model load
     if isinstance(index, (str, Path)):
         index = load_index(index)
     vectors = load_vectors(Path(inputs.vectors), index.d) if inputs.vectors else None

@@ -60,6 +60,9 @@ INTERNAL = "internal error: the server failed to answer; the request id is in it
 STORAGE = "the server's storage could not be read; try again later"
 _URL = re.compile(r"\b(?:s3|gs|file|https?)://[^\s'\"),]+")
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.~\-/])/(?:[^\s'\"/),:;]+/)*[^\s'\"/),:;]+")
+# The app's own routes: public, and what a message about a request names ("a /search body has ..."),
+# so kept where any other absolute path is scrubbed (they were answered as "a <path> body").
+ROUTES = frozenset({"/search", "/search/image", "/page/search", "/page/search/image", "/health", "/thumb", "/report"})
 
 
 def new_request_id() -> str:
@@ -94,10 +97,15 @@ def server_locations(index: Index) -> tuple[str, ...]:
 
 def scrub(message: str, locations: Iterable[str] = ()) -> str:
     """``message`` without the server's paths: its index location as ``<index>``, any other absolute
-    path or URL as ``<path>``. Keys (``000000/00001``) and media types (``image/png``) stay."""
+    path or URL as ``<path>``, except the app's own routes (ROUTES). Keys (``000000/00001``) and
+    media types (``image/png``) stay."""
     for location in locations:
         message = message.replace(location, "<index>")
-    return _ABSOLUTE_PATH.sub("<path>", _URL.sub("<path>", message))
+    return _ABSOLUTE_PATH.sub(_unless_route, _URL.sub("<path>", message))
+
+
+def _unless_route(match: re.Match[str]) -> str:
+    return match.group(0) if match.group(0) in ROUTES else "<path>"
 
 
 def is_server_side(exc: BaseException) -> bool:

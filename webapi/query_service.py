@@ -11,6 +11,7 @@ a ``LimitError``, answered 413. Each is raised before any search, model or decod
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -20,11 +21,12 @@ import numpy as np
 
 from core.quoting import short_repr, short_text
 from query.index_protocol import Index
-from webapi.limits import FieldError, RequestChecks, ServiceLimits, boolean
+from webapi.limits import FieldError, RequestChecks, ServiceLimits, boolean, positive_int
 
 log = logging.getLogger(__name__)
 MAX_BODY = ServiceLimits().max_body  # 64 MiB: an image (--max-body-mb)
-SEARCH_FIELDS = ("k", "nprobe", "refine_factor", "partial", "keys", "vectors", "text")  # of a /search body
+SEARCH_FIELDS = ("k", "nprobe", "refine_factor", "partial", "rerank", "shortlist", "keys", "vectors", "text")  # /search
+REQUEST_SHORTLIST = 100  # a re-ranked request's shortlist on a server started without --rerank (the page's too)
 
 
 class QueryService:
@@ -107,6 +109,31 @@ class QueryService:
         conf = rerank or self.rerank
         return conf.shortlist if conf is not None else None
 
+    def request_rerank(self, rerank: Any, shortlist: Any) -> Any:
+        """The RerankConfig one request asks for (None: global only). ``rerank`` None (not given):
+        the server's own; true: the server's settings, or SP with the index's token kind's where it
+        was started without --rerank; false: none. ``shortlist`` (re-ranked requests only) at most
+        the server's --shortlist (without --rerank: --max-k-total): a request never asks for more
+        work than the server was set to do; past it a FieldError naming the field."""
+        asked = self.rerank is not None if rerank is None else boolean(rerank, "rerank")
+        if not asked:
+            if shortlist is not None:
+                raise FieldError("shortlist", "'shortlist' is the re-ranked shortlist: give \"rerank\": true with it")
+            return None
+        if not self.index.infos.get("locals"):
+            raise FieldError("rerank", "this index has no local tokens: re-ranking needs an index built with --locals")
+        from rerank.rerank import RerankConfig
+
+        base = self.rerank or RerankConfig(method="sp", shortlist=REQUEST_SHORTLIST)
+        if shortlist is None:
+            return base
+        most = self.rerank.shortlist if self.rerank is not None else self.limits.max_k_total
+        flag = "--shortlist" if self.rerank is not None else "--max-k-total"
+        n = positive_int(shortlist, "shortlist")
+        if n > most:
+            raise FieldError("shortlist", f"'shortlist' must be at most the server's {flag} {most}, got {n}")
+        return dataclasses.replace(base, shortlist=n)
+
     def search(
         self,
         xq: np.ndarray,
@@ -158,7 +185,12 @@ class QueryService:
         self.checks.nprobe(nprobe)
         self.checks.refine_factor(factor)
         if "keys" in body:
-            return self.search_keys(self.checks.keys(body["keys"]), k, nprobe, factor)
+            rerank = self.request_rerank(body.get("rerank"), body.get("shortlist"))
+            return self.search_keys(self.checks.keys(body["keys"]), k, nprobe, factor, rerank)
+        asked = body.get("rerank") is not None and boolean(body["rerank"], "rerank")
+        if asked or body.get("shortlist") is not None:  # false: what vectors and text get anyway
+            given = given[0]
+            raise FieldError("rerank", f"re-ranking needs key or image queries: '{given}' queries have no local tokens")
         if "vectors" in body:
             xq = self.query_vectors(body["vectors"], k, nprobe, factor)
             return self.search(xq, k, nprobe, [{"vector": i} for i in range(len(xq))], factor)
@@ -168,17 +200,19 @@ class QueryService:
         self.checks.work("text", len(texts), k, nprobe=nprobe, refine_factor=factor)
         return self.search(embed_texts(self.index, texts, self.files), k, nprobe, [{"text": t} for t in texts], factor)
 
-    def search_keys(self, keys: list[str], k: int, nprobe: Any, factor: Any) -> list[dict[str, Any]]:
-        """Search with stored keys (re-ranked with the service's settings where it has them)."""
-        self.checks.work("keys", len(keys), k, self.shortlist_of(None), nprobe, factor)
-        self.index.prefetch_keys(keys, with_tokens=self.rerank is not None)  # shards elsewhere: one call to each
+    def search_keys(
+        self, keys: list[str], k: int, nprobe: Any, factor: Any, rerank: Any = None
+    ) -> list[dict[str, Any]]:
+        """Search with stored keys, re-ranked with ``rerank`` (request_rerank's: None, global only)."""
+        self.checks.work("keys", len(keys), k, rerank.shortlist if rerank is not None else None, nprobe, factor)
+        self.index.prefetch_keys(keys, with_tokens=rerank is not None)  # shards elsewhere: one call to each
         tokens = None
-        if self.rerank is not None:
+        if rerank is not None:
             from query.retrieve import stored_tokens
 
             tokens = stored_tokens(self.index, keys)
         xq = np.stack([self.index.vector_of(x) for x in keys])
-        return self.search(xq, k, nprobe, [{"key": x} for x in keys], factor, tokens)
+        return self.search(xq, k, nprobe, [{"key": x} for x in keys], factor, tokens, rerank)
 
     def query_vectors(self, value: Any, k: int, nprobe: int | None = None, factor: int | None = None) -> np.ndarray:
         """'vectors' as (n, d) finite float32 queries: a list of numbers, or a list of such lists."""
@@ -202,16 +236,17 @@ class QueryService:
     def search_image(
         self, data: bytes, k: int, nprobe: int | None, rerank: Any = None, partial: bool = False
     ) -> list[dict[str, Any]]:
-        """Search with an image's bytes, re-ranked with ``rerank`` (default: the service's settings)."""
+        """Search with an image's bytes, re-ranked with ``rerank``: None, the service's settings;
+        False, none (a request's ``rerank=false``); a RerankConfig (request_rerank's)."""
         return self.answering(partial, lambda: self.search_image_bytes(data, k, nprobe, rerank))
 
     def search_image_bytes(self, data: bytes, k: int, nprobe: int | None, rerank: Any = None) -> list[dict[str, Any]]:
         """Search with an image's bytes: k, nprobe and the image's header (its format and pixel
         count) checked before any model loads or any decoder runs."""
         k, nprobe = self.check_k(k), self.checks.nprobe(nprobe)
-        self.checks.work("image", 1, k, self.shortlist_of(rerank), nprobe)
+        self.checks.work("image", 1, k, self.shortlist_of(rerank) if rerank is not False else None, nprobe)
         self.checks.image_size(data)
-        rerank = rerank or self.rerank
+        rerank = self.rerank if rerank is None else (rerank or None)
         xq, tokens = self.embed_image(data, rerank, "request body")
         return self.search(xq, k, nprobe, [{"image": f"{len(data)} bytes"}], tokens=tokens, rerank=rerank)
 

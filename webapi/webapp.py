@@ -3,10 +3,11 @@
 - ``GET  /health``                       -> ``{"ntotal", "d", "shards", "kind"}``; with shards in Ray
   actors also ``"ok"``, ``"unavailable_shards"`` and ``"replicas"`` (each replica's shard, replica
   number, ``"ready"``/``"unreachable"`` and node), and 503 when a shard has no live replica
-- ``POST /search[?partial=1]``  JSON ``{"k", "nprobe"?, "refine_factor"?, "partial"?, one of "keys" |
-  "vectors" | "text"}``
-- ``POST /search/image?k=10[&nprobe=N][&partial=1]`` raw image bytes (the request body, at most ``--max-body-mb``)
-- ``GET  /docs``                         the OpenAPI page
+- ``POST /search[?partial=1]``  JSON ``{"k", "nprobe"?, "refine_factor"?, "partial"?, "rerank"?, "shortlist"?,
+  one of "keys" | "vectors" | "text"}``
+- ``POST /search/image?k=10[&nprobe=N][&partial=1][&rerank=true&shortlist=S]`` raw image bytes (the request
+  body, at most ``--max-body-mb``)
+- ``GET  /docs``                         the OpenAPI page, Swagger UI served by this app (webapi.docs_page)
 - ``/`` and the web page's own routes when a ``PageConfig`` is given (webapi.webpage)
 
 Every request passes webapi.guard first (request id, Host, Content-Type, body limits, the
@@ -53,6 +54,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shards.coordinator import ShardsUnavailable
+from webapi.docs_page import add_docs_page
 from webapi.guard import Guard, Route, allowed_hosts, gate_of, read_limited
 from webapi.health import add_health
 from webapi.http_errors import error_response, json_response, request_id, server_locations
@@ -64,6 +66,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+RERANK_HELP = (
+    "re-rank with local tokens (key and image queries): true, the server's --rerank settings (SP with the "
+    "index's token kind's where it was started without); false, global only; absent, the server's choice"
+)
+SHORTLIST_HELP = "the re-ranked shortlist, at most the server's --shortlist (without --rerank: --max-k-total)"
 SEARCH_BODY_SCHEMA = {
     "type": "object",
     "properties": {
@@ -76,6 +83,8 @@ SEARCH_BODY_SCHEMA = {
             "description": "shards served by Ray actors: answer from the shards that answered in time "
             "(marked partial, with missing_shards) instead of 503",
         },
+        "rerank": {"type": "boolean", "description": RERANK_HELP},
+        "shortlist": {"type": "integer", "minimum": 1, "description": SHORTLIST_HELP},
         "keys": {"type": "array", "items": {"type": "string"}, "description": "stored keys to query with"},
         "vectors": {
             "type": "array",
@@ -119,6 +128,8 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
         title="needle",
         description="Instance-level image retrieval: search an index by stored key, vector, text or image.",
         version="0.1.0",
+        docs_url=None,  # webapi.docs_page serves it with Swagger UI's files from this app, not a CDN
+        redoc_url=None,  # ReDoc, too, loads from a CDN; /docs is the one OpenAPI page
     )
     locations = server_locations(service.index)
     add_error_handlers(app, locations)
@@ -126,6 +137,7 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
     add_health(app, service.index, gate)
     add_search(app, service, locations)
     add_search_image(app, service, locations)
+    add_docs_page(app)
     if page is not None:
         from webapi.webpage import register_page
 
@@ -201,10 +213,18 @@ def add_search_image(app: FastAPI, service: QueryService, locations: tuple[str, 
         k: int = Query(10, description="results"),
         nprobe: int | None = Query(None, description="IVF lists visited (default: the index's)"),
         partial: bool = Query(False, description="allow an answer from the shards that answered in time"),
+        rerank: bool | None = Query(None, description=RERANK_HELP),
+        shortlist: int | None = Query(None, description=SHORTLIST_HELP),
     ) -> Response:
         data = await read_limited(request, service.limits.max_body, "max_body_mb")
-        extra = {"partial": True} if partial else {}
-        return await respond(request, lambda: service.search_image(data, k, nprobe, **extra), locations)
+
+        def run() -> Any:
+            extra: dict[str, Any] = {"partial": True} if partial else {}
+            if rerank is not None or shortlist is not None:  # else the server's own settings
+                extra["rerank"] = service.request_rerank(rerank, shortlist) or False
+            return service.search_image(data, k, nprobe, **extra)
+
+        return await respond(request, run, locations)
 
 
 def check_shards(service: QueryService) -> None:

@@ -10,9 +10,9 @@
 - ``GET  /report``                the configured ``needle eval map`` report, per query: AP and the missed positives
 - ``GET  /report/scaling.png``    the configured scaling plot
 
-Unlike the JSON API, which re-ranks only when the service was started with ``--rerank``, the page
-switches re-ranking per request (``"rerank": true``), with the service's re-ranking settings (or
-the SP defaults) and the given shortlist, whenever the index carries local tokens.
+The page switches re-ranking per request (``"rerank": true``) as the JSON API does
+(QueryService.request_rerank): with the service's re-ranking settings (or the SP defaults) and the
+given shortlist, within the server's bounds, whenever the index carries local tokens.
 
 Thumbnails (``Index.thumbnail``): a key is ``<shard name>/<__key__>``; its image is read again
 from the tar ingestion read it from. In one process (index/images.py) that is the URL ingestion
@@ -24,7 +24,6 @@ written to disk.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -93,16 +92,11 @@ class PageSearch:
         return (info.get("config") or {}).get("resolution")
 
     def rerank_config(self, rerank: Any, shortlist: Any):
+        """The page's re-rank box: off, none; on, what a JSON request's ``"rerank": true`` gets
+        (QueryService.request_rerank: the server's settings, ``shortlist`` within its bounds)."""
         if not rerank:
             return None
-        if not self.has_locals:
-            raise NeedleInputError("this index has no local tokens: re-ranking needs an index built with --locals")
-        from rerank.rerank import RerankConfig
-
-        base = self.service.rerank or RerankConfig(method="sp")
-        if shortlist is None:
-            return base if self.service.rerank is not None else dataclasses.replace(base, shortlist=100)
-        return dataclasses.replace(base, shortlist=self.service.checks.shortlist(shortlist))
+        return self.service.request_rerank(True, shortlist)
 
     def check(self, field: str, k: Any, nprobe: Any, conf: Any = None) -> None:
         """k, nprobe and the work of one query (re-ranking ``conf``'s shortlist) within the limits."""

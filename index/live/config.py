@@ -1,7 +1,8 @@
 """The settings of the living index's commands, torch-free and FAISS-free so that ``needle index
 add --help`` (and ``delete``, ``compact``) imports no stage: AddConfig (index/live/add_rows.py),
-DeleteConfig (index/live/delete_rows.py), CompactConfig (index/live/compact.py). Their flags are
-these fields (cli/flags.py), their help declared with each (core.settings)."""
+DeleteConfig (index/live/delete_rows.py), CompactConfig (index/live/compact.py), InspectConfig
+(index/live/inspect.py). Their flags are these fields (cli/flags.py), their help declared with each
+(core.settings)."""
 
 from __future__ import annotations
 
@@ -42,4 +43,11 @@ class DeleteConfig:
 class CompactConfig:
     keep: int | None = setting(None, "keep the files of the newest N generations, remove older ones (None: keep all)")
     merge_below: float = setting(0.25, "also rewrite segments under this share of their shard's largest segment")
+    s3_endpoint_url: str | None = setting(None, "S3-compatible endpoint for an s3:// index")
+
+
+@dataclass(frozen=True)
+class InspectConfig:
+    """``needle index info`` and ``needle index keys`` (index/live/inspect.py): they only read."""
+
     s3_endpoint_url: str | None = setting(None, "S3-compatible endpoint for an s3:// index")

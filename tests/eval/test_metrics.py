@@ -58,3 +58,19 @@ def test_bad_inputs_are_named():
         map_at_k(np.zeros((1, 3)), [{3}], 5)
     with pytest.raises(NeedleInputError, match=r"\(nq, ndb\)"):
         map_at_k(np.zeros(3), [{1}], 5)
+
+
+def test_oracle_is_a_perfect_reranking_ap_even_past_the_database():
+    """Issue 57, item 5: ``--k 1000`` on 120 images reported ``oracle_at_1000: 840.3``."""
+    from eval.metrics import average_precision_at_k, ilias_oracle
+
+    ranking = [f"db{i}" for i in range(120)]  # the whole database: shorter than k
+    positives = ["db5", "db50", "db119", "elsewhere"]
+    for k in (1000, 120, 60, 2):
+        oracle = ilias_oracle(ranking, positives, k)
+        found = [p for p in ranking[:k] if p in positives]
+        best = found + [r for r in ranking[:k] if r not in positives]  # the positives first
+        assert 0.0 <= oracle <= 1.0 and oracle == pytest.approx(average_precision_at_k(best, positives, k))
+    assert ilias_oracle(ranking, positives, 1000) == pytest.approx(3 / 4)
+    # Where ILIAS computes it (k results, at most k positives) it is the benchmark's hits / k x k / |gt|.
+    assert ilias_oracle(ranking, positives, 60) == pytest.approx(2 / 60 * 60 / 4)

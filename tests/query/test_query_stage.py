@@ -46,3 +46,23 @@ def test_needle_query_prints_without_out_and_writes_with_it(index_dir, tmp_path,
     assert (tmp_path / "r.info.json").is_file()
     assert main(["query", "--index", str(index_dir), "--k", "3", "--out", str(tmp_path / "none.json")]) == 2
     assert not (tmp_path / "none.json").exists()
+
+
+def test_a_query_file_that_is_no_image_is_one_line_exit_2(index_dir, tmp_path, caplog):
+    """Issue 57, item 5: a text file given as --image ended in a 30-line traceback (exit 1)."""
+    import logging
+
+    from cli.main import main
+    from query.query_images import QueryImageError, decode_query_image
+
+    junk = tmp_path / "notes.txt"
+    junk.write_text("this is not an image\n")
+    with caplog.at_level(logging.ERROR):
+        assert main(["query", "--index", str(index_dir), "--image", str(junk), "--k", "3"]) == 2
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    message = record.getMessage()
+    assert message.startswith(f"query image {junk}: not an image of JPEG") and "\n" not in message, message
+    with pytest.raises(QueryImageError, match=r"notes\.txt: not an image"):
+        decode_query_image(junk, 64)  # where the model's side decodes it (the check above runs first)
+    with pytest.raises(QueryImageError, match=r"cannot read query image .*missing\.jpg"):
+        decode_query_image(tmp_path / "missing.jpg", 64)

@@ -186,3 +186,18 @@ def test_ray_shards_switch_generations_together(live_flat_index, ray_local):
     finally:
         live.close()
         live._current.backend.close()
+
+
+def test_serve_on_a_busy_port_is_one_line_naming_it_before_serving(live_flat_index):
+    """Issue 57, item 5: ``needle serve`` on a busy port logged "serving ..." and then failed."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        run = needle("serve", "--index", str(live_flat_index), "--port", str(port), capture_output=True, text=True,
+                     timeout=120)  # fmt: skip
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and errors[0].endswith(f"--port {port}: 127.0.0.1:{port} is in use by another process; "
+                                                   "choose another --port"), run.stderr[-3000:]  # fmt: skip
+    assert "serving" not in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]

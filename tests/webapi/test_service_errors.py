@@ -54,6 +54,18 @@ def test_scrub_keeps_keys_and_media_types():
     assert scrub("cannot read /etc/passwd: denied") == "cannot read <path>: denied"
 
 
+def test_errors_name_the_route_not_a_path(client):
+    """Issue 57, item 5: the scrubber took ``/search`` for a server path: "a <path> body has ..."."""
+    from webapi.http_errors import scrub
+
+    response = client.post("/search", json={"keyz": ["x"], "k": 3}, headers=JSON)
+    assert response.status_code == 400 and "unknown field 'keyz': a /search body has" in response.json()["error"]
+    assert "<path>" not in response.text
+    assert scrub("a /page/search body, not /search/imagery nor /srv/search") == (
+        "a /page/search body, not <path> nor <path>"
+    )
+
+
 def test_data_errors_are_the_servers_fault_but_the_cli_users_input(tmp_path):
     """IndexFileError and StorageError are NeedleDataErrors (5xx behind HTTP) and NeedleInputErrors,
     so the CLI still reports a missing index file as bad input (exit 2)."""
@@ -111,3 +123,9 @@ def test_the_scrubber_reads_the_index_location_from_the_index_protocol(index, in
     assert server_locations(live) == server_locations(index)
     with pytest.raises(AttributeError):
         server_locations(object())
+
+
+def test_rerank_on_an_index_without_local_tokens_names_the_field(client):
+    response = client.post("/search", json={"keys": [KEY], "k": 3, "rerank": True}, headers=JSON)
+    assert response.status_code == 400 and response.json()["field"] == "rerank"
+    assert "no local tokens" in response.json()["error"]

@@ -7,17 +7,14 @@ import io
 import json
 import os
 import shutil
-import socket
 import tarfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.live_server import CHROMIUM, CHROMIUM_ARGS, served
 from tests.support.tars import photo_tars
 
-CHROMIUM = "/usr/bin/chromium"
 OCTETS = {"Content-Type": "application/octet-stream"}  # what the page's upload sends
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -238,27 +235,75 @@ def test_report_not_configured_is_404(web_index):
         assert c.get("/report/scaling.png").status_code == 404
 
 
+# --- JSON /search: re-ranking asked per request (issue 57) ------------------------------------------
+
+
+def test_json_search_reranks_per_request(client, web_index):
+    """The page could re-rank per request and the JSON API could not: ``"rerank"`` and
+    ``"shortlist"`` in /search (and ``?rerank=&shortlist=`` of /search/image) now ask for it."""
+    body = {"keys": ["000000/00001"], "k": 3}
+    [plain] = client.post("/search", json=body).json()  # the server was started without --rerank
+    assert "inliers" not in plain["results"][0]
+    response = client.post("/search", json={**body, "rerank": True, "shortlist": 5})
+    assert response.status_code == 200, response.text
+    [top] = response.json()[0]["results"][:1]
+    assert top["key"] == "000000/00001" and top["inliers"] >= 5 and {"global_score", "local_score"} <= set(top)
+    [off] = client.post("/search", json={**body, "rerank": False}).json()
+    assert "inliers" not in off["results"][0]
+    data = member(web_index["shards"][0], "00002.jpg")
+    response = client.post("/search/image?k=3&rerank=true&shortlist=6", content=data, headers=OCTETS)
+    assert response.status_code == 200 and response.json()[0]["results"][0]["inliers"] >= 5, response.text
+
+
+@pytest.mark.parametrize(
+    "extra,field,message",
+    [
+        ({"rerank": "yes"}, "rerank", "must be true or false"),
+        ({"rerank": True, "shortlist": 0}, "shortlist", "positive integer"),
+        ({"rerank": True, "shortlist": 10**6}, "shortlist", "at most the server's --max-k-total"),
+        ({"shortlist": 5}, "shortlist", 'give "rerank": true'),
+    ],
+)
+def test_json_search_rerank_fields_are_checked(client, extra, field, message):
+    response = client.post("/search", json={"keys": ["000000/00001"], "k": 3, **extra})
+    assert response.status_code == 400 and response.json()["field"] == field, response.text
+    assert message in response.json()["error"]
+
+
+def test_json_search_rerank_within_the_servers_settings(web_index):
+    """A server started with --rerank bounds the shortlist a request may ask; vectors cannot be re-ranked."""
+    from fastapi.testclient import TestClient
+
+    from index.search import load_index
+    from rerank.rerank import RerankConfig
+    from webapi.query_service import QueryService
+    from webapi.webapp import create_app
+
+    service = QueryService(load_index(web_index["index"]), rerank=RerankConfig(method="sp", shortlist=6))
+    with TestClient(create_app(service), base_url="http://localhost") as c:
+        body = {"keys": ["000000/00001"], "k": 3}
+        assert "inliers" in c.post("/search", json=body).json()[0]["results"][0]  # the server's default
+        assert "inliers" not in c.post("/search", json={**body, "rerank": False}).json()[0]["results"][0]
+        assert c.post("/search", json={**body, "shortlist": 4}).status_code == 200
+        response = c.post("/search", json={**body, "shortlist": 7})
+        assert response.status_code == 400 and response.json()["field"] == "shortlist"
+        assert "at most the server's --shortlist 6, got 7" in response.json()["error"]
+        response = c.post("/search/image?k=3&shortlist=7", content=member(web_index["shards"][0], "00002.jpg"),
+                          headers=OCTETS)  # fmt: skip
+        assert response.status_code == 400 and response.json()["field"] == "shortlist"
+        vector = service.index.vector_of("000000/00001").tolist()
+        response = c.post("/search", json={"vectors": [vector], "k": 3, "rerank": True})
+        assert response.status_code == 400 and response.json()["field"] == "rerank"
+        assert c.post("/search", json={"vectors": [vector], "k": 3, "rerank": False}).status_code == 200
+
+
 # --- the page in Chromium -------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def live_server(app):
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with served(app) as url:
+        yield url
 
 
 @pytest.mark.slow
@@ -270,18 +315,8 @@ def test_page_in_chromium(live_server, web_index, tmp_path):
     query.write_bytes(member(web_index["shards"][0], "00001.jpg"))
     junk = tmp_path / "notes.txt"
     junk.write_bytes(b"this is not an image")
-    args = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ]
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=args, headless=True)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page_errors = []
@@ -382,3 +417,52 @@ def test_report_and_plot_bodies_name_no_server_path(web_index, tmp_path):
     for path in ("/report", "/report/scaling.png"):
         response = bad.get(path)
         assert response.status_code == 404 and "secret-dir" not in response.text, response.text
+
+
+@pytest.mark.slow
+def test_page_reruns_on_the_rerank_box_and_the_same_file(web_index, tmp_path):
+    """Issue 57, item 6: ticking the re-rank box left the old results under it, choosing the same
+    file again did nothing, and an expanded query's global score was shown as a plain "global"."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing (Debian's chromium package)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
+    from index.search import load_index
+    from rerank.expand import ExpansionConfig
+    from rerank.rerank import RerankConfig
+    from webapi.query_service import QueryService
+    from webapi.webapp import create_app
+    from webapi.webpage import PageConfig
+
+    expanding = RerankConfig(method="sp", shortlist=6, expansion=ExpansionConfig(top=3, min_inliers=5))
+    service = QueryService(load_index(web_index["index"]), rerank=expanding)
+    query = tmp_path / "query.jpg"
+    query.write_bytes(member(web_index["shards"][0], "00001.jpg"))
+    uploads = []
+    with served(create_app(service, PageConfig(thumbnail_px=96))) as base, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.on("request", lambda r: uploads.append(r.url) if "/page/search/image" in r.url else None)
+            page.goto(base + "/")
+            page.wait_for_selector("body[data-ready='1']", timeout=15000)
+            page.uncheck("#rerank")
+            page.set_input_files("#file", str(query))
+            page.wait_for_selector("#results .card", timeout=60000)
+            assert page.locator("#results .scores").count() == 0  # not re-ranked: no local evidence
+
+            page.check("#rerank")  # the same query, re-ranked, without choosing the file again
+            page.wait_for_selector("#results .card .scores", timeout=60000)
+            assert len(uploads) == 2 and "rerank=1" in uploads[-1]
+            scores = page.text_content("#results .card .scores")
+            assert scores.startswith("global (expanded query) ") and "inliers" in scores, scores
+            assert "(re-ranked)" in page.text_content("#status")
+
+            page.uncheck("#rerank")
+            page.wait_for_function("document.querySelectorAll('#results .scores').length === 0", timeout=60000)
+            assert len(uploads) == 3 and "rerank=0" in uploads[-1]
+
+            with page.expect_request(lambda r: "/page/search/image" in r.url, timeout=30000):
+                page.set_input_files("#file", str(query))  # the same file again: searched again
+            assert len(uploads) == 4
+        finally:
+            browser.close()

@@ -6,6 +6,8 @@ const SVG_NS = "http://www.w3.org/2000/svg";
 let INFO = null;
 let queryUrl = null;      // object URL of the uploaded query image, or a /thumb URL for key queries
 let busy = false;
+let lastSearch = null;    // the last search asked for (a function that runs it again): options re-run it
+let again = false;        // options changed during a search: run the last one again when it ends
 
 function showError(message) {
   const box = $("error");
@@ -59,7 +61,16 @@ async function run(label, request) {
     showError(err.message || String(err));
   } finally {
     busy = false;
+    if (again) { again = false; rerun(); }
   }
+}
+
+// The re-rank box (and the shortlist) change what the results mean: the results shown are searched
+// again with the new setting, never left under a box that no longer describes them.
+function rerun() {
+  if (!lastSearch) return;
+  if (busy) { again = true; return; }
+  lastSearch();
 }
 
 function setQueryView(url, label) {
@@ -73,6 +84,7 @@ function setQueryView(url, label) {
 
 async function searchFile(file) {
   if (!file) return;
+  lastSearch = () => searchFile(file);
   clearError();
   if (INFO && file.size > INFO.max_upload_bytes) {
     showError(`the file is ${file.size} bytes, over the limit of ${INFO.max_upload_bytes} bytes`);
@@ -89,9 +101,9 @@ async function searchFile(file) {
   }));
 }
 
-async function searchKey() {
-  const key = $("key").value.trim();
+async function searchKey(key = $("key").value.trim()) {
   if (!key) { showError("type a database key"); return; }
+  lastSearch = () => searchKey(key);
   let opts;
   try { opts = options(); } catch (err) { showError(err.message); return; }
   setQueryView(null, "");
@@ -105,9 +117,9 @@ async function searchKey() {
   });
 }
 
-async function searchText() {
-  const text = $("text").value;
+async function searchText(text = $("text").value) {
   if (!text.trim()) { showError("the text query is empty"); return; }
+  lastSearch = () => searchText(text);
   let opts;
   try { opts = options(); } catch (err) { showError(err.message); return; }
   setQueryView(null, `“${text}”`);
@@ -151,7 +163,11 @@ async function render(out) {
     if (r.global_score !== undefined) {
       const s = document.createElement("div");
       s.className = "scores";
-      s.textContent = `global ${fmt(r.global_score)} · local ${fmt(r.local_score)}` +
+      // With query expansion the global score is the similarity to the expanded query (the query's
+      // descriptor plus verified results'), not the plain score shown without re-ranking.
+      const globalLabel = out.expanded_with > 0 ? "global (expanded query)" : "global";
+      if (out.expanded_with > 0) s.title = `query expanded with ${out.expanded_with} verified results (docs/reranking.md)`;
+      s.textContent = `${globalLabel} ${fmt(r.global_score)} · local ${fmt(r.local_score)}` +
         (r.inliers !== undefined ? ` · ${r.inliers} inliers` : "");
       card.appendChild(s);
     }
@@ -238,14 +254,20 @@ async function loadReport() {
 
 async function init() {
   document.querySelectorAll(".tab").forEach((t) => t.addEventListener("click", () => { if (!t.disabled) setMode(t.dataset.mode); }));
-  $("file").addEventListener("change", (e) => searchFile(e.target.files[0]));
+  $("file").addEventListener("change", (e) => {
+    const file = e.target.files[0];
+    e.target.value = "";  // choosing the same file again is a change too: it searches again
+    searchFile(file);
+  });
+  $("rerank").addEventListener("change", rerun);
+  $("shortlist").addEventListener("change", () => { if ($("rerank").checked) rerun(); });
   const drop = $("drop");
   ["dragenter", "dragover"].forEach((ev) => drop.addEventListener(ev, (e) => { e.preventDefault(); drop.classList.add("over"); }));
   ["dragleave", "drop"].forEach((ev) => drop.addEventListener(ev, (e) => { e.preventDefault(); drop.classList.remove("over"); }));
   drop.addEventListener("drop", (e) => { const f = e.dataTransfer.files[0]; if (f) searchFile(f); });
-  $("key-go").addEventListener("click", searchKey);
+  $("key-go").addEventListener("click", () => searchKey());
   $("key").addEventListener("keydown", (e) => { if (e.key === "Enter") searchKey(); });
-  $("text-go").addEventListener("click", searchText);
+  $("text-go").addEventListener("click", () => searchText());
   $("text").addEventListener("keydown", (e) => { if (e.key === "Enter") searchText(); });
   try {
     INFO = await getJSON("/page/info");
