@@ -35,6 +35,7 @@ from cluster.ingest_record import (
 )
 from core.errors import NeedleInputError
 from core.location import location_of, output_location
+from core.storage import is_s3
 from embed.registry import check_weights
 from ingest.config import IngestConfig
 from ingest.shards import expand_shards, shard_ids, shard_name
@@ -303,9 +304,10 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
 def _ingest(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Path | str:
     import ray
 
-    storage = output_location(output, conf.s3_endpoint_url)
+    # Local paths absolute: a worker's working directory is its Ray instance's, not this command's.
+    storage = output_location(_absolute(str(output)), conf.s3_endpoint_url)
     previous = storage.read_json(INFO_FILE) or {}
-    urls = expand_shards(shards, conf.s3_endpoint_url)
+    urls = [_absolute(url) for url in expand_shards(shards, conf.s3_endpoint_url)]
     ids = shard_ids(urls)
     committed = storage.committed()
     if not ray.is_initialized():
@@ -344,6 +346,10 @@ def _ingest(conf: IngestConfig, shards: str | list[str], output: Path | str) -> 
     if report["failed"]:
         raise IngestFailed(report["failed"])
     return output
+
+
+def _absolute(url: str) -> str:
+    return url if is_s3(url) else os.path.abspath(url)
 
 
 def with_shape_grid(conf: IngestConfig) -> IngestConfig:
