@@ -81,5 +81,5 @@ def test_resume_with_other_model_settings_is_refused(tmp_path, tiny_shards, ray_
 
     out = main(CONF, str(tmp_path / "*.tar"), tmp_path / "desc")
     other = IngestConfig(resolution=192, batch_size=8, cpus_per_worker=1)
-    with pytest.raises(NeedleInputError, match="resolution: 160 → 192.*overwrite"):
+    with pytest.raises(NeedleInputError, match=r"resolution: 160 → 192.*overwrite"):
         main(other, str(tmp_path / "*.tar"), out)
