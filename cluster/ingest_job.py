@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from cluster.connect import connect_ray
-from cluster.ingest_record import (
+from core.errors import NeedleInputError
+from core.location import location_of, output_location
+from core.storage import is_s3
+from embed.registry import check_weights
+from ingest.config import IngestConfig
+from ingest.job_record import (
     check_unchanged,
     count_samples,
     failed_images,
@@ -33,11 +38,6 @@ from cluster.ingest_record import (
     settings_diff,
     tar_fingerprint,
 )
-from core.errors import NeedleInputError
-from core.location import location_of, output_location
-from core.storage import is_s3
-from embed.registry import check_weights
-from ingest.config import IngestConfig
 from ingest.shards import expand_shards, shard_ids, shard_name
 
 log = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ def test_committed_shards_are_skipped_unless_overwrite(tmp_path, tiny_shards, ra
 
 
 def test_a_tar_changed_since_its_commit_is_refused_naming_it(tmp_path, tiny_shards, photos, ray_local):
-    from cluster.ingest_record import TarChangedError
+    from ingest.job_record import TarChangedError
 
     out = main(CONF, str(tmp_path / "*.tar"), tmp_path / "desc")
     write_tar(tiny_shards[0], [("a.jpg", jpeg_bytes(photos["rocket"])), ("b.jpg", jpeg_bytes(photos["coins"]))])

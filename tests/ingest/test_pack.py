@@ -17,7 +17,7 @@ from PIL import Image
 from core.errors import NeedleInputError, PackInputError
 from ingest.pack import INFO_NAME, PackConfig, member_suffix, sample_key, unique_keys
 from ingest.pack import main as pack
-from ingest.pack_record import RECORD_NAME
+from ingest.pack.record import RECORD_NAME
 from tests.support.tars import jpeg_bytes
 
 

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from cluster.ingest_record import count_samples, failed_images, merge_report, settings_diff
 from core.errors import NeedleInputError
 from embed.registry import WeightsError
 from ingest.config import IngestConfig
+from ingest.job_record import count_samples, failed_images, merge_report, settings_diff
 from tests.support.tars import write_tar
 
 

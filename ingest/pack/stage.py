@@ -37,7 +37,7 @@ mtime 0, uid/gid 0, no owner names, mode 0644, GNU tar format (long names): the 
 into an empty directory give byte-identical tars.
 
 **Appending.** ``pack_info.json`` (the tars) and ``pack_record.jsonl`` (each packed file:
-ingest/pack_record.py) mark the directory as ``needle pack``'s. Run again into it, pack never
+ingest/pack/record.py) mark the directory as ``needle pack``'s. Run again into it, pack never
 rewrites a tar: it packs the files not packed yet (by relative path) into new tars numbered after
 the last, their keys clear of the keys packed before; a packed file whose size or content changed
 is reported (``changed_sources``), not repacked; one that is gone stays in its tar
@@ -64,7 +64,7 @@ from core.atomic import write_json_atomic
 from core.errors import PackInputError
 from ingest.config import IMAGE_SUFFIXES, PackConfig
 from ingest.images import open_image
-from ingest.pack_record import (
+from ingest.pack.record import (
     TAR_NAME,
     Packed,
     Skipped,
