@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -25,8 +26,18 @@ from typing import Any
 
 from cluster.connect import connect_ray
 from core.errors import NeedleInputError
-from core.location import output_location
+from core.location import location_of, output_location
+from core.storage import is_s3
+from embed.registry import check_weights
 from ingest.config import IngestConfig
+from ingest.job_record import (
+    check_unchanged,
+    count_samples,
+    failed_images,
+    merge_report,
+    settings_diff,
+    tar_fingerprint,
+)
 from ingest.shards import expand_shards, shard_ids, shard_name
 
 log = logging.getLogger(__name__)
@@ -175,7 +186,9 @@ def _comparable(key: str, value: Any) -> Any:
 _BEFORE_THE_SETTING = {"shape_grid": 0}
 
 
-def _check_same_settings(previous: dict[str, Any], conf: IngestConfig, where: str) -> None:
+def _check_same_settings(previous: dict[str, Any], conf: IngestConfig, where: str, committed: bool) -> None:
+    """Refuse settings other than those of the descriptors committed at ``where`` (a record left
+    by a run that committed nothing refuses nothing), naming each differing field."""
     defaults = IngestConfig()
     recorded = previous.get("config", {})
     before = {
@@ -183,9 +196,9 @@ def _check_same_settings(previous: dict[str, Any], conf: IngestConfig, where: st
         for k in _DESCRIPTOR_SETTINGS
     }
     now = {k: _comparable(k, getattr(conf, k)) for k in _DESCRIPTOR_SETTINGS}
-    if previous and before != now and not conf.overwrite:
+    if previous and committed and before != now and not conf.overwrite:
         raise NeedleInputError(
-            f"{where} holds descriptors made with {before}, this job asks for {now}: "
+            f"{where} holds descriptors made with other settings ({settings_diff(before, now)}): "
             "use --overwrite to redo every shard, or another --out"
         )
 
@@ -274,27 +287,50 @@ def run_queue(
 def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Path | str:
     """Ingest ``shards`` into ``output`` (a directory or an ``s3://`` prefix), one
     ``<shard>.parquet`` each; returns ``output``. Raises IngestFailed, after writing the report,
-    when any shard failed."""
+    when any shard failed. The model's weights are checked before Ray starts (WeightsError in
+    seconds, not a dead actor per shard); a run that commits nothing leaves no record, and no
+    directory it made."""
+    check_weights(conf.model, conf.weights)
+    made = location_of(output, conf.s3_endpoint_url).local_root
+    made = made if made is not None and not made.exists() else None  # a directory this run makes
+    try:
+        return _ingest(conf, shards, output)
+    except BaseException:
+        if made is not None and made.is_dir() and not any(made.glob("*.parquet")):
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+def _ingest(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Path | str:
     import ray
 
-    storage = output_location(output, conf.s3_endpoint_url)
+    # Local paths absolute: a worker's working directory is its Ray instance's, not this command's.
+    storage = output_location(_absolute(str(output)), conf.s3_endpoint_url)
     previous = storage.read_json(INFO_FILE) or {}
+    urls = [_absolute(url) for url in expand_shards(shards, conf.s3_endpoint_url)]
+    ids = shard_ids(urls)
+    committed = storage.committed()
     if not ray.is_initialized():
         connect_ray(conf.address)
     conf = with_shape_grid(conf)
-    _check_same_settings(previous, conf, storage.url)
-    urls = expand_shards(shards, conf.s3_endpoint_url)
-    ids = shard_ids(urls)
+    _check_same_settings(previous, conf, storage.url, bool(committed))
     manifest = storage.read_json(MANIFEST_FILE) or {}
-    todo, entries = plan_shards(urls, storage.committed(), manifest, conf.overwrite)
+    todo, entries = plan_shards(urls, committed, manifest, conf.overwrite)
+    check_unchanged(entries, conf.s3_endpoint_url)
     log.info("%d shards: %d committed already, %d to do", len(urls), len(urls) - len(todo), len(todo))
+    if not todo:
+        if not previous:  # adopted parts only: record them once
+            storage.write_json(MANIFEST_FILE, {"shards": entries})
+            storage.write_json(INFO_FILE, merge_report({}, _report(conf, urls, [], entries, 0.0, {"extractors": []})))
+        return output  # ingest_info.json of earlier runs stays as it is
     start = time.perf_counter()
     # fresh_info: how this run's workers make their columns (from the first result)
-    results, fresh_info = _run_workers(conf, todo, ids, storage, entries, start) if todo else ([], None)
-    storage.write_json(MANIFEST_FILE, {"shards": entries})
+    results, fresh_info = _run_workers(conf, todo, ids, storage, entries, start)
     worker_info = {"extractors": fresh_info or previous.get("extractors", [])}
     report = _report(conf, urls, results, entries, time.perf_counter() - start, worker_info)
-    storage.write_json(INFO_FILE, report)
+    if report["shards_ok"] or previous:
+        storage.write_json(MANIFEST_FILE, {"shards": entries})
+        storage.write_json(INFO_FILE, merge_report(previous, report))
     log.info(
         "ingest summary: %s",
         {
@@ -302,9 +338,18 @@ def main(conf: IngestConfig, shards: str | list[str], output: Path | str) -> Pat
             for k in ("shards_ok", "shards_failed", "shards_retried", "images", "error_rows", "images_per_s")
         },
     )
+    for image in report["failed_images"]:
+        log.warning("image %s in %s failed: %s", image["key"], image["tar"], image["reason"])
+    if report["failed_images_total"] > len(report["failed_images"]):
+        log.warning("... %d failed images in all (ingest_info.json names the first %d)",
+                    report["failed_images_total"], len(report["failed_images"]))  # fmt: skip
     if report["failed"]:
         raise IngestFailed(report["failed"])
     return output
+
+
+def _absolute(url: str) -> str:
+    return url if is_s3(url) else os.path.abspath(url)
 
 
 def with_shape_grid(conf: IngestConfig) -> IngestConfig:
@@ -328,21 +373,26 @@ def _run_workers(
     it ends; returns (the shards' results, how the workers make their columns)."""
     from tqdm import tqdm
 
+    # Each tar's fingerprint as it is read, recorded with its commit: a later run refuses it changed.
+    prints = {url: tar_fingerprint(url, conf.s3_endpoint_url) for url in todo}
+    total = count_samples(todo)  # the bar counts images (one tar can be minutes); tars where unknown (S3)
     make_worker, submit, count = _worker_pool(conf, len(todo), ids, storage.url)
     results: list[dict[str, Any]] = []
     fresh_info = None
     images = 0
-    with tqdm(total=len(todo), unit="shard", desc="ingest", dynamic_ncols=True) as bar:
+    unit = ("img", total) if total else ("shard", len(todo))
+    with tqdm(total=unit[1], unit=unit[0], desc="ingest", dynamic_ncols=True) as bar:
         for url, result, attempts, reason in run_queue(todo, make_worker, submit, count, conf.max_retries):
             result = _shard_result(url, result, attempts, reason)
             fresh_info = result.pop("extractors", None) or fresh_info
             results.append(result)
-            entries[result["shard"]] = _manifest_entry(url, result)
-            storage.write_json(MANIFEST_FILE, {"shards": entries})
+            entries[result["shard"]] = {**_manifest_entry(url, result), **(prints.get(url) or {})}
+            if result["status"] == "ok":  # a run that commits nothing leaves no manifest
+                storage.write_json(MANIFEST_FILE, {"shards": entries})
             images += result["rows"]
             elapsed = time.perf_counter() - start
-            bar.set_postfix(images=images, img_s=f"{images / elapsed:.1f}")
-            bar.update(1)
+            bar.set_postfix(tars=f"{len(results)}/{len(todo)}", img_s=f"{images / elapsed:.1f}")
+            bar.update(result["rows"] if total else 1)
     return results, fresh_info
 
 
@@ -416,6 +466,7 @@ def _report(
     ok = [r for r in results if r["status"] == "ok"]
     images = sum(r["rows"] for r in ok)
     failed = {r["url"]: r["reason"] for r in results if r["status"] != "ok"}
+    named, n_failed = failed_images(results)
     return {
         "schema_version": 1,
         "config": asdict(conf),
@@ -430,6 +481,8 @@ def _report(
         "error_rows": sum(r["error_rows"] for r in ok),
         "seconds": round(seconds, 3),
         "images_per_s": round(images / seconds, 2) if seconds > 0 and images else None,
+        "failed_images": named,  # the first of them, {key, tar, reason}
+        "failed_images_total": n_failed,
         "results": sorted(results, key=lambda r: r["shard"]),
         **worker_info,
     }

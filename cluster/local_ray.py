@@ -22,11 +22,13 @@ start that still fails names the ports another process holds (``port_clashes``).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,8 +101,11 @@ def local_ray_with_token() -> Path:
     """Token authentication, set explicitly, for a Ray instance this process starts and its
     processes (they inherit the environment): ``RAY_AUTH_MODE=token`` and a private token file
     (``RAY_AUTH_TOKEN_PATH``); a token in ``RAY_AUTH_TOKEN`` would win over the file, so it is
-    dropped. Returns the file: a client joining the instance needs its token."""
+    dropped. Returns the file: a client joining the instance needs its token. Its directory is
+    removed when this process exits (registered before ``ray.init``, whose own exit handler, run
+    first, stops the instance): one per run would otherwise pile up in the temporary directory."""
     path = private_auth_token()
+    atexit.register(shutil.rmtree, path.parent, True)
     if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
         log.warning("RAY_AUTH_MODE=%s ignored: a local Ray that needle starts uses token authentication",
                     os.environ["RAY_AUTH_MODE"])  # fmt: skip

@@ -12,7 +12,6 @@ train one. open_clip ConvNeXt towers take any size.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -28,8 +27,11 @@ from embed.registry import (
     RANDOM_SEED,
     ModelConfig,
     WeightsError,
+    check_weights,
     get_model_config,
+    offline,
     resolve_weights,
+    weights_help,
 )
 from ingest.torchvision_compat import ensure_torchvision_importable
 
@@ -163,25 +165,17 @@ class GlobalModel(nn.Module):
         return l2_normalize(features[:, 0])
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _weights_help(name: str) -> str:
-    return f"download them elsewhere and give the local file with --weights (weights=<file>) for model {name!r}"
-
-
 def _create_backbone(conf: ModelConfig, pretrained: bool = False, name: str = "") -> nn.Module:
     ensure_torchvision_importable()
     kwargs = dict(conf.factory_kwargs)
     name = name or conf.architecture
     if pretrained:
         if conf.pretrained is None and conf.library == "open_clip":
-            raise WeightsError(f"model {name!r} records no published weights tag; {_weights_help(name)}")
-        if _offline():
+            raise WeightsError(f"model {name!r} records no published weights tag; {weights_help(name)}")
+        if offline():
             raise WeightsError(
                 f"cannot fetch the published weights of model {name!r} ({conf.pretrained or conf.architecture}): "
-                f"offline (HF_HUB_OFFLINE is set); {_weights_help(name)}"
+                f"offline (HF_HUB_OFFLINE is set); {weights_help(name)}"
             )
     try:
         if conf.library == "timm":
@@ -203,7 +197,7 @@ def _create_backbone(conf: ModelConfig, pretrained: bool = False, name: str = ""
             raise
         raise WeightsError(
             f"cannot fetch the published weights of model {name!r} ({conf.pretrained or conf.architecture}): "
-            f"{type(exc).__name__}: {exc}; {_weights_help(name)}"
+            f"{type(exc).__name__}: {exc}; {weights_help(name)}"
         ) from exc
     raise NeedleInputError(f"unknown model library {conf.library!r}; choose from {LIBRARIES}")
 
@@ -224,6 +218,7 @@ def build_global_model(
         weights, pretrained = None, True
     if pretrained and weights is not None:
         raise WeightsError(f"model {name!r}: give either a local weights file or pretrained, not both")
+    check_weights(name, PRETRAINED if pretrained else weights)  # the one-line errors a job also checks first
     if weights is not None and str(weights) == RANDOM:
         log.warning("model %s: seeded random initialisation, as asked (meaningless for retrieval)", name)
         with torch.random.fork_rng(devices=[]):
@@ -233,10 +228,5 @@ def build_global_model(
     if pretrained:
         return GlobalModel(conf, backbone).eval(), None
     path = resolve_weights(conf, weights)
-    if path is None:
-        raise WeightsError(
-            f"model {name!r} has no packaged weights: give a weights file (--weights), the published "
-            f"weights (--pretrained), or ask for a random initialisation (--random-init, tests only)"
-        )
     load_weights(backbone, path, conf.weights_mapping if weights is None else "auto")
     return GlobalModel(conf, backbone).eval(), path

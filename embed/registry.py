@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -419,6 +420,38 @@ def resolve_weights(conf: ModelConfig, weights: str | Path | None) -> Path | Non
     if conf.weights is None:
         return None
     return resolve_package_file(conf.weights)
+
+
+def offline() -> bool:
+    """Whether the Hugging Face hub is off (HF_HUB_OFFLINE): published weights cannot be fetched."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def weights_help(name: str) -> str:
+    return f"download them elsewhere and give the local file with --weights FILE for model {name!r}"
+
+
+def check_weights(name: str, weights: str | Path | None) -> None:
+    """WeightsError (one line naming the model and the flag that fixes it) where ``name`` with
+    ``weights`` (a file, None, ``PRETRAINED``, ``RANDOM``) cannot have its weights here; torch-free,
+    so that a job checks it in seconds, before any worker loads the model."""
+    conf = get_model_config(name)
+    if weights is not None and str(weights) == RANDOM:
+        return
+    if weights is not None and str(weights) == PRETRAINED:
+        if conf.pretrained is None and conf.library == "open_clip":
+            raise WeightsError(f"model {name!r} records no published weights tag; {weights_help(name)}")
+        if offline():
+            raise WeightsError(
+                f"cannot fetch the published weights of model {name!r} ({conf.pretrained or conf.architecture}): "
+                f"offline (HF_HUB_OFFLINE is set); {weights_help(name)}"
+            )
+        return
+    if resolve_weights(conf, weights) is None:
+        raise WeightsError(
+            f"model {name!r} has no packaged weights: give a weights file (--weights FILE), the published "
+            "weights (--pretrained, fetched from the network), or a random initialisation (--random-init, tests only)"
+        )
 
 
 def describe(name: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The settings of ingest's commands, torch-free so that ``needle ingest --help`` and ``needle pack
 --help`` import no stage: the ingestion job's (cluster/ingest_job.py runs it over Ray actor
-workers; the worker's own code is ingest.pipeline) and ``needle pack``'s (ingest/pack.py). Their
+workers; the worker's own code is ingest.pipeline) and ``needle pack``'s (ingest/pack/). Their
 flags are these fields (cli/flags.py), their help declared with each (core.settings). Also the
 demo collection's (ingest/demo_data.py builds it), which ``needle demo``'s config holds."""
 

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+FAILED_SHOWN = 20  # error rows a shard's result names (its error_rows counts them all)
 # Images handed to the extractors at once on CPU (they batch equal input shapes within a chunk).
 CHUNK_SIZE = 64
 # On GPU: only equal input shapes share a batch, and real photos come in hundreds of shapes, so a
@@ -58,6 +59,7 @@ class ShardResult:
     error_rows: int  # samples that could not be decoded
     seconds: float  # wall time of the shard
     reason: str = ""  # why the shard failed
+    failed_images: tuple[dict[str, str], ...] = ()  # the first FAILED_SHOWN error rows: {key, reason}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -242,7 +244,8 @@ def process_shard(
         tmp.unlink(missing_ok=True)
     seconds = time.perf_counter() - start
     log.info("shard %s: %d rows (%d errors) in %.1fs", name, len(keys), n_errors, seconds)
-    return ShardResult(url, name, "ok", path, len(keys), n_errors, seconds)
+    failed = tuple({"key": k, "reason": e} for k, e in zip(keys, errors) if e)[:FAILED_SHOWN]
+    return ShardResult(url, name, "ok", path, len(keys), n_errors, seconds, failed_images=failed)
 
 
 def _describe(

@@ -22,13 +22,14 @@ def tar_member(name: str, size: int) -> tarfile.TarInfo:
 
 
 class TarShardWriter:
-    """Samples into ``<prefix>000000.tar``, ``<prefix>000001.tar``, ... of ``shard_size`` each.
+    """Samples into ``<prefix>000000.tar``, ``<prefix>000001.tar``, ... (from ``first``) of ``shard_size`` each.
 
     Each tar is written as ``<name>.tmp`` and renamed when full or when the writer closes cleanly,
     so a reader never sees a partial tar; on an error the open tar's temporary file is removed."""
 
-    def __init__(self, out_dir: Path, shard_size: int, prefix: str = "", tar_format: int = TAR_FORMAT):
+    def __init__(self, out_dir: Path, shard_size: int, prefix: str = "", tar_format: int = TAR_FORMAT, first: int = 0):
         self.out_dir, self.shard_size, self.prefix, self.tar_format = Path(out_dir), shard_size, prefix, tar_format
+        self.first = first  # the number of the first tar (an append continues after the last one)
         self.shards: list[dict[str, Any]] = []  # per written tar: name, samples, bytes, first and last key
         self.written: list[Path] = []  # the tars written, in order
         self._tar: tarfile.TarFile | None = None
@@ -47,7 +48,7 @@ class TarShardWriter:
         """Add one sample, its members (suffix, bytes) in this order; returns its key as ingestion
         names it, ``<tar name without .tar>/<key>``."""
         if self._tar is None:
-            self._path = self.out_dir / f"{self.prefix}{len(self.shards):06d}.tar"
+            self._path = self.out_dir / f"{self.prefix}{self.first + len(self.shards):06d}.tar"
             self._tmp = temporary_path(self._path)
             self._tar = tarfile.open(self._tmp, "w", format=self.tar_format)  # noqa: SIM115 (open across add calls)
         for suffix, data in members:

@@ -117,7 +117,9 @@ def embed_texts(index: Index, texts: list[str], files: QueryFiles | None = None)
     model = info["model"]
     if model.get("library") != "open_clip":
         raise NeedleInputError(
-            f"the index's model {model.get('name')!r} has no text tower: text queries need an open_clip model"
+            f"the index's model {model.get('name')!r} has no text tower: text queries need an index built with an "
+            "open_clip preset and its weights (needle ingest --model clip_B16_openai.head --weights FILE; "
+            "docs/models.md#text-search)"
         )
     ensure_torchvision_importable()
     import open_clip

@@ -152,6 +152,7 @@ ROOMS = {
     "index.live": {"index.build", "index.gpu"},  # the living index: a generation's segments are built
     "index.gpu": set(),  # the GPU engines
     "embed.locals": set(),  # the local-token extractors
+    "ingest.pack": set(),  # needle pack: the stage and the record of what it packed
     "similarity.afn": set(),  # the four methods of the seed papers, each by itself
     "similarity.adaptors": set(),
     "similarity.ffa": set(),

@@ -303,3 +303,20 @@ def test_a_local_ray_started_by_needle_refuses_clients_without_its_token(tmp_pat
     finally:
         head.stdin.close()
         head.wait(60)
+
+
+def test_the_auth_token_directory_is_removed_when_the_process_exits(tmp_path):
+    """One ``needle-ray-auth-*`` directory per run would pile up in the temporary directory."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = "from cluster.local_ray import local_ray_with_token as t; p = t(); print(p); assert p.is_file()"
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    token = Path(done.stdout.strip().splitlines()[-1])
+    assert token.parent.name.startswith("needle-ray-auth-") and token.parent.parent == tmp_path
+    assert not token.parent.exists() and list(tmp_path.iterdir()) == []

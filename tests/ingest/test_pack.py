@@ -17,6 +17,7 @@ from PIL import Image
 from core.errors import NeedleInputError, PackInputError
 from ingest.pack import INFO_NAME, PackConfig, member_suffix, sample_key, unique_keys
 from ingest.pack import main as pack
+from ingest.pack.record import RECORD_NAME
 from tests.support.tars import jpeg_bytes
 
 
@@ -97,7 +98,7 @@ def test_clashing_keys_get_stable_suffixes_in_sorted_order():
 def test_pack_writes_original_bytes_keys_and_json(tmp_path, folder):
     out = pack(PackConfig(), tmp_path / "photos", tmp_path / "tars")
     assert out == tmp_path / "tars"
-    assert sorted(p.name for p in out.iterdir()) == ["000000.tar", INFO_NAME]
+    assert sorted(p.name for p in out.iterdir()) == ["000000.tar", INFO_NAME, RECORD_NAME]
     members = _read_members(out / "000000.tar")
     # sorted by path components: "a/b/photo.01.JPG" < "a/b/photo.01.jpeg" < "a/b/photo_01.png" < ...
     expected = [
@@ -160,24 +161,88 @@ def test_rerun_is_byte_identical_and_stale_tars_are_removed(tmp_path, folder, ca
     src, out = tmp_path / "photos", tmp_path / "tars"
     pack(PackConfig(shard_size=2), src, out)
     first = {p.name: _sha(p) for p in sorted(out.iterdir())}
-    assert sorted(first) == ["000000.tar", "000001.tar", "000002.tar", INFO_NAME]
+    assert sorted(first) == ["000000.tar", "000001.tar", "000002.tar", INFO_NAME, RECORD_NAME]
     for info in _members(out / "000001.tar"):
         assert (info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode) == (0, 0, 0, "", "", 0o644)
+    again = pack(PackConfig(shard_size=2), src, tmp_path / "again")  # same files, an empty directory
+    assert {p.name: _sha(p) for p in sorted(again.glob("*.tar"))} == {n: h for n, h in first.items() if "tar" in n}
     for path in src.rglob("*"):  # new timestamps, and the listing order of the directory may change
         os.utime(path, (1_700_000_000, 1_700_000_000))
     pack(PackConfig(shard_size=2), src, out)
-    assert {p.name: _sha(p) for p in sorted(out.iterdir())} == first
+    tars = {n: h for n, h in first.items() if n.endswith(".tar")}
+    assert {p.name: _sha(p) for p in sorted(out.glob("*.tar"))} == tars
+    assert json.loads((out / INFO_NAME).read_text())["changed_sources"] == []  # same bytes, new mtimes
 
     (src / "x.jpg").unlink()
     (src / "x.PNG").unlink()
     (out / "000005.tar.tmp").write_bytes(b"left by a crashed run")
     with caplog.at_level(logging.WARNING):
         pack(PackConfig(shard_size=2), src, out)
-    assert sorted(p.name for p in out.iterdir()) == ["000000.tar", "000001.tar", INFO_NAME]
-    assert "000002.tar" in caplog.text
+    # gone files stay in their tars (descriptors were made of them): nothing is rewritten
+    assert {p.name: _sha(p) for p in sorted(out.glob("*.tar"))} == tars
+    assert not (out / "000005.tar.tmp").exists() and "000005.tar.tmp" in caplog.text
     info = json.loads((out / INFO_NAME).read_text())
-    assert info["removed_stale_tars"] == ["000002.tar", "000005.tar.tmp"] and info["images"] == 4
-    assert _sha(out / "000000.tar") == first["000000.tar"]  # same first two images, same bytes
+    assert info["removed_stale_tars"] == ["000005.tar.tmp"] and info["images"] == 6
+    assert info["missing_sources"] == ["x.PNG", "x.jpg"] and info["added_shards"] == []
+
+
+def test_rerun_on_a_grown_folder_appends_new_tars(tmp_path, folder, photos, caplog):
+    src, out = tmp_path / "photos", tmp_path / "tars"
+    pack(PackConfig(shard_size=4), src, out)
+    before = {p.name: _sha(p) for p in sorted(out.glob("*.tar"))}
+    assert sorted(before) == ["000000.tar", "000001.tar"]
+    names = list(photos)
+    _write(src / "new/a.jpg", jpeg_bytes(_small(photos[names[0]], 6)))
+    _write(src / "x.jpeg", jpeg_bytes(_small(photos[names[1]], 6)))  # its key clashes with packed x and x~1
+    changed = src / "holiday 2019/café.jpg"
+    changed.write_bytes(jpeg_bytes(_small(photos[names[2]], 5)))  # a packed file, rewritten
+    with caplog.at_level(logging.WARNING):
+        pack(PackConfig(shard_size=4), src, out)
+    after = {p.name: _sha(p) for p in sorted(out.glob("*.tar"))}
+    assert {n: after[n] for n in before} == before  # every existing tar byte-identical
+    assert sorted(after) == ["000000.tar", "000001.tar", "000002.tar"]
+    assert [m.name for m in _members(out / "000002.tar")] == ["new/a.jpg", "new/a.json", "x~2.jpg", "x~2.json"]
+    info = json.loads((out / INFO_NAME).read_text())
+    assert info["added_shards"] == ["000002.tar"] and info["added_images"] == 2 and info["images"] == 8
+    assert info["num_shards"] == 3 and info["ingest_shards"].endswith("{000000..000002}.tar")
+    [change] = info["changed_sources"]
+    assert change["source"] == "holiday 2019/café.jpg" and "000000.tar" in change["reason"]
+    assert "café.jpg changed since it was packed" in caplog.text
+
+    pack(PackConfig(shard_size=4), src, out)  # nothing new: nothing written
+    assert {p.name: _sha(p) for p in sorted(out.glob("*.tar"))} == after
+    assert json.loads((out / INFO_NAME).read_text())["added_shards"] == []
+
+
+def test_append_to_a_directory_an_earlier_pack_wrote_without_a_record(tmp_path, folder, photos):
+    src, out = tmp_path / "photos", tmp_path / "tars"
+    pack(PackConfig(shard_size=4), src, out)
+    (out / RECORD_NAME).unlink()  # as needle pack wrote it before it kept a record
+    _write(src / "zz.jpg", jpeg_bytes(_small(photos["coins"])))
+    pack(PackConfig(shard_size=4), src, out)
+    assert [m.name for m in _members(out / "000002.tar")] == ["zz.jpg", "zz.json"]
+    record = [json.loads(line) for line in (out / RECORD_NAME).read_text().splitlines()]
+    assert len(record) == 7 and {r["tar"] for r in record} == {"000000.tar", "000001.tar", "000002.tar"}
+
+
+def test_refuses_a_tar_renamed_or_replaced_in_its_own_directory(tmp_path, folder):
+    src, out = tmp_path / "photos", tmp_path / "tars"
+    pack(PackConfig(shard_size=4), src, out)
+    (out / "000001.tar").rename(out / "000007.tar")
+    with pytest.raises(PackInputError, match=r"000001\.tar is recorded .* but missing"):
+        pack(PackConfig(shard_size=4), src, out)
+    (out / "000007.tar").rename(out / "000001.tar")
+    (out / "000009.tar").write_bytes(b"a tar from elsewhere")
+    with pytest.raises(PackInputError, match=r"000009\.tar was not written by needle pack"):
+        pack(PackConfig(shard_size=4), src, out)
+    assert (out / "000009.tar").read_bytes() == b"a tar from elsewhere"
+
+
+def test_a_failed_first_pack_leaves_no_directory(tmp_path):
+    src = _write(tmp_path / "src" / "broken.jpg", b"not a jpeg").parent
+    with pytest.raises(PackInputError, match="no readable image"):
+        pack(PackConfig(), src, tmp_path / "tars")
+    assert not (tmp_path / "tars").exists()
 
 
 def test_refuses_tars_it_did_not_write(tmp_path, folder):

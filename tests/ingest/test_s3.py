@@ -116,7 +116,10 @@ def test_ingest_s3_to_s3_then_index(s3_endpoint, buckets, ray_local, tmp_path):
     _D, I = index.search(index.vector_of("000001/01002")[None], 1)
     assert index.keys_of(I)[0] == ["000001/01002"]
     assert not (tmp_path / "index" / "staging").exists()
-    # Run again: everything is committed, nothing is redone.
+    # Run again: everything is committed (the tars' fingerprints match), nothing is redone, and the
+    # summary of the run that did the work stays.
     main(conf, f"s3://{src}/shards/{{000000..000001}}.tar", f"s3://{dst}/desc")
     info = json.loads(client.get_object(Bucket=dst, Key="desc/ingest_info.json")["Body"].read())
-    assert info["shards_processed"] == 0 and info["shards_committed_total"] == 2
+    assert info["shards_processed"] == 2 and info["shards_committed_total"] == 2
+    manifest = json.loads(client.get_object(Bucket=dst, Key="desc/manifest.json")["Body"].read())
+    assert all(entry["tar_bytes"] > 0 and entry["tar_sha256_ends"] for entry in manifest["shards"].values())

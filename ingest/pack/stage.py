@@ -33,11 +33,18 @@ verify) are skipped, each with a warning naming it, and listed with the reason i
 ``error`` row at ingestion, unless ``full_check`` decodes every image (JPEGs at 1/8 scale).
 
 **Determinism.** Tars are written as ``NNNNNN.tar.tmp`` and renamed into place; members carry
-mtime 0, uid/gid 0, no owner names, mode 0644, GNU tar format (long names): a re-run on the same
-files writes byte-identical tars. ``pack_info.json`` marks the directory as ``needle pack``'s:
-into a directory that holds ``NNNNNN.tar`` files but no ``pack_info.json``, packing is refused
-(nothing is overwritten); in one of its own, tars from an earlier, longer run that this run did
-not write are removed, each with a warning, and listed in ``pack_info.json``.
+mtime 0, uid/gid 0, no owner names, mode 0644, GNU tar format (long names): the same files packed
+into an empty directory give byte-identical tars.
+
+**Appending.** ``pack_info.json`` (the tars) and ``pack_record.jsonl`` (each packed file:
+ingest/pack/record.py) mark the directory as ``needle pack``'s. Run again into it, pack never
+rewrites a tar: it packs the files not packed yet (by relative path) into new tars numbered after
+the last, their keys clear of the keys packed before; a packed file whose size or content changed
+is reported (``changed_sources``), not repacked; one that is gone stays in its tar
+(``missing_sources``). Refused (nothing written): a directory holding ``NNNNNN.tar`` files but no
+``pack_info.json``; in one of its own, a tar it did not record (a renamed or copied tar), or a
+recorded tar that is missing or whose size changed. Tars of an interrupted run (from its
+``writing_from``, not recorded) are removed, each with a warning, and listed in ``pack_info.json``.
 """
 
 from __future__ import annotations
@@ -57,22 +64,27 @@ from core.atomic import write_json_atomic
 from core.errors import PackInputError
 from ingest.config import IMAGE_SUFFIXES, PackConfig
 from ingest.images import open_image
+from ingest.pack.record import (
+    TAR_NAME,
+    Packed,
+    Skipped,
+    check_tars,
+    compare_packed,
+    interrupted_tars,
+    mtime_ns,
+    read_record,
+    sha256,
+    write_record,
+)
 from ingest.tar_writer import TarShardWriter
 
 log = logging.getLogger(__name__)
 
 INFO_NAME = "pack_info.json"
-TAR_NAME = re.compile(r"^[0-9]{6}\.tar$")  # the tars needle pack writes (and may remove when stale)
 TMP_NAME = re.compile(r"^[0-9]{6}\.tar\.tmp$")  # a tar being written
 MEMBER_SUFFIX = {"jpeg": "jpg", "tiff": "tif"}  # extension -> member suffix where they differ
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _WDS_META = re.compile(r"^__.*__$")  # a first directory webdataset's reader skips (tar_file_iterator's skip_meta)
-
-
-@dataclass(frozen=True)
-class Skipped:
-    source: str  # the file, relative to the source root
-    reason: str  # why it was not packed
 
 
 class _Unreadable(Exception):
@@ -97,13 +109,16 @@ def sample_key(source: str) -> str:
     return "/".join(parts)
 
 
-def unique_keys(sources: Sequence[str]) -> list[str]:
-    """One key per source, in order: the first of clashing keys keeps it, the next get ``~1``, ``~2``, ..."""
-    seen: dict[str, int] = {}  # key -> how many sources had it so far
+def unique_keys(sources: Sequence[str], taken: frozenset[str] = frozenset()) -> list[str]:
+    """One key per source, in order: the first of clashing keys keeps it, the next get ``~1``, ``~2``, ...;
+    ``taken``: keys already packed (an append), which the new keys skip."""
+    seen: dict[str, int] = {}  # key -> the next suffix to try for it
     keys = []
     for source in sources:
         base = sample_key(source)
         n = seen.get(base, 0)
+        while (f"{base}~{n}" if n else base) in taken:
+            n += 1
         seen[base] = n + 1
         keys.append(f"{base}~{n}" if n else base)  # no sanitised key holds "~": suffixed keys never clash
     return keys
@@ -273,8 +288,9 @@ def read_image(path: Path, full_check: bool = False) -> tuple[bytes, dict[str, A
 # --- output --------------------------------------------------------------------------------------
 
 
-def prepare_output(output: Path) -> None:
-    """Create the output directory; refuse a file, or a directory holding tars needle pack did not write."""
+def prepare_output(output: Path) -> dict[str, Any]:
+    """Create the output directory; refuse a file, or a directory holding tars needle pack did not
+    write. Returns the earlier run's ``pack_info.json`` ({} where there is none)."""
     if output.exists() and not output.is_dir():
         raise PackInputError(f"output {output} is a file, not a directory")
     try:
@@ -282,20 +298,27 @@ def prepare_output(output: Path) -> None:
     except OSError as exc:
         raise PackInputError(f"cannot create output directory {output}: {_os_reason(exc)}") from exc
     foreign = sorted(p.name for p in output.iterdir() if TAR_NAME.match(p.name))
-    if foreign and not (output / INFO_NAME).is_file():
-        raise PackInputError(
-            f"output directory {output} holds tars needle pack did not write ({foreign[0]}, ... "
-            f"{len(foreign)} in all; no {INFO_NAME}): choose an empty directory or remove them"
-        )
+    if not (output / INFO_NAME).is_file():
+        if foreign:
+            raise PackInputError(
+                f"output directory {output} holds tars needle pack did not write ({foreign[0]}, ... "
+                f"{len(foreign)} in all; no {INFO_NAME}): choose an empty directory or remove them"
+            )
+        return {}
+    try:
+        info = json.loads((output / INFO_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PackInputError(f"cannot read {output / INFO_NAME}: {exc}") from exc
+    if not isinstance(info, dict) or not isinstance(info.get("shards", []), list):
+        raise PackInputError(f"{output / INFO_NAME} is not needle pack's record (no list of shards)")
+    return info
 
 
-def remove_stale(output: Path, written: set[str]) -> list[str]:
-    """Remove the ``NNNNNN.tar`` (and ``.tar.tmp``) files of an earlier run that this run did not write."""
-    stale = sorted(
-        p.name for p in output.iterdir() if (TAR_NAME.match(p.name) and p.name not in written) or TMP_NAME.match(p.name)
-    )
+def remove_stale(output: Path, names: set[str]) -> list[str]:
+    """Remove ``names`` (tars an interrupted run left) and every ``NNNNNN.tar.tmp``."""
+    stale = sorted(p.name for p in output.iterdir() if p.name in names or TMP_NAME.match(p.name))
     for name in stale:
-        log.warning("pack: removing %s, left by an earlier run (this run wrote %d tars)", output / name, len(written))
+        log.warning("pack: removing %s, left by an interrupted run", output / name)
         (output / name).unlink()
     return stale
 
@@ -309,36 +332,53 @@ def _needle_version() -> str | None:
         return None
 
 
+@dataclass
+class _Run:
+    """What one run of needle pack found and did (the parts of ``pack_info.json`` about it)."""
+
+    found: list[str]  # image files of the source, relative to its root
+    ignored: int  # other files under the source
+    skipped: list[Skipped]  # files not packed (unreadable, symlinks, ...)
+    added: list[dict[str, Any]]  # the tars this run wrote
+    changed: list[Skipped]  # files packed earlier that differ now (reported, not repacked)
+    missing: list[str]  # files packed earlier that are gone from the source
+    removed: list[str]  # tars of an interrupted run removed
+
+
 def _info(
     conf: PackConfig,
     inputs: Any,
     root: Path,
     output: Path,
-    found: list[str],
-    ignored: int,
     shards: list[dict[str, Any]],
-    skipped: list[Skipped],
-    renamed: list[dict[str, str]],
-    removed: list[str],
+    record: list[Packed],
+    run: _Run,
     status: str,
+    writing_from: int,
 ) -> dict[str, Any]:
     n = len(shards)
     output = Path(os.path.abspath(output))
+    first, last = (shards[0]["tar"][:6], shards[-1]["tar"][:6]) if shards else ("000000", "000000")
     return {
         "status": status,  # "incomplete" while tars are being written, "complete" at the end
+        "writing_from": writing_from,  # the number of the first tar this run writes
         "config": asdict(conf),
         "input": str(inputs) if isinstance(inputs, (str, Path)) else f"a list of {len(inputs)} paths",
         "source": str(root),
         "output": str(output),
-        "candidates": len(found),
+        "candidates": len(run.found),
         "images": sum(s["samples"] for s in shards),
-        "ignored_files": ignored,
+        "ignored_files": run.ignored,
         "num_shards": n,
         "shards": shards,
-        "ingest_shards": str(output / (f"{{000000..{n - 1:06d}}}.tar" if n > 1 else "000000.tar")),
-        "skipped": [asdict(s) for s in skipped],
-        "renamed_keys": renamed,
-        "removed_stale_tars": removed,
+        "added_shards": [s["tar"] for s in run.added],
+        "added_images": sum(s["samples"] for s in run.added),
+        "ingest_shards": str(output / (f"{{{first}..{last}}}.tar" if n > 1 else f"{first}.tar")),
+        "skipped": [asdict(s) for s in run.skipped],
+        "changed_sources": [asdict(s) for s in run.changed],
+        "missing_sources": run.missing,
+        "renamed_keys": [{"source": e.source, "key": e.key} for e in record if e.key != sample_key(e.source)],
+        "removed_stale_tars": run.removed,
         "needle_version": _needle_version(),
     }
 
@@ -347,57 +387,91 @@ def _info(
 
 
 def pack_files(
-    conf: PackConfig, root: Path, found: list[str], writer: TarShardWriter
-) -> tuple[list[Skipped], list[dict[str, str]]]:
-    """Pack ``found`` (relative to ``root``) in order; returns the unreadable files and the keys
-    renamed to be unique."""
+    conf: PackConfig, root: Path, found: list[str], writer: TarShardWriter, taken: frozenset[str] = frozenset()
+) -> tuple[list[Skipped], list[Packed]]:
+    """Pack ``found`` (relative to ``root``) in order, their keys clear of ``taken``; returns the
+    unreadable files and what was packed."""
     skipped: list[Skipped] = []
-    renamed: list[dict[str, str]] = []
-    for source, key in tqdm(zip(found, unique_keys(found)), total=len(found), desc="pack", unit="img", disable=None):
+    packed: list[Packed] = []
+    keys = unique_keys(found, taken)
+    for source, key in tqdm(zip(found, keys), total=len(found), desc="pack", unit="img", disable=None):
+        stamp = mtime_ns(root / source)  # before reading: a file changed while read looks changed next run
         try:
             data, meta = read_image(root / source, conf.full_check)
         except _Unreadable as exc:
             log.warning("pack: skipping %s: %s", root / source, exc)
             skipped.append(Skipped(source, str(exc)))
             continue
-        if key != sample_key(source):
-            renamed.append({"source": source, "key": key})
         meta = {"key": key, "source": source, "bytes": len(data), **meta}
         suffix = member_suffix(Path(source).suffix)
-        writer.add(key, [(suffix, data), ("json", json.dumps(meta, sort_keys=True).encode())])
-    return skipped, renamed
+        full_key = writer.add(key, [(suffix, data), ("json", json.dumps(meta, sort_keys=True).encode())])
+        packed.append(Packed(source, key, f"{full_key.split('/', 1)[0]}.tar", len(data), stamp, sha256(data)))
+    return skipped, packed
 
 
 def main(conf: PackConfig, inputs: str | Path | Sequence[str | Path], output: Path) -> Path:
     """Pack the images of ``inputs`` (a directory, a list file, or a sequence of paths) into
-    WebDataset tars in ``output``, with ``pack_info.json``; returns ``output``."""
+    WebDataset tars in ``output``, with ``pack_info.json``; returns ``output``. Into a directory
+    it packed before, only files not packed yet, into new tars numbered after the last."""
     check_config(conf)
     output = Path(output)
     root, found, skipped, ignored = collect(conf, inputs)
-    prepare_output(output)
+    created = not output.exists()
+    previous = prepare_output(output)
+    try:
+        return _pack(conf, inputs, root, found, skipped, ignored, output, previous)
+    except BaseException:
+        if created and not any(output.glob("*.tar")):  # leave nothing behind a failed first run
+            for path in output.iterdir():
+                path.unlink()
+            output.rmdir()
+        raise
+
+
+def _pack(
+    conf: PackConfig,
+    inputs: Any,
+    root: Path,
+    found: list[str],
+    skipped: list[Skipped],
+    ignored: int,
+    output: Path,
+    previous: dict[str, Any],
+) -> Path:
+    leftovers = interrupted_tars(output, previous)
+    shards = [s for s in previous.get("shards", []) if s["tar"] not in leftovers]
+    check_tars(output, shards, leftovers)
+    record = read_record(output, shards) if shards else []
+    if previous.get("source") and shards and previous["source"] != str(root):
+        log.warning("pack: %s was packed from %s; now from %s (files are matched by relative path)",
+                    output, previous["source"], root)  # fmt: skip
+    new, record, changed, missing = compare_packed(root, found, record)
+    run = _Run(found, ignored, [], [], changed, missing, remove_stale(output, leftovers))
     for entry in skipped:
         log.warning("pack: skipping %s: %s", root / entry.source, entry.reason)
-    write_json_atomic(
-        _info(conf, inputs, root, output, found, ignored, [], skipped, [], [], "incomplete"), output / INFO_NAME
-    )
-    with TarShardWriter(output, conf.shard_size) as writer:
-        unreadable, renamed = pack_files(conf, root, found, writer)
-    skipped = sorted(skipped + unreadable, key=lambda s: _path_order(s.source))
-    if not writer.shards:
+    first = int(shards[-1]["tar"][:6]) + 1 if shards else 0
+    write_json_atomic(_info(conf, inputs, root, output, shards, record, run, "incomplete", first), output / INFO_NAME)
+    with TarShardWriter(output, conf.shard_size, first=first) as writer:
+        unreadable, packed = pack_files(conf, root, new, writer, frozenset(e.key for e in record))
+    run.skipped = sorted(skipped + unreadable, key=lambda s: _path_order(s.source))
+    if new and not writer.shards and not shards:
         raise PackInputError(
             f"no readable image among the {len(found)} image files of {root} "
-            f"(e.g. {skipped[0].source}: {skipped[0].reason})"
+            f"(e.g. {run.skipped[0].source}: {run.skipped[0].reason})"
         )
-    removed = remove_stale(output, {s["tar"] for s in writer.shards})
-    info = _info(conf, inputs, root, output, found, ignored, writer.shards, skipped, renamed, removed, "complete")
+    run.added = writer.shards
+    record += packed
+    write_record(output, record)
+    info = _info(conf, inputs, root, output, shards + writer.shards, record, run, "complete", first)
     write_json_atomic(info, output / INFO_NAME)
     log.info(
-        "pack: %d images from %s in %d tars at %s (%d skipped, %d keys renamed)",
-        info["images"],
+        "pack: %d new images from %s in %d new tars (%d in all) at %s (%d skipped, %d changed since packed)",
+        info["added_images"],
         root,
         len(writer.shards),
+        info["num_shards"],
         output,
-        len(skipped),
-        len(renamed),
+        len(run.skipped),
+        len(run.changed),
     )
     return output
