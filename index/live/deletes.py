@@ -120,7 +120,8 @@ def segment_deletes(location: Location, segment: Segment) -> DeleteSet:
         raise DeleteSetError(f"cannot read the delete set {label}: it is missing")
     deletes = read_delete_set(io.BytesIO(data), segment.deleted.indexed, label)
     if len(deletes) != segment.deleted.rows:
-        raise DeleteSetError(f"the delete set {label} holds {len(deletes)} rows, its manifest says {segment.deleted.rows}")
+        recorded = segment.deleted.rows
+        raise DeleteSetError(f"the delete set {label} holds {len(deletes)} rows, its manifest says {recorded}")
     return deletes
 
 
