@@ -197,13 +197,13 @@ def test_ingest_worker_records_query_options(tmp_path, tiny_shards):
     assert report["extractors"][0]["scales"] == list(ILIAS_SCALES)
 
     # Resuming: the same options match what JSON made of them; other ones are refused.
-    _check_same_settings(report, conf, "out")
+    _check_same_settings(report, conf, "out", committed=True)
     with pytest.raises(NeedleInputError, match="overwrite"):
-        _check_same_settings(report, IngestConfig(resolution=RES, batch_size=8), "out")
+        _check_same_settings(report, IngestConfig(resolution=RES, batch_size=8), "out", committed=True)
     plain = json.loads(json.dumps(_report(IngestConfig(resolution=RES), [], [], {}, 1.0, {"extractors": []})))
-    _check_same_settings(plain, IngestConfig(resolution=RES), "out")
+    _check_same_settings(plain, IngestConfig(resolution=RES), "out", committed=True)
     del plain["config"]["query_scales"], plain["config"]["query_rotations"]  # an info file from before them
-    _check_same_settings(plain, IngestConfig(resolution=RES), "out")
+    _check_same_settings(plain, IngestConfig(resolution=RES), "out", committed=True)
 
 
 def test_ingest_cli_flags_reach_the_config(monkeypatch, tmp_path):
