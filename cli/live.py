@@ -1,7 +1,8 @@
 """``needle index add``, ``delete`` and ``compact``: changing an index as generations
 (docs/live_index.md). Each prints what changed as JSON (the new generation's ``change``: its
 ``"generation"`` is null where nothing changed). ``--wait-for URL`` returns only once the server
-at URL answers ``/health`` with that generation or a newer one: then the change is visible there.
+at URL answers ``/health`` with that generation or a newer one: then the change is visible there
+(under ``needle serve --ray`` that generation is the one every Serve replica serves: webapi/health.py).
 ``info`` and ``keys`` read what it holds now (index/live/inspect.py)."""
 
 from __future__ import annotations

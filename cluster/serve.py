@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -108,10 +109,16 @@ def open_index(
     return follow_index(path, reload_interval, serving if ray_shards else None)
 
 
-def follow_index(path: str | Path, reload_interval: float, serving: ShardServing | None = None) -> Any:
+def follow_index(
+    path: str | Path,
+    reload_interval: float,
+    serving: ShardServing | None = None,
+    on_check: Callable[[int], None] | None = None,
+) -> Any:
     """The index at ``path`` following its newest generation (query.live_index.LiveIndex), checked
     every ``reload_interval`` seconds: loaded in this process, or with ``serving`` in Ray shard
-    actors (Ray initialised), a set per generation, stopped once no request uses it."""
+    actors (Ray initialised), a set per generation, stopped once no request uses it. ``on_check``:
+    told the generation served after each check (a Serve replica's generation board seat)."""
     from core.location import location_of
     from index.live.generations import latest_number
     from query.live_index import LiveIndex
@@ -125,12 +132,13 @@ def follow_index(path: str | Path, reload_interval: float, serving: ShardServing
             lambda: latest_number(location),
             reload_interval,
             close_generation=lambda index: index.backend.close(),
+            on_check=on_check,
         )
 
     def opened(number: int | None, served: Any | None) -> Any:  # the served generation's unchanged segments kept
         return load_index(path, generation=number, served=served)
 
-    return LiveIndex(opened, lambda: latest_number(location), reload_interval)
+    return LiveIndex(opened, lambda: latest_number(location), reload_interval, on_check=on_check)
 
 
 # Ray Serve: replicas of the same app. Replicas reserve no CPU by default: with --ray-shards the
@@ -139,12 +147,30 @@ REPLICA_CPUS = 0.0
 REPLICA_GPUS = 1.0  # --device cuda: each replica's GPU (its AMES model and scoring tables live there)
 
 
+def replica_index(
+    spec: ServeSpec, shard_actors: list[list[Any]] | None, serving: ShardServing | None, seat: Any
+) -> Any:
+    """The index one Serve replica serves (see ``ray_app``), its generation written to ``seat``
+    (cluster.generation_board.BoardSeat) once opened and, where it follows the index, after each
+    check for a newer one."""
+    path = str(spec.index)
+    if shard_actors:
+        index = serve_sharded(path, serving, actors=shard_actors)
+    elif spec.reload.interval > 0:
+        index = follow_index(path, spec.reload.interval, on_check=seat.served)
+    else:
+        index = load_index(path)
+    seat.report(index.generation)
+    return index
+
+
 def ray_app(
     spec: ServeSpec,
     shard_actors: list[list[Any]] | None = None,
     replica_cpus: float = REPLICA_CPUS,
     serving: ShardServing | None = None,
     limits: ServiceLimits | None = None,
+    board: Any = None,
 ):
     """The app of ``spec`` as a bound Ray Serve deployment (``serve.run(ray_app(...))``; Ray must
     be initialised) of ``spec.listen.replicas`` replicas, each serving ``spec.index`` (a path every
@@ -158,11 +184,14 @@ def ray_app(
     the CPU). ``limits``: each replica's webapi.limits.ServiceLimits (request sizes, Host, the
     concurrency gate; default: the spec's). ``spec.reload.interval``: each replica loading the index
     itself follows its generations (seconds between checks; 0: never); replicas in front of shared
-    shard actors serve the generation those hold.
+    shard actors serve the generation those hold. Every replica writes the generation it serves
+    to ``board`` (cluster.generation_board; None: a new one owned by this process) and /health
+    reports the minimum over the live replicas.
     """
     from fastapi import FastAPI
     from ray import serve
 
+    from cluster.generation_board import start_board
     from webapi.query_service import QueryService
     from webapi.webapp import check_shards, create_app
 
@@ -178,26 +207,29 @@ def ray_app(
             shard_actors: list[list[Any]] | None,
             serving: ShardServing | None,
             limits: ServiceLimits | None,
+            board: Any,
         ):
-            from cluster.serve import follow_index, serve_sharded
-            from index.search import load_index
+            from cluster.generation_board import BoardSeat
+            from cluster.serve import replica_index
 
-            path = str(spec.index)
-            if shard_actors:
-                index = serve_sharded(path, serving, actors=shard_actors)
-            elif spec.reload.interval > 0:
-                index = follow_index(path, spec.reload.interval)
-            else:
-                index = load_index(path)
+            self.seat = BoardSeat(board)  # on the board before the index is opened
+            index = replica_index(spec, shard_actors, serving, self.seat)
             rerank = spec.rerank.to_config()
             self.service = QueryService(index, spec.files, rerank, spec.rerank.device, limits or spec.service_limits())
             self.page = spec.page_config()
 
         def __serve_build_asgi_app__(self) -> FastAPI:
-            return create_app(self.service, self.page)
+            return create_app(self.service, self.page, self.seat.generations)
 
         def check_health(self) -> None:
             """Serve's health probe: raises while a shard has no live replica."""
             check_shards(self.service)
 
-    return NeedleDeployment.bind(spec, shard_actors, serving, limits)
+        def __del__(self) -> None:
+            """Serve's graceful stop: this replica's generation no longer counts."""
+            seat = getattr(self, "seat", None)  # None: __init__ failed before it had one
+            if seat is not None:
+                seat.leave()
+
+    board = board if board is not None else start_board()
+    return NeedleDeployment.bind(spec, shard_actors, serving, limits, board)

@@ -165,10 +165,13 @@ def run_ray_serve(spec: ServeSpec, limits: ServiceLimits) -> None:
                 "--ray with --ray-shards: the replicas share one set of shard actors and serve the generation "
                 "it holds; restart to serve a newer one (without --ray, --ray-shards follows the index)"
             )
+    from cluster.generation_board import start_board
+
     serve.start(http_options={"host": listen.host, "port": listen.port})
     location = canonical_url(index)
     served = dataclasses.replace(spec, index=location)
-    serve.run(ray_app(served, actors, serving=serving, limits=limits), name="needle", route_prefix="/")
+    board = start_board(detached=True)  # lives as long as the app: killed with it below, not with this process
+    serve.run(ray_app(served, actors, serving=serving, limits=limits, board=board), name="needle", route_prefix="/")
     log.info(
         "serving %s with Ray Serve (%d replicas) on http://%s:%d (API docs at /docs)",
         index,
@@ -176,11 +179,12 @@ def run_ray_serve(spec: ServeSpec, limits: ServiceLimits) -> None:
         listen.host,
         listen.port,
     )
-    _serve_until_stopped(shared_cluster)
+    _serve_until_stopped(shared_cluster, board)
 
 
-def _serve_until_stopped(shared_cluster: bool) -> None:
-    """Wait for SIGTERM or SIGINT, then delete the deployment (a shared cluster) or shut Serve down, and Ray."""
+def _serve_until_stopped(shared_cluster: bool, board: Any) -> None:
+    """Wait for SIGTERM or SIGINT, then delete the deployment (a shared cluster) or shut Serve down,
+    then its generation board (cluster.generation_board), and Ray."""
     import signal
     import time
 
@@ -202,4 +206,5 @@ def _serve_until_stopped(shared_cluster: bool) -> None:
             serve.delete("needle")
         else:
             serve.shutdown()
+        ray.kill(board)  # detached: it would outlive the app on a shared cluster
         ray.shutdown()

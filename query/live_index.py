@@ -54,8 +54,10 @@ class LiveIndex:
         latest: Callable[[], int],
         reload_interval: float = 2.0,
         close_generation: Callable[[Index], None] | None = None,
+        on_check: Callable[[int], None] | None = None,
     ):
         self._open = open_generation  # opens a generation (beside the one served)
+        self._on_check = on_check  # told the generation served after each check (a Serve replica's board)
         self._latest = latest  # the newest published generation's number
         self._close = close_generation  # releases a generation no request uses any more (None: nothing to)
         self.reload_interval = reload_interval  # seconds between checks for a newer generation (0: never)
@@ -139,6 +141,11 @@ class LiveIndex:
                 self.reload()
             except Exception:  # the generation served goes on; the next check tries again
                 log.exception("could not open the newest generation; still serving %d", self.generation)
+            if self._on_check is not None:  # after the switch: what it is told is already served
+                try:
+                    self._on_check(self.generation)
+                except Exception:  # never the end of following the index
+                    log.exception("telling generation %d served", self.generation)
 
     def _close_quietly(self, index: Index) -> None:
         if self._close is None:

@@ -2,7 +2,8 @@
 
 - ``GET  /health``                       -> ``{"ntotal", "d", "shards", "kind"}``; with shards in Ray
   actors also ``"ok"``, ``"unavailable_shards"`` and ``"replicas"`` (each replica's shard, replica
-  number, ``"ready"``/``"unreachable"`` and node), and 503 when a shard has no live replica
+  number, ``"ready"``/``"unreachable"`` and node), and 503 when a shard has no live replica; under
+  Ray Serve ``"generation"`` is the one every replica serves and ``"serve_replicas"`` each one's
 - ``POST /search[?partial=1]``  JSON ``{"k", "nprobe"?, "refine_factor"?, "partial"?, "rerank"?, "shortlist"?,
   one of "keys" | "vectors" | "text"}``
 - ``POST /search/image?k=10[&nprobe=N][&partial=1][&rerank=true&shortlist=S]`` raw image bytes (the request
@@ -56,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shards.coordinator import ShardsUnavailable
 from webapi.docs_page import add_docs_page
 from webapi.guard import Guard, Route, allowed_hosts, gate_of, read_limited
-from webapi.health import add_health
+from webapi.health import ReplicaGenerations, add_health
 from webapi.http_errors import error_response, json_response, request_id, server_locations
 from webapi.limits import FieldError, ServiceLimits, parse_json
 from webapi.query_service import QueryService
@@ -122,8 +123,11 @@ def guard_routes(limits: ServiceLimits, page: PageConfig | None) -> dict[tuple[s
     return routes
 
 
-def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI:
-    """The app of ``service`` (its ServiceLimits bound every request) and, with ``page``, the web page."""
+def create_app(
+    service: QueryService, page: PageConfig | None = None, replicas: ReplicaGenerations | None = None
+) -> FastAPI:
+    """The app of ``service`` (its ServiceLimits bound every request) and, with ``page``, the web page;
+    ``replicas``: under Ray Serve, every replica's generation, which /health reports (webapi.health)."""
     app = FastAPI(
         title="needle",
         description="Instance-level image retrieval: search an index by stored key, vector, text or image.",
@@ -134,7 +138,7 @@ def create_app(service: QueryService, page: PageConfig | None = None) -> FastAPI
     locations = server_locations(service.index)
     add_error_handlers(app, locations)
     gate = gate_of(service.limits)  # searches, thumbnails and fresh health answers share it
-    add_health(app, service.index, gate)
+    add_health(app, service.index, gate, replicas)
     add_search(app, service, locations)
     add_search_image(app, service, locations)
     add_docs_page(app)

@@ -222,9 +222,12 @@ def test_ray_serve_deployment_answers_through_the_proxy(built, ray_local):
     try:
         serve.run(ray_app(ServeSpec(index=str(built / "single"))), name="needle", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        assert urlopen_json(f"{url}/health") == (
+        status, health = urlopen_json(f"{url}/health")
+        assert list(health.pop("serve_replicas").values()) == [0]  # its one replica's (cluster/generation_board.py)
+        index_id = load_index(built / "single").infos["index_id"]
+        assert (status, health) == (
             200,
-            {"ntotal": 480, "d": 32, "shards": 1, "kind": "ivfpq", "generation": 0},
+            {"ntotal": 480, "d": 32, "shards": 1, "kind": "ivfpq", "generation": 0, "index_id": index_id},
         )
         status, out = urlopen_json(f"{url}/search", {"keys": ["000002/00005"], "k": 3})
         assert status == 200 and out[0]["results"][0]["key"] == "000002/00005" and len(out[0]["results"]) == 3

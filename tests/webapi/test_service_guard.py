@@ -159,6 +159,41 @@ def test_health_answers_are_shared_for_a_second_and_never_hide_a_new_generation(
     assert asyncio.run(probes(5)) == [3] * 5 and cache.refreshes == 2
 
 
+def test_health_under_serve_replicas_reports_the_generation_every_replica_serves(index):
+    """Under Ray Serve (webapi.health's ``replicas``): the minimum over the replicas, null while one
+    opens the index, a 503 where their generations cannot be read; an answer is reused only while
+    no replica lags this one."""
+    from webapi.guard import Gate
+    from webapi.health import HealthCache, ReplicaStateUnavailable
+
+    board = {"a": 0, "b": 0}
+
+    def replicas(own):
+        if board is None:
+            raise ReplicaStateUnavailable("the board cannot be read")
+        return {**board, "a": own}
+
+    cache = HealthCache(index, Gate(1, 0, 1.0), replicas=replicas)
+
+    def probe():
+        response = asyncio.run(cache.respond())
+        return response.status_code, json.loads(response.body)
+
+    status, body = probe()
+    assert status == 200 and (body["generation"], body["serve_replicas"]) == (0, {"a": 0, "b": 0})
+    board["b"] = None  # "b" restarted: opening the index
+    assert probe()[1]["generation"] == 0 and cache.refreshes == 1  # reused: no replica lagged then
+    cache.at -= 2  # past its second
+    assert probe()[1]["generation"] is None
+    assert probe()[1]["generation"] is None and cache.refreshes == 3  # never reused while one lags
+    board["b"] = 0
+    assert probe()[1]["generation"] == 0
+    board = None
+    cache.at -= 2
+    status, body = probe()
+    assert status == 503 and body["generation"] is None and "board" in body["error"]
+
+
 def test_a_request_cancelled_when_its_client_left_keeps_its_slot_until_its_work_ends():
     """Ray Serve cancels a request whose client disconnected; its search or decode in the thread
     pool cannot be stopped. The guard runs the endpoint shielded, so its slot of --max-inflight
