@@ -16,6 +16,7 @@ killed before it published) are removed on every run.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from core.kill_points import kill_point
 from index.build.records import BuildFields
 from index.build.shard import IDS_SCHEMA, _checksum, write_float16_npy_header, write_keys_of_ids
 from index.errors import IndexFileError
-from index.generation import Generation, Segment, ShardSegments
+from index.generation import TRAINED_NAME, Generation, Segment, ShardSegments, trained_or_written_for
 from index.keys import KEY_FILES
 from index.layout import (
     DELETE_FILE_NAME,
@@ -38,11 +39,11 @@ from index.layout import (
     SEGMENT_NAME,
     SHARD_INFOS_FILE,
     VECTORS_FILE,
-    written_for,
 )
 from index.live.config import CompactConfig
 from index.live.generations import (
     DELETES_DIR,
+    GENERATIONS_DIR,
     GenerationRemoved,
     is_tombstone,
     latest_number,
@@ -64,8 +65,19 @@ def main(conf: CompactConfig, index: Path | str) -> dict[str, Any]:
     ``conf.keep`` leaves behind; returns what changed."""
     if conf.keep is not None and conf.keep < 1:
         raise NeedleInputError(f"--keep must be at least 1 (the newest generation), got {conf.keep}")
+    from index.live.retrain import retrain, retrain_reason
+
+    reason = retrain_reason(conf, index)
+    if reason is not None:  # the index re-encoded with a new training: compaction's work is part of it
+        return retrain(conf, index, reason)
     with writing(index, conf.s3_endpoint_url) as writer:
-        change: dict[str, Any] = {"command": "compact", "generation": None, "rewritten": [], "removed": []}
+        change: dict[str, Any] = {
+            "command": "compact",
+            "generation": None,
+            "retrained": False,
+            "rewritten": [],
+            "removed": [],
+        }
         shards, rewritten = [], []
         for shard in writer.parent.shards:
             chosen = chosen_segments(shard.segments, conf.merge_below)
@@ -98,15 +110,39 @@ def chosen_segments(segments: tuple[Segment, ...], merge_below: float) -> list[i
 
 def rewrite(writer: Writer, segments: list[Segment], name: str, shard: int) -> Segment:
     """One segment ``name`` of the live rows of ``segments``, ascending by row id; its manifest entry."""
+    return rewrite_rows(writer, segments, name, shard).entry
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """A segment written by ``rewrite_rows``, with the rows it holds (a retrain carries changes by them)."""
+
+    entry: Segment  # its manifest entry
+    rows: np.ndarray  # its rows, ascending
+    indexed: np.ndarray  # of them those in its FAISS index, ascending
+    sources: dict[str, np.ndarray]  # old segment name -> its rows written here, ascending
+
+
+def rewrite_rows(
+    writer: Writer,
+    segments: list[Segment],
+    name: str,
+    shard: int,
+    trained: Path | None = None,
+    fields: BuildFields | None = None,
+    keep: np.ndarray | None = None,
+) -> Rewritten:
+    """``rewrite``, encoding with ``trained`` (default: the parent's trained index) and recording
+    ``fields`` (default: the old segments'), of only the live rows in ``keep`` where given."""
     opened = []
     for segment in segments:
         listed = list(writer.segment_infos(segment.name)["checksums"])
         opened.append(open_shard_files(writer.segment_dir(segment.name, listed), with_index=False))
-    live = live_rows(writer, segments, opened)  # (row, segment, position), ascending by row
+    live = live_rows(writer, segments, opened, keep)  # (row, segment, position), ascending by row
     directory = writer.new_segment_dir(name)
     write_rows_table(opened, live, directory / IDS_FILE)
     write_keys_of_ids(directory / IDS_FILE, directory)
-    indexed = write_vectors_and_index(writer, opened, live, directory)
+    indexed = write_vectors_and_index(writer, opened, live, directory, trained)
     first_infos = opened[0].infos
     names = [INDEX_FILE, VECTORS_FILE, IDS_FILE, *KEY_FILES]
     local = None
@@ -116,11 +152,11 @@ def rewrite(writer: Writer, segments: list[Segment], name: str, shard: int) -> S
     files, offsets = file_entries(opened, live)
     checksums = {file: _checksum(directory / file) for file in names}
     infos = {
-        **BuildFields.of(first_infos).to_json(),
+        **(fields or BuildFields.of(first_infos)).to_json(),
         "shard": shard,
         "name": name,
         "rows": len(live[0]),
-        "ntotal": indexed,
+        "ntotal": len(indexed),
         "row_order": "sorted",  # live rows only, ascending by row id (index/live/row_map.py)
         "files": files,
         "shard_offsets": offsets,
@@ -132,21 +168,28 @@ def rewrite(writer: Writer, segments: list[Segment], name: str, shard: int) -> S
         "compacted_from": [s.name for s in segments],
     }
     write_json_atomic(infos, directory / SHARD_INFOS_FILE)
-    return Segment(
+    entry = Segment(
         name=name,
         rows=len(live[0]),
-        ntotal=indexed,
+        ntotal=len(indexed),
         parquet_shard_ids=tuple(sorted(int(i) for i in offsets)),
         bytes=sum(c["bytes"] for c in checksums.values()),
     )
+    sources = {s.name: live[0][live[1] == i] for i, s in enumerate(segments)}
+    return Rewritten(entry, live[0], indexed, sources)
 
 
-def live_rows(writer: Writer, segments: list[Segment], opened: list[ShardFiles]) -> tuple[np.ndarray, ...]:
-    """(rows, segment, position) of the segments' rows not deleted, ascending by row id."""
+def live_rows(
+    writer: Writer, segments: list[Segment], opened: list[ShardFiles], only: np.ndarray | None = None
+) -> tuple[np.ndarray, ...]:
+    """(rows, segment, position) of the segments' rows not deleted (and in ``only`` where given),
+    ascending by row id."""
     rows, which, positions = [], [], []
     for number, (segment, files) in enumerate(zip(segments, opened)):
         column = files.ids["row"].to_numpy()
         keep = ~np.isin(column, writer.deleted_rows(segment))
+        if only is not None:
+            keep &= np.isin(column, only)
         rows.append(column[keep])
         which.append(np.full(int(keep.sum()), number, np.int64))
         positions.append(np.flatnonzero(keep))
@@ -188,16 +231,16 @@ def gather(arrays: list[Any], which: np.ndarray, positions: np.ndarray) -> np.nd
 
 
 def write_vectors_and_index(
-    writer: Writer, opened: list[ShardFiles], live: tuple[np.ndarray, ...], directory: Path
-) -> int:
-    """The live rows' float16 vectors, and the trained index with those of them that a search can
-    return (status ok, finite, not zero: what the build added) added under their row ids; returns
-    how many it holds."""
+    writer: Writer, opened: list[ShardFiles], live: tuple[np.ndarray, ...], directory: Path, trained: Path | None = None
+) -> np.ndarray:
+    """The live rows' float16 vectors, and the trained index (``trained``, default the parent's)
+    with those of them that a search can return (status ok, finite, not zero: what the build added)
+    added under their row ids; returns the rows it holds, ascending."""
     import faiss
 
-    index = faiss.read_index(str(writer.trained_empty()))
+    index = faiss.read_index(str(trained or writer.trained_empty()))
     dim = int(opened[0].infos["dim"])
-    indexed = 0
+    indexed = []
     statuses = [f.ids["status"].to_numpy(zero_copy_only=False) for f in opened]  # once, not per chunk
     with atomic_path(directory / VECTORS_FILE) as tmp, open(tmp, "wb") as out:
         write_float16_npy_header(out, len(live[0]), dim)
@@ -208,9 +251,9 @@ def write_vectors_and_index(
             ok = valid_descriptors(block, status)  # what the build and add index, and delete counts
             if ok.any():
                 index.add_with_ids(np.ascontiguousarray(block[ok], np.float32), live[0][start:stop][ok])
-                indexed += int(ok.sum())
+                indexed.append(live[0][start:stop][ok])
     write_atomic(directory / INDEX_FILE, lambda tmp: faiss.write_index(index, str(tmp)))
-    return indexed
+    return np.concatenate(indexed) if indexed else np.zeros(0, np.int64)
 
 
 def write_tokens(opened: list[ShardFiles], live: tuple[np.ndarray, ...], directory: Path) -> SegmentInfo:
@@ -261,7 +304,8 @@ def remove_unreferenced(writer: Writer, keep: int | None) -> list[str]:
     referenced = kept_names(writer, first_kept, newest)
     candidates = [n for n in location.list("") if SEGMENT_NAME.fullmatch(n)]
     candidates += [n for n in location.list(DELETES_DIR) if DELETE_FILE_NAME.fullmatch(n)]
-    doomed = sorted(n for n in candidates if n not in referenced and written_for(n) <= newest)
+    candidates += [n for n in location.list(GENERATIONS_DIR) if TRAINED_NAME.fullmatch(n)]  # retrains' (retrain.py)
+    doomed = sorted(n for n in candidates if n not in referenced and trained_or_written_for(n) <= newest)
     retired = retired_manifests(location, first_kept) if keep is not None else []
     if retired:
         kill_point("retiring")
@@ -291,6 +335,7 @@ def kept_names(writer: Writer, first_kept: int, newest: int) -> set[str]:
             if number == newest or location.read_bytes(manifest_name(number)) is not None:
                 raise
             continue  # removed by a needle that deleted manifests (before tombstones)
+        referenced.update(manifest.training.files if manifest.training else [])
         for segment in manifest.segments:
             referenced.add(segment.name)
             if segment.deleted is not None:
