@@ -47,7 +47,7 @@ def publish_retrained(conf: CompactConfig, index: Path | str, prepared: Prepared
         deleted, added = changes_since(writer, prepared)
         carried = {}
         for shard, rows in sorted(added.items()):
-            sources = [s for s in writer.parent.shards[shard].segments]
+            sources = list(writer.parent.shards[shard].segments)
             name = f"{writer.segment_name(shard)}{CARRIED_SUFFIX}"
             done = rewrite_rows(writer, sources, name, shard, prepared.trained, prepared.fields, keep=rows)
             writer.commit_segment(name)
@@ -79,9 +79,9 @@ def publish_retrained(conf: CompactConfig, index: Path | str, prepared: Prepared
             "search": training.search,
             "carried": {
                 "from_generations": writer.parent.number - base.number,
-                "deleted_rows": int(len(deleted)),
+                "deleted_rows": len(deleted),
                 "added_rows": training.added_rows,
-            },  # fmt: skip
+            },
             "rewritten": [{"shard": s, "to": e.name} for s, e in entries.items()],
             "removed_rows": base.totals.deleted_rows,
             "timings": prepared.timings,
