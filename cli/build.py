@@ -219,7 +219,7 @@ def add_build_parsers(sub: argparse._SubParsersAction) -> None:
         b,
         IndexConfig,
         skip=("flat_threshold", "seed", "locals"),
-        overrides={"kind": {"choices": ("auto", "flat", "ivfpq")}, "recall_target": {"default": 0.95}},
+        overrides={"kind": {"choices": ("auto", "flat", "ivfpq")}},
     )
     b.add_argument("--exact", action="store_true", help="an exact flat index (the ILIAS baseline)")
     b.add_argument("--ray", action="store_true", help="run the add parts as Ray tasks")

@@ -37,9 +37,8 @@ class IndexConfig:
         "HNSW coarse quantizer: graph candidates explored per assignment (FAISS's default 16 puts some "
         "vectors in a list far from them, where no query probes: recall@1000 capped at 0.986 on 1M)",
     )
-    # None here (a build made in code keeps its nprobe and refine factor); `needle index build` defaults to 0.95
     recall_target: float | None = setting(
-        None,
+        0.95,
         "choose the served nprobe and refine factor as the cheapest reaching this recall@k on a sample of the "
         "index's own rows against exact answers (IVF-PQ only; None or 0: --nprobe and --refine-factor as given)",
     )

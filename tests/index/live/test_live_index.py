@@ -169,7 +169,9 @@ def test_ivfpq_recall_after_churn_matches_a_fresh_build_and_compaction_changes_n
     """20 % churn (10 % added, 10 % deleted) on IVF-PQ: recall@1000 within 0.01 of a fresh build
     over the same live rows at the same nprobe; compaction then leaves every answer as it was."""
     d, per_file, files = 32, 500, 8
-    conf = IndexConfig(kind="ivfpq", nlist=32, pq_bytes=8, points_per_list=60, nprobe=6, refine_factor=2, shards=2)
+    conf = IndexConfig(
+        recall_target=None, kind="ivfpq", nlist=32, pq_bytes=8, points_per_list=60, nprobe=6, refine_factor=2, shards=2
+    )
     live = Live()
     extra = per_file * files // 20
     pool = clustered_unit_vectors(per_file * files + 2 * extra + 20, d, seed=0, clusters=40)  # one distribution

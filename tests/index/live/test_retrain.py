@@ -18,8 +18,7 @@ from index.live.compact import main as compact
 from index.live.delete_rows import DeleteConfig
 from index.live.delete_rows import main as delete
 from index.live.generations import read_manifest
-from index.live.retrain import detached, prepare, retrain_reason
-from index.live.retrain_carry import publish_retrained
+from index.live.retrain import detached, prepare, publish_retrained, retrain_reason
 from index.search import load_index
 from tests.support.index import clustered_unit_vectors, write_descriptor_file
 from tests.support.live import Live, assert_exact
