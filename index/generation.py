@@ -14,6 +14,7 @@ generation is published: index/live/generations.py.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,7 +26,12 @@ from index.layout import check_delete_file_name, check_layout, check_segment_nam
 
 MANIFEST_FORMAT = 1
 SEGMENT_FIELDS = ("name", "rows", "ntotal", "parquet_shard_ids", "bytes", "deleted")
-MANIFEST_FIELDS = ("format", "generation", "parent", "created_unix", "writer", "change", "shards", "totals")
+MANIFEST_FIELDS = ("format", "generation", "parent", "created_unix", "writer", "change", "shards", "totals", "training")
+# a retrain's files beside the manifests: its trained index and its drift baseline, named for the
+# generation that published them and the writer's token (written once, never rewritten)
+TRAINED_NAME = re.compile(r"generations/trained_(\d{6,12})_[0-9a-f]{1,64}\.(?:faiss|drift\.json)")
+PLAN_FIELDS = ("kind", "factory", "nlist", "code_bytes", "quantizer_ef")  # a retrain's plan, over the build's
+SEARCH_FIELDS = ("nprobe", "refine_factor")  # the served search defaults, over the build's
 
 
 def _get(record: Mapping[str, Any], name: str, source: str) -> Any:
@@ -218,6 +224,71 @@ class WriterStamp:
         return {"host": self.host, "pid": self.pid, "token": self.token}
 
 
+def _trained_file(record: Mapping[str, Any], name: str, source: str) -> str | None:
+    value = record.get(name)
+    if value is not None and (not isinstance(value, str) or not TRAINED_NAME.fullmatch(value)):
+        raise IndexFileError(f"{source}: field {name!r} is {short_repr(value)}, not a trained file's name")
+    return value
+
+
+@dataclass(frozen=True)
+class Training:
+    """What the segments of a generation were encoded with, carried from manifest to manifest
+    (a manifest's ``training``; absent: the build's, as before retraining existed)."""
+
+    generation: int  # the generation whose publish trained it (0: the build)
+    index: str | None  # generations/trained_<generation>_<token>.faiss (None: the build's)
+    drift: str | None  # the drift baseline, generations/trained_<generation>_<token>.drift.json (None: the build's)
+    trained_rows: int  # live rows when it was trained
+    added_rows: int  # rows added by ``needle index add`` since
+    drift_recommended: bool  # an add since then reported drift past its limits
+    plan: Mapping[str, Any] = field(default_factory=dict)  # PLAN_FIELDS where a retrain changed them
+    search: Mapping[str, Any] = field(default_factory=dict)  # SEARCH_FIELDS chosen for a recall target, and how
+
+    @staticmethod
+    def from_json(record: object, source: str) -> Training:
+        record = _object(record, source)
+        plan, search = record.get("plan") or {}, record.get("search") or {}
+        _object(plan, f"{source} field 'plan'"), _object(search, f"{source} field 'search'")
+        for name in SEARCH_FIELDS:
+            if name in search:
+                _int(search, name, f"{source} field 'search'")
+        return Training(
+            _int(record, "generation", source),
+            _trained_file(record, "index", source),
+            _trained_file(record, "drift", source),
+            _int(record, "trained_rows", source),
+            _int(record, "added_rows", source),
+            record.get("drift_recommended") is True,
+            dict(plan),
+            dict(search),
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "generation": self.generation,
+            "index": self.index,
+            "drift": self.drift,
+            "trained_rows": self.trained_rows,
+            "added_rows": self.added_rows,
+            "drift_recommended": self.drift_recommended,
+            "plan": dict(self.plan),
+            "search": dict(self.search),
+        }
+
+    def overlay(self) -> dict[str, Any]:
+        """The index_infos fields this training replaces (its plan, its search defaults)."""
+        out = {k: self.plan[k] for k in PLAN_FIELDS if k in self.plan}
+        out.update({k: self.search[k] for k in SEARCH_FIELDS if k in self.search})
+        if self.search:
+            out["search_tuning"] = dict(self.search)
+        return out
+
+    @property
+    def files(self) -> list[str]:
+        return [name for name in (self.index, self.drift) if name is not None]
+
+
 @dataclass(frozen=True)
 class Generation:
     """A manifest ``generations/NNNNNN.json`` (generation 0: what the build wrote, never a file)."""
@@ -228,6 +299,7 @@ class Generation:
     change: Mapping[str, Any]  # what the command that wrote it printed: "command" and its figures
     created_unix: float | None = None  # when it was written (None: generation 0)
     writer: WriterStamp | None = None  # who wrote it (None: generation 0)
+    training: Training | None = None  # what its segments were encoded with (None: the build's)
     extra: Mapping[str, Any] = field(default_factory=dict)  # other recorded fields, kept as written
 
     @staticmethod
@@ -258,7 +330,10 @@ class Generation:
             raise IndexFileError(f"{source}: field 'created_unix' is {created!r}, not a time")
         change = _object(record.get("change"), f"{source} field 'change'")
         extra = {k: v for k, v in record.items() if k not in MANIFEST_FIELDS}
-        generation = Generation(number, parent, shards, dict(change), created, writer, extra)
+        training = record.get("training")
+        if training is not None:
+            training = Training.from_json(training, f"{source} field 'training'")
+        generation = Generation(number, parent, shards, dict(change), created, writer, training, extra)
         check_names(generation, source)
         recorded = record.get("totals")
         if recorded is not None and recorded != generation.totals.to_json():
@@ -283,6 +358,8 @@ class Generation:
             record["created_unix"] = self.created_unix
         if self.writer is not None:
             record["writer"] = self.writer.to_json()
+        if self.training is not None:
+            record["training"] = self.training.to_json()
         return (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()
 
     @property
@@ -304,6 +381,12 @@ def _names(names: list[str]) -> str:
     return ", ".join(short_repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
+def trained_or_written_for(name: str) -> int:
+    """The generation a segment, delete set or trained file was written for."""
+    match = TRAINED_NAME.fullmatch(name)
+    return int(match.group(1)) if match else written_for(name)
+
+
 def check_names(generation: Generation, source: str) -> None:
     """A manifest names each segment and delete set once, and nothing written for a later
     generation than its own (a writer names only what exists when it publishes); IndexFileError
@@ -312,7 +395,8 @@ def check_names(generation: Generation, source: str) -> None:
     repeated = sorted(n for n, count in Counter(names).items() if count > 1)
     if repeated:
         raise IndexFileError(f"{source} names {_names(repeated)} more than once")
-    later = [n for n in names if written_for(n) > generation.number]
+    names += generation.training.files if generation.training else []
+    later = [n for n in names if trained_or_written_for(n) > generation.number]
     if later:
         raise IndexFileError(
             f"{source} (generation {generation.number}) names {_names(later)}, written for a later one"
@@ -398,8 +482,10 @@ class GenerationView:
         totals = self.generation.totals
         shards = self.generation.segment_shards
         entries = [{**segment.to_json(), "shard": shard} for segment, shard in zip(self.segments, shards)]
+        training = self.generation.training
         return {
             **self.infos.fields,
+            **(training.overlay() if training is not None else {}),
             "shards": entries,
             "shard_segments": self.shard_segments,
             "generation": self.number,

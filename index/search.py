@@ -139,7 +139,14 @@ class SearchIndex:
         if k == 0:  # every row deleted: an empty answer, no shard asked
             return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
         kk = self.shortlist_size(k, refine, refine_factor)
-        return merge_shortlists(self.search_shards(xq, kk, nprobe, refine), kk, k)
+        return merge_shortlists(self.search_shards(xq, kk, nprobe or self.default_nprobe, refine), kk, k)
+
+    @property
+    def default_nprobe(self) -> int | None:
+        """The generation's served nprobe (the build's, or a retrain's chosen for its recall target:
+        index/build/tune.py); None where it records none (each segment's own)."""
+        value = self.infos.get("nprobe")
+        return int(value) if value is not None else None
 
     @cached_property
     def row_map(self) -> RowMap:

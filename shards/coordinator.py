@@ -243,7 +243,7 @@ class ShardedIndex:
         k = min(k, self.ntotal)  # past the live rows: the rows there are (FAISS pads, the answer does not)
         if k == 0:  # every row deleted: an empty answer, no shard asked
             return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
-        kk = self.shortlist_size(k, refine, refine_factor)
+        kk, nprobe = self.shortlist_size(k, refine, refine_factor), nprobe or self.infos.get("nprobe")  # served default
         parts = self.call(ShardCalls.search, self.every_shard(xq, kk, nprobe, refine), "the search")
         request = _REQUEST.get()
         if request is not None:  # kept for this request's keys_of (-1 padding maps to None, never asked)

@@ -37,5 +37,12 @@ class IndexConfig:
         "HNSW coarse quantizer: graph candidates explored per assignment (FAISS's default 16 puts some "
         "vectors in a list far from them, where no query probes: recall@1000 capped at 0.986 on 1M)",
     )
+    recall_target: float | None = setting(
+        0.95,
+        "choose the served nprobe and refine factor as the cheapest reaching this recall@k on a sample of the "
+        "index's own rows against exact answers (IVF-PQ only; None or 0: --nprobe and --refine-factor as given)",
+    )
+    recall_ks: tuple[int, ...] = setting((10, 1000), "the k at which --recall-target must hold (comma-separated)")
+    tune_queries: int = setting(200, "rows of the index searched as queries to choose the search defaults")
     seed: int = setting(0, "training sample and k-means seed")
     locals: bool = setting(True, "build the local store when the descriptors carry local tokens (schema v2)")

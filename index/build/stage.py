@@ -166,7 +166,28 @@ def main(
     clean_scratch(build)
     build.clock.lap("merge_s")
     given = [str(d) for d in ([descriptors] if isinstance(descriptors, (str, Path)) else descriptors)]
-    return write_index_infos(build, index_infos(build, plan, trained, summaries, stats, with_locals, given))
+    infos = index_infos(build, plan, trained, summaries, stats, with_locals, given)
+    return write_index_infos(build, tuned(build, infos))
+
+
+def tuned(build: Build, infos: IndexInfos) -> IndexInfos:
+    """``infos`` with the served ``nprobe`` and ``refine_factor`` chosen for the recall target
+    (index/build/tune.py) on the built shards, and how (``search_tuning``); as given for a flat
+    index, without a target, or for an S3 output (its shards are remote: tune it by a retrain)."""
+    conf = build.conf
+    if not conf.recall_target or infos.fields.get("kind") != "ivfpq" or build.storage is not None:
+        return infos
+    from index.build.tune import choose_search
+    from index.generation import Generation, GenerationView
+    from index.search import load_shard_directories
+
+    index = load_shard_directories(build.scratch, GenerationView(infos, Generation.zero(infos)))
+    choice = choose_search(index, conf.recall_target, conf.recall_ks, conf.tune_queries, conf.seed)
+    if choice is None:
+        return infos
+    record = {**infos.to_json(), "nprobe": choice.nprobe, "refine_factor": choice.refine_factor}
+    record["search_tuning"] = choice.to_json()
+    return IndexInfos.from_json(record, f"the {INFOS_FILE} of {build.scratch}")
 
 
 def open_build(conf: IndexConfig, descriptors: Path | str | Sequence[Path | str], output: Path | str) -> Build:

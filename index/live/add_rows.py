@@ -116,11 +116,17 @@ def main(
         if drift and drift["rebuild_recommended"]:
             log.warning(
                 "the added rows drift from what the quantizer was trained on (mean quantisation error x%.2f, "
-                "fullest 1%% of lists x%.2f their trained share): rebuild the index (needle index build) to retrain",
+                "fullest 1%% of lists x%.2f their trained share): retrain it (needle index compact --retrain auto)",
                 drift["error_ratio"],
                 drift["top_share_ratio"],
             )
-        change["generation"] = writer.publish(shards, change).number
+        carried = writer.training()  # the retrain rule counts the rows added since training (index/live/retrain.py)
+        training = replace(
+            carried,
+            added_rows=carried.added_rows + change["rows"],
+            drift_recommended=carried.drift_recommended or bool(drift and drift["rebuild_recommended"]),
+        )
+        change["generation"] = writer.publish(shards, change, training).number
         return change
 
 
@@ -229,6 +235,9 @@ def indexed_rows(x: np.ndarray) -> np.ndarray:
 def trained_stats(writer: Writer, index: Any) -> CoarseStats | None:
     """The drift report's baseline: ``coarse_stats`` of a sample of the index's rows taken at its
     first add (the build's rows), kept beside the generations and reused by later adds."""
+    training = writer.parent.training
+    if training is not None and training.drift is not None:  # a retrain's baseline (index/live/retrain.py)
+        return CoarseStats.from_json(json.loads(writer.location.read_required(training.drift)))
     data = writer.location.read_bytes(TRAINED_STATS_FILE)
     if data is not None:
         return CoarseStats.from_json(json.loads(data))

@@ -44,6 +44,21 @@ class CompactConfig:
     keep: int | None = setting(None, "keep the files of the newest N generations, remove older ones (None: keep all)")
     merge_below: float = setting(0.25, "also rewrite segments under this share of their shard's largest segment")
     s3_endpoint_url: str | None = setting(None, "S3-compatible endpoint for an s3:// index")
+    retrain: str = setting(
+        "auto",
+        "auto | always | never: retrain the quantizer and PQ on the live rows and re-encode them all (auto: when "
+        "an add's drift report recommended it, past --retrain-share added rows, or when the rows outgrew the plan)",
+    )
+    # past ~30 % the sample the quantizer was trained on no longer represents the index (docs/live_index.md)
+    retrain_share: float = setting(0.3, "--retrain auto retrains once rows added since training pass this share")
+    memory_budget: str | None = setting(None, "a retrain's plan within this RAM (None: the build's --memory-budget)")
+    recall_target: float | None = setting(
+        0.95,
+        "a retrain chooses the served nprobe and refine factor as the cheapest reaching this recall@k on a "
+        "sample of the index's rows (None or 0: the build's)",
+    )
+    recall_ks: tuple[int, ...] = setting((10, 1000), "the k at which --recall-target must hold (comma-separated)")
+    tune_queries: int = setting(200, "rows searched as queries to choose the search defaults")
 
 
 @dataclass(frozen=True)

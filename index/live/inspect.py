@@ -31,7 +31,11 @@ from ingest.descriptors import STATUS_OK
 def index_info(location: Location) -> dict[str, Any]:
     """The newest generation of the index at ``location`` as ``needle index info`` prints it."""
     view = read_view(location)
-    fields, generation, totals = view.infos.fields, view.generation, view.generation.totals
+    fields, generation, totals = (
+        view.as_infos(),
+        view.generation,
+        view.generation.totals,
+    )  # a retrain's plan over the build's
     shards = [
         {
             "shard": shard.shard,
@@ -64,6 +68,10 @@ def index_info(location: Location) -> dict[str, Any]:
         "last_change": dict(generation.change),
         "created_unix": generation.created_unix,
         "drift": newest_drift(location, generation),
+        "training": generation.training.to_json()
+        if generation.training
+        else None,  # a retrain's, or the build's (None)
+        "search_tuning": fields.get("search_tuning"),  # how nprobe and refine_factor were chosen (None: as given)
     }
 
 

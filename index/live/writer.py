@@ -43,6 +43,7 @@ from index.generation import (
     IndexInfos,
     Segment,
     ShardSegments,
+    Training,
     WriterStamp,
     parse_json_object,
 )
@@ -217,6 +218,10 @@ class Writer:
         import faiss
 
         target = self.scratch / "trained.faiss"
+        training = self.parent.training
+        if training is not None and training.index is not None:  # a retrain's (index/live/retrain.py)
+            self.location.download(training.index, target)
+            return target
         if self.location.read_bytes(TRAINED_EMPTY_FILE) is not None:
             self.location.download(TRAINED_EMPTY_FILE, target)
             return target
@@ -228,11 +233,23 @@ class Writer:
             self.location.create_exclusive(TRAINED_EMPTY_FILE, target.read_bytes())
         return target
 
-    def publish(self, shards: list[ShardSegments], change: Mapping[str, object]) -> Generation:
-        """Publish the next generation with ``shards`` (each shard's segments) and ``change``."""
+    def training(self) -> Training:
+        """What the parent's segments were encoded with: its manifest's record, or for an index
+        written before retraining existed the build's, its added rows estimated as the rows grown since."""
+        if self.parent.training is not None:
+            return self.parent.training
+        built = int(self.infos.fields.get("rows", 0))
+        return Training(0, None, None, built, max(0, self.parent.totals.rows - built), False)
+
+    def publish(
+        self, shards: list[ShardSegments], change: Mapping[str, object], training: Training | None = None
+    ) -> Generation:
+        """Publish the next generation with ``shards`` (each shard's segments) and ``change``;
+        ``training``: what its segments are encoded with (None: the parent's, carried)."""
         stamp = WriterStamp(os.uname().nodename, os.getpid(), self.token)
+        training = training if training is not None else self.parent.training
         manifest = Generation(
-            self.number, self.parent.number, tuple(shards), dict(change), round(time.time(), 3), stamp
+            self.number, self.parent.number, tuple(shards), dict(change), round(time.time(), 3), stamp, training
         )
         kill_point("before_publish")
         latest = latest_number(self.location)

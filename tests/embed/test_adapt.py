@@ -114,7 +114,11 @@ def test_index_built_through_an_adapter_holds_adapted_vectors(tmp_path, kind):
     adapter = LinearAdapter(32, 16)
     path = save_adapter(adapter, tmp_path / "a.pt")
     conf = IndexConfig(
-        kind=kind, adapt=str(path), nlist=4 if kind == "ivfpq" else None, pq_bytes=8 if kind == "ivfpq" else None
+        recall_target=None,
+        kind=kind,
+        adapt=str(path),
+        nlist=4 if kind == "ivfpq" else None,
+        pq_bytes=8 if kind == "ivfpq" else None,
     )
     index = load_index(build(conf, desc, tmp_path / "idx"))
     expected = adapter.apply(x.astype(np.float16).astype(np.float32)).astype(np.float16)

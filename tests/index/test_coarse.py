@@ -69,7 +69,9 @@ def test_a_living_index_shares_one_assignment_and_answers_as_each_segment_alone(
     once (one trained quantizer), and every segment's candidates and the index's answers equal those of
     each segment searched by itself."""
     d = 32
-    conf = IndexConfig(kind="ivfpq", nlist=32, pq_bytes=8, points_per_list=60, nprobe=6, refine_factor=2, shards=2)
+    conf = IndexConfig(
+        recall_target=None, kind="ivfpq", nlist=32, pq_bytes=8, points_per_list=60, nprobe=6, refine_factor=2, shards=2
+    )
     pool = clustered_unit_vectors(4000, d, seed=0, clusters=40)
     for i in range(4):
         write_descriptor_file(tmp_path / "desc", f"t{i}", i, pool[i * 800 : (i + 1) * 800])

@@ -47,7 +47,7 @@ def exact_topk(xq, xb, k):
     return np.take_along_axis(scores, order, 1), order
 
 
-IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=4, points_per_list=50, nprobe=8, refine_factor=4)
+IVF = IndexConfig(recall_target=None, kind="ivfpq", nlist=8, pq_bytes=4, points_per_list=50, nprobe=8, refine_factor=4)
 
 
 def test_ivfpq_with_refine_matches_exact_search(tmp_path, collection):
@@ -199,7 +199,7 @@ def test_plan_follows_size_and_budget():
 
 def test_hnsw_quantizer_plan_builds_and_searches(tmp_path, collection):
     desc, xb = collection
-    conf = IndexConfig(factory="IVF16_HNSW32,PQ8x4fsr", nprobe=16, points_per_list=20)
+    conf = IndexConfig(recall_target=None, factory="IVF16_HNSW32,PQ8x4fsr", nprobe=16, points_per_list=20)
     index = load_index(main(conf, desc, tmp_path / "index"))
     _D, I = index.search(xb[:5], 3)
     assert [keys[0] for keys in index.keys_of(I)] == [index.keys_of(index.rows[None, :5])[0][q] for q in range(5)]

@@ -17,7 +17,7 @@ from tests.support.indexes import S3_DESCRIPTORS
 
 pytestmark = [pytest.mark.s3]
 
-IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=4, points_per_list=20, nprobe=4, refine_factor=2)
+IVF = IndexConfig(recall_target=None, kind="ivfpq", nlist=8, pq_bytes=4, points_per_list=20, nprobe=4, refine_factor=2)
 
 
 @pytest.fixture(scope="module")

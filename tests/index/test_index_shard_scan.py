@@ -61,7 +61,11 @@ def test_nprobe_beyond_the_lists_probes_them_all(tmp_path):
     unrelated rows when asked to probe more lists than it has."""
     for s in range(2):
         write_descriptor_file(tmp_path / "desc", f"{s:06d}", s, clustered_unit_vectors(2000, 32, seed=s))
-    index = load_index(main(IndexConfig(factory="IVF32,PQ16x4fsr", nprobe=32), tmp_path / "desc", tmp_path / "index"))
+    index = load_index(
+        main(
+            IndexConfig(recall_target=None, factory="IVF32,PQ16x4fsr", nprobe=32), tmp_path / "desc", tmp_path / "index"
+        )
+    )
     xq = clustered_unit_vectors(10, 32, seed=7).astype(np.float32)
     D, I = index.search(xq, 10)
     for nprobe in (33, 64, 1000):
@@ -78,7 +82,9 @@ def test_concurrent_searches_with_their_own_nprobe_equal_sequential_ones(tmp_pat
 
     for s in range(2):
         write_descriptor_file(tmp_path / "desc", f"{s:06d}", s, clustered_unit_vectors(2000, 32, seed=s))
-    index = load_index(main(IndexConfig(factory=factory, nprobe=4), tmp_path / "desc", tmp_path / "index"))
+    index = load_index(
+        main(IndexConfig(recall_target=None, factory=factory, nprobe=4), tmp_path / "desc", tmp_path / "index")
+    )
     ivf = faiss.extract_index_ivf(index.shards[0].index)
     before = ivf.nprobe
     xq = clustered_unit_vectors(40, 32, seed=9).astype(np.float32)

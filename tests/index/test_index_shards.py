@@ -26,7 +26,7 @@ from tests.support.index import clustered_unit_vectors, to_old_layout, token_tab
 SIZES = {0: 60, 1: 45, 2: 70, 5: 50}  # Parquet shard id -> rows (ids need not be consecutive)
 D = 16
 CODE_BYTES = 16
-IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=4, points_per_list=20, nprobe=3, refine_factor=2)
+IVF = IndexConfig(recall_target=None, kind="ivfpq", nlist=8, pq_bytes=4, points_per_list=20, nprobe=3, refine_factor=2)
 
 
 @pytest.fixture(scope="module")

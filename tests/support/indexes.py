@@ -26,7 +26,9 @@ from tests.support.index import (
 
 FLAT = IndexConfig(kind="flat")
 FLAT_2 = IndexConfig(kind="flat", shards=2)
-SERVED_IVF = IndexConfig(kind="ivfpq", nlist=8, pq_bytes=8, points_per_list=50, nprobe=4, refine_factor=3)
+SERVED_IVF = IndexConfig(
+    recall_target=None, kind="ivfpq", nlist=8, pq_bytes=8, points_per_list=50, nprobe=4, refine_factor=3
+)
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,9 @@ SHARDED_TOKENS = SyntheticIndex(
     files=((0, 300), (1, 250), (2, 400), (3, 120), (7, 330)),
     d=24,
     seed=3,
-    config=IndexConfig(kind="ivfpq", nlist=16, pq_bytes=8, points_per_list=20, nprobe=4, refine_factor=3, shards=4),
+    config=IndexConfig(
+        recall_target=None, kind="ivfpq", nlist=16, pq_bytes=8, points_per_list=20, nprobe=4, refine_factor=3, shards=4
+    ),
     tokens=True,
     tars=20,
 )
@@ -161,7 +165,9 @@ CLUSTER_TOKENS = SyntheticIndex(
     files=((0, 700), (1, 600), (2, 800), (3, 500), (4, 650), (5, 750)),
     d=32,
     seed=11,
-    config=IndexConfig(kind="ivfpq", nlist=32, pq_bytes=8, points_per_list=20, nprobe=8, refine_factor=2, shards=4),
+    config=IndexConfig(
+        recall_target=None, kind="ivfpq", nlist=32, pq_bytes=8, points_per_list=20, nprobe=8, refine_factor=2, shards=4
+    ),
     tokens=True,
     tars=8,
 )

@@ -281,7 +281,7 @@ def test_gpu_kmeans_and_add_match_the_cpu(tmp_path, monkeypatch, factory):
         write_descriptor_file(tmp_path / "desc", f"{s:06d}", s, xb)
     xb = np.concatenate(parts).astype(np.float32)
     xq = xb[::50]
-    conf = IndexConfig(factory=factory, nprobe=64, refine_factor=8)
+    conf = IndexConfig(recall_target=None, factory=factory, nprobe=64, refine_factor=8)
     gpu_out = main(conf, tmp_path / "desc", tmp_path / "gpu")
     with monkeypatch.context() as patch:
         patch.setattr(build_module, "faiss_gpus", lambda: 0)

@@ -63,7 +63,7 @@ def test_build_adds_through_the_stand_in_where_faiss_has_gpus(tmp_path, monkeypa
 
     for s in range(2):
         write_descriptor_file(tmp_path / "desc", f"{s:06d}", s, clustered_unit_vectors(1500, 32, seed=s))
-    conf = IndexConfig(kind="ivfpq", nlist=16, pq_bytes=8, nprobe=16)
+    conf = IndexConfig(recall_target=None, kind="ivfpq", nlist=16, pq_bytes=8, nprobe=16)
     plain = main(conf, tmp_path / "desc", tmp_path / "plain")
     stand_ins = []
 

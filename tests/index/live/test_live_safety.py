@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import index.live.compact as compact_module
+import index.live.rewrite as compact_module
 from core.location import location_of
 from core.storage import s3_client
 from index.errors import IndexFileError

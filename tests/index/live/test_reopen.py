@@ -23,7 +23,9 @@ D_IM = 32
 
 
 def built(tmp_path):
-    conf = IndexConfig(kind="ivfpq", nlist=32, pq_bytes=8, points_per_list=60, nprobe=6, refine_factor=2, shards=2)
+    conf = IndexConfig(
+        recall_target=None, kind="ivfpq", nlist=32, pq_bytes=8, points_per_list=60, nprobe=6, refine_factor=2, shards=2
+    )
     pool = clustered_unit_vectors(4000, D_IM, seed=0, clusters=40)
     for i in range(4):
         write_descriptor_file(tmp_path / "desc", f"t{i}", i, pool[i * 800 : (i + 1) * 800])

@@ -28,7 +28,15 @@ def living_index(tmp_path, factory: str | None = None):
     """2 shards of 1,600 rows, then 5 adds of 150-270 rows (one file each: a small segment each),
     then deletes in a base segment and in two added ones."""
     conf = IndexConfig(
-        kind="ivfpq", nlist=32, pq_bytes=8, points_per_list=60, nprobe=6, refine_factor=2, shards=2, factory=factory
+        recall_target=None,
+        kind="ivfpq",
+        nlist=32,
+        pq_bytes=8,
+        points_per_list=60,
+        nprobe=6,
+        refine_factor=2,
+        shards=2,
+        factory=factory,
     )
     pool = clustered_unit_vectors(5000, D, seed=0, clusters=40)
     for i in range(4):
