@@ -1,4 +1,4 @@
-"""A living index under load (issue 43): IVF-PQ in shards, served by ``needle serve``, while rounds of
+"""A living index under load (issues 43, 56): IVF-PQ in shards, served by ``needle serve``, while rounds of
 ``needle index add`` and ``needle index delete`` change it, then ``needle index compact``.
 
 Writes synthetic clustered descriptors (one distribution: the base files, each round's added files
@@ -7,7 +7,9 @@ and the held-out queries), builds the index (``needle index build --kind ivfpq -
 ``POST /search`` (vectors, k=100). Then: an idle phase; ``--rounds`` rounds of adding
 ``--round-rows`` rows (without --wait-for: the time from the command's return to ``/health``
 reporting its generation is measured) and deleting as many live keys (with ``--wait-for``: a delete
-is visible when the command returns, and from then on no answer may hold a deleted key); then
+is visible when the command returns, and from then on no answer may hold a deleted key); a
+retrain round (bench/live_retrain.py: ``compact --retrain always`` under the load, an add and a
+delete published while it runs, the server's peak RSS through the switch); then
 ``compact --keep 1``. Between the idle phase and the rounds, as long as the idle phase, one more
 process keeps a core busy at the writers' nice and changes nothing (``p99_ratio_busy_core``: on a
 2-vCPU box, what any work beside the server and its client costs the answers). Last,
@@ -48,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from live_load import Load, busy_core, get_json, latency_by_span, wait_generation  # noqa: E402
+from live_retrain import RetrainContext, retrain_latency, retrain_round  # noqa: E402
 
 FILE_ROWS = 10_000  # rows per descriptor file (a tar's worth)
 
@@ -177,12 +180,15 @@ def run(args: argparse.Namespace) -> dict:
         load = Load(url, work / "queries.npy", 100, work / "load.json")
         load.start()
         changes = change_rounds(args, work, url, live)
+        retrain, retrain_window = retrain_round(retrain_context(args, work, url, live, changes), server.pid)
+        log({"phase": "retrain", **retrain})
         change, compact_s, _ = needle(["index", "compact", "--index", str(work / "index"), "--keep", "1", "--wait-for",
                                     url], args.threads)  # fmt: skip
         time.sleep(1.0)
         load.finish()
         log({"phase": "compact", "seconds": round(compact_s, 1), "generation": change["generation"]})
         w = changes.windows
+        retrain.update(retrain_latency(load, retrain_window, (w["idle_start"], w["idle_end"])))
         log({"phase": "latency_by_span", **latency_by_span(load, changes.spans, w["idle_end"], w["changes_end"])})
         search = get_json(f"{url}/search", {"vectors": xq.tolist(), "k": 1000}, timeout=600)
         served = [[r["key"] for r in q["results"]] for q in search]
@@ -201,10 +207,22 @@ def run(args: argparse.Namespace) -> dict:
         **latency_figures(load, changes.windows, args.idle_s),
         **against_fresh(args, work, live, xq, served),
         "nprobe": args.nprobe,
+        "retrain": retrain,
     }
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return record
+
+
+def retrain_context(
+    args: argparse.Namespace, work: Path, url: str, live: dict[str, np.ndarray], changes: Changes
+) -> RetrainContext:
+    rounds_files = args.rounds * ((args.round_rows + FILE_ROWS - 1) // FILE_ROWS)
+    return RetrainContext(
+        args, work, url, live, args.n // FILE_ROWS + 1 + rounds_files, changes.delete_visible, env_for(args.threads),
+        lambda command, stdin=None: needle(command, args.threads, stdin=stdin, nice=args.writer_nice),
+        make_vectors, write_files, get_json,
+    )  # fmt: skip
 
 
 def prepare(args: argparse.Namespace, work: Path) -> tuple[dict[str, np.ndarray], np.ndarray, float]:

@@ -41,6 +41,9 @@ def test_live_index_bench_dry_run():
     assert last["queries_during_run"] > 0 and last["live_rows"] == last["n"]
     assert 0 <= last["visible_after_return_s"] < 30
     assert last["p99_busy_core_ms"] > 0 and last["p99_ratio_busy_core"] > 0  # the control window had answers
+    retrain = last["retrain"]  # issue 56: a retrain under load loses no change published while it ran
+    assert retrain["retrained"] is True and retrain["added_during_retrain_served"] is True
+    assert retrain["deleted_during_retrain_served"] == 0 and retrain["server_rss_peak_vs_steady"] > 0
 
 
 @pytest.mark.slow
