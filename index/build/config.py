@@ -40,7 +40,8 @@ class IndexConfig:
     recall_target: float | None = setting(
         0.95,
         "choose the served nprobe and refine factor as the cheapest reaching this recall@k on a sample of the "
-        "index's own rows against exact answers (IVF-PQ only; None or 0: --nprobe and --refine-factor as given)",
+        "index's own rows against exact answers (IVF-PQ only; None or 0, or --nprobe or --refine-factor set to "
+        "other than their defaults: those served as given)",
     )
     recall_ks: tuple[int, ...] = setting((10, 1000), "the k at which --recall-target must hold (comma-separated)")
     tune_queries: int = setting(200, "rows of the index searched as queries to choose the search defaults")

@@ -173,9 +173,16 @@ def main(
 def tuned(build: Build, infos: IndexInfos) -> IndexInfos:
     """``infos`` with the served ``nprobe`` and ``refine_factor`` chosen for the recall target
     (index/build/tune.py) on the built shards, and how (``search_tuning``); as given for a flat
-    index, without a target, or for an S3 output (its shards are remote: tune it by a retrain)."""
+    index, without a target, where either was set to other than its default, or for an S3 output
+    (its shards are remote: tune it by a retrain)."""
     conf = build.conf
     if not conf.recall_target or infos.fields.get("kind") != "ivfpq" or build.storage is not None:
+        return infos
+    defaults = IndexConfig()
+    if (conf.nprobe, conf.refine_factor) != (defaults.nprobe, defaults.refine_factor):
+        # the user chose them: a target must not silently replace what was asked for
+        log.info("--nprobe %d and --refine-factor %d served as given (no tuning for --recall-target)",
+                 conf.nprobe, conf.refine_factor)  # fmt: skip
         return infos
     from index.build.tune import choose_search
     from index.generation import Generation, GenerationView

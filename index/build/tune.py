@@ -177,8 +177,13 @@ def choose_search(
         nprobe, factor, target, ks, {k: round(v, 4) for k, v in got.items()}, bool(found), len(xq),
         time.perf_counter() - started,
     )  # fmt: skip
-    log.info("search defaults for recall@%s >= %g: nprobe %d, refine factor %d (recall %s%s)", list(ks), target,
-             nprobe, factor, choice.recall, "" if found else ", target not reached")  # fmt: skip
+    if found:
+        log.info("search defaults for recall@%s >= %g: nprobe %d, refine factor %d (recall %s)", list(ks), target,
+                 nprobe, factor, choice.recall)  # fmt: skip
+    else:  # served, but said loudly: the best this index can do may be a scan of every list
+        log.warning("no nprobe and refine factor reach recall@%s >= %g on this index (best: recall %s at nprobe %d of "
+                    "%d lists, refine factor %d); serving those. Ask a lower --recall-target, or 0 to serve --nprobe "
+                    "and --refine-factor as given", list(ks), target, choice.recall, nprobe, nlist, factor)  # fmt: skip
     return choice
 
 

@@ -24,7 +24,7 @@ from core.location import Location
 from index.generation import Generation, GenerationView
 from index.layout import IDS_FILE
 from index.live.deletes import segment_deletes
-from index.live.generations import manifest_name, read_manifest, read_view
+from index.live.generations import GenerationRemoved, manifest_name, read_manifest, read_view
 from ingest.descriptors import STATUS_OK
 
 
@@ -84,9 +84,12 @@ def newest_drift(location: Location, generation: Generation) -> dict[str, Any] |
         drift = generation.change.get("drift")
         if drift is not None:
             return {**drift, "generation": generation.number}
-        if generation.parent is None or location.read_bytes(manifest_name(generation.parent)) is None:
-            return None  # generation 0 (the build) reports none; a parent removed by compact --keep
-        generation = read_manifest(location, generation.parent)
+        if not generation.parent or location.read_bytes(manifest_name(generation.parent)) is None:
+            return None  # generation 0 (the build) reports none; a parent an older needle removed
+        try:
+            generation = read_manifest(location, generation.parent)
+        except GenerationRemoved:
+            return None  # retired by compact --keep (its tombstone)
     return None
 
 

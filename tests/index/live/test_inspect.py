@@ -11,6 +11,8 @@ import pytest
 from cli.main import main as needle
 from core.location import location_of
 from index.live.add_rows import main as add
+from index.live.compact import CompactConfig
+from index.live.compact import main as compact
 from index.live.config import AddConfig, DeleteConfig
 from index.live.delete_rows import main as delete
 from index.live.generations import read_view
@@ -70,6 +72,11 @@ def test_info_carries_the_drift_of_the_newest_add(synthetic_indexes, tmp_path, c
     info = json.loads(run(capsys, "index", "info", "--index", str(index_dir)))
     assert info["generation"] == 2 and info["last_change"]["command"] == "delete"
     assert info["drift"] == {**change["drift"], "generation": 1}
+    delete(DeleteConfig(), ["far/00002"], index_dir)
+    delete(DeleteConfig(), ["far/00003"], index_dir)
+    compact(CompactConfig(keep=1, retrain="never"), index_dir)  # generations 1-4 become tombstones
+    after = json.loads(run(capsys, "index", "info", "--index", str(index_dir)))  # once refused: "was removed"
+    assert after["generation"] == 5 and after["drift"] is None
 
 
 def test_a_directory_that_is_no_index_is_one_line(tmp_path, caplog):

@@ -207,3 +207,14 @@ def test_the_chosen_search_defaults_reach_the_recall_target_on_held_out_queries(
         assert got >= target, (k, got, tuning)
     # a request still overrides them
     assert not np.array_equal(index.search(xq, 10, 1, True, 1)[1], index.search(xq, 10)[1])
+
+
+def test_an_nprobe_or_refine_factor_given_is_served_as_given_not_tuned(tmp_path):
+    """A target must not silently replace what the user asked for (a bench's ``--nprobe 16`` was
+    once served as nprobe 1024, every list, and a 16 x shortlist)."""
+    pool = clustered_unit_vectors(4 * 400, D, seed=6, clusters=40)
+    write_files(tmp_path / "desc", Live(), pool, 0, 4, 400)
+    conf = IndexConfig(kind="ivfpq", nlist=32, pq_bytes=8, shards=2, nprobe=5, **TUNE)
+    infos = load_index(build(conf, tmp_path / "desc", tmp_path / "index")).infos
+    assert (infos["nprobe"], infos["refine_factor"]) == (5, IndexConfig().refine_factor)
+    assert "search_tuning" not in infos
