@@ -119,8 +119,8 @@ def peer_path(system: str, args: argparse.Namespace) -> tuple[str | None, str]:
 
 def run_system(system: str, work: Path, extra_path: str) -> dict[str, Any]:
     """The system's replay in its own process, one thread; its result.json."""
-    script = "streaming_needle.py" if system == "needle" else "streaming_peers.py"
-    argv = [sys.executable, str(ROOT / "bench" / script), *([] if system == "needle" else [system]), str(work)]
+    script = "streaming_needle.py" if system.startswith("needle") else "streaming_peers.py"
+    argv = [sys.executable, str(ROOT / "bench" / script), str(work), system]
     path = os.pathsep.join(p for p in (extra_path, str(ROOT)) if p)  # the peers' numpy first
     threads = dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), "1")
     env = {**os.environ, **threads, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
@@ -136,10 +136,13 @@ def run_system(system: str, work: Path, extra_path: str) -> dict[str, Any]:
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Every system's settings, as the plan hands them to its process."""
+    needle = {"build_args": args.needle_build_args.split(), "compact_every": args.compact_every,
+              "reload_interval": args.reload_interval, "max_queries": 1000, "fresh": not args.no_fresh,
+              "retrain": args.retrain}  # fmt: skip
     return {
-        "needle": {"build_args": args.needle_build_args.split(), "compact_every": args.compact_every,
-                   "reload_interval": args.reload_interval, "max_queries": 1000, "fresh": not args.no_fresh,
-                   "retrain": args.retrain},
+        "needle": needle,
+        "needle-ivfpq": {**needle, "build_args": args.needle_ivfpq_args.split()},
         "faiss-ivfpq": {"factory": f"IVF{{nlist}},PQ{args.dim // 4}x4fsr,RFlat", "nlist": args.faiss_nlist,
                         "nprobe": args.faiss_nprobe, "refine": args.faiss_refine},
         "faiss-ivfflat": {"factory": "IVF{nlist},Flat", "nlist": args.faiss_nlist, "nprobe": args.faiss_nprobe,
@@ -193,8 +196,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--queries", type=int, default=1000, help="the query set every search step runs")
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--max-searches", type=int, default=20, help="search steps kept, evenly spaced (0: all)")
-    p.add_argument("--systems", default="needle,faiss-ivfpq,faiss-ivfflat,hnswlib,diskannpy")
-    p.add_argument("--needle-build-args", default="", help="extra `needle index build` flags (default: none)")
+    p.add_argument("--systems", default="needle,needle-ivfpq,faiss-ivfpq,faiss-ivfflat,hnswlib,diskannpy")
+    p.add_argument("--needle-build-args", default="", help="needle: extra `needle index build` flags (none)")
+    p.add_argument("--needle-ivfpq-args", default="--kind ivfpq", help="needle-ivfpq: its build flags (fresh too)")
     p.add_argument("--compact-every", type=int, default=4, help="needle: compact after this many changes")
     p.add_argument("--reload-interval", type=float, default=0.5, help="needle serve --reload-interval")
     p.add_argument("--retrain", default=None, help="needle index compact --retrain (where the CLI has it)")

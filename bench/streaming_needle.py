@@ -1,6 +1,9 @@
 """needle replaying a runbook's phases for bench/streaming.py, through its CLI and HTTP API only.
 
-    python bench/streaming_needle.py WORKDIR      # writes WORKDIR/needle/found_J.npy, fresh_J.npy, result.json
+    python bench/streaming_needle.py WORKDIR [SYSTEM]   # writes WORKDIR/SYSTEM/found_J.npy, fresh_J.npy, result.json
+
+SYSTEM is ``needle`` (``needle index build`` with its defaults) or ``needle-ivfpq`` (build flags
+from the plan, ``--kind ivfpq``: the plan chosen for the first insert's rows, trained on them only).
 
 Its own process, so that the peak memory it reports is that of needle's processes alone (each
 command's, from ``wait4``, and the server's high-water mark). The first insert phase is
@@ -166,13 +169,14 @@ class Server:
 class NeedleRun:
     """The replay: state, timings and memory of one run (see the module's docstring)."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, system: str) -> None:
+        self.system = system
         self.plan = json.loads((work / "plan.json").read_text())
-        self.conf = self.plan["settings"]["needle"]
+        self.conf = self.plan["settings"][system]
         self.data = np.load(work / "data.npy", mmap_mode="r")
         self.queries_path = work / "queries.npy"
         self.queries = np.load(self.queries_path).astype(np.float32)
-        self.out = work / "needle"
+        self.out = work / system
         shutil.rmtree(self.out, ignore_errors=True)
         (self.out / "desc").mkdir(parents=True)
         self.index = self.out / "index"
@@ -280,7 +284,7 @@ class NeedleRun:
                 self.server.stop()
         keep = ("kind", "factory", "nlist", "nprobe", "refine_factor", "live_rows", "segments_per_shard", "error")
         return {
-            "system": "needle", "seconds": self.seconds, "search_s_per_step": self.per_search,
+            "system": self.system, "seconds": self.seconds, "search_s_per_step": self.per_search,
             "fresh_s_per_step": self.fresh_s, "rss_peak_mb": max(rss_server, self.rss_commands),
             "rss_server_mb": rss_server, "rss_commands_mb": self.rss_commands, "changes": self.changes,
             "compact_retrain_flag": self.retrain_flag, "final_index": {k: info[k] for k in keep if k in info},
@@ -293,9 +297,9 @@ class NeedleRun:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    work = Path(sys.argv[1])
-    result = NeedleRun(work).replay()
-    (work / "needle" / "result.json").write_text(json.dumps(result))
+    work, system = Path(sys.argv[1]), (sys.argv[2:] or ["needle"])[0]
+    result = NeedleRun(work, system).replay()
+    (work / system / "result.json").write_text(json.dumps(result))
     print(json.dumps(result))
 
 

@@ -1,6 +1,6 @@
 """One peer of bench/streaming.py replaying a runbook's phases in its own process, one thread.
 
-    python bench/streaming_peers.py SYSTEM WORKDIR      # writes WORKDIR/SYSTEM/found_J.npy, result.json
+    python bench/streaming_peers.py WORKDIR SYSTEM      # writes WORKDIR/SYSTEM/found_J.npy, result.json
 
 Reads ``WORKDIR/plan.json`` (phases, k, the systems' settings), ``data.npy`` (float16 rows) and
 ``queries.npy``. Every inserted or replacing row takes a new slot (the library's label); a slot
@@ -210,7 +210,7 @@ def replay(system: str, work: Path) -> dict[str, Any]:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    system, work = sys.argv[1], Path(sys.argv[2])
+    work, system = Path(sys.argv[1]), sys.argv[2]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result = replay(system, work)
     (work / system / "result.json").write_text(json.dumps(result))

@@ -37,7 +37,7 @@ def system_entry(
         "seconds": {op: round(s, 2) for op, s in result["seconds"].items()},
         "settings": result.get("settings", ""),
     }
-    if name == "needle":
+    if name.startswith("needle"):
         fresh = [score(np.load(work / name / f"fresh_{j}.npy"), s["vec"], data, queries, s["kth"], k)[0]
                  for j, s in enumerate(truth) if (work / name / f"fresh_{j}.npy").is_file()]  # fmt: skip
         entry["fresh_recall_at_10_per_search"] = [round(r, 4) for r in fresh]
@@ -56,7 +56,7 @@ def targets(systems: list[dict[str, Any]]) -> dict[str, Any]:
     needle = by.get("needle")
     if needle is None:
         return {}
-    peers = [s for name, s in by.items() if name != "needle"]
+    peers = [s for name, s in by.items() if not name.startswith("needle")]
     hnsw = by.get("hnswlib")
     out: dict[str, Any] = {
         "recall_mean_ge_0.95": {"value": needle["recall_at_10_mean"], "met": needle["recall_at_10_mean"] >= 0.95},
@@ -94,7 +94,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> Path:
                 ax.plot(range(1, len(ys) + 1), ys, marker=".", label=system["system"])
             if system.get("fresh_recall_at_10_per_search"):
                 ys = system["fresh_recall_at_10_per_search"]
-                ax.plot(range(1, len(ys) + 1), ys, "k--", lw=1, label="needle, fresh build")
+                ax.plot(range(1, len(ys) + 1), ys, "--", lw=1, label=f"{system['system']}, fresh build")
         book = run["runbook"]
         ax.set_title(f"{book['name']} ({book['n']:,} x {book['dim']})", fontsize=10)
         ax.set_xlabel("search step")

@@ -89,14 +89,16 @@ def test_streaming_bench_dry_run():
     for run in record["runs"]:
         assert {"name", "n", "dim", "steps"} <= set(run["runbook"])
         systems = {s["system"]: s for s in run["systems"]}
-        assert "needle" in systems and "faiss-ivfpq" in systems
-        assert set(systems) | set(run["skipped"]) == {"needle", "faiss-ivfpq", "faiss-ivfflat", "hnswlib", "diskannpy"}
+        assert {"needle", "needle-ivfpq", "faiss-ivfpq"} <= set(systems)
+        every = {"needle", "needle-ivfpq", "faiss-ivfpq", "faiss-ivfflat", "hnswlib", "diskannpy"}
+        assert set(systems) | set(run["skipped"]) == every
         for entry in systems.values():
             assert len(entry["recall_at_10_per_search"]) == run["runbook"]["searches_kept"] == 2
             assert 0 <= entry["recall_at_10_mean"] <= 1 and entry["qps"] > 0 and entry["total_s"] > 0
             assert entry["rss_peak_mb"] > 0 and entry["deleted_returned"] >= 0
-        needle = systems["needle"]
-        assert needle["deleted_returned"] == 0
-        assert len(needle["fresh_recall_at_10_per_search"]) == 2
-        assert needle["compact_retrain_flag"] in (True, False)
+        for needle in (systems["needle"], systems["needle-ivfpq"]):
+            assert needle["deleted_returned"] == 0
+            assert len(needle["fresh_recall_at_10_per_search"]) == 2
+            assert needle["compact_retrain_flag"] in (True, False)
+        assert systems["needle-ivfpq"]["final_index"].get("kind", "ivfpq") == "ivfpq"
         assert "recall_mean_ge_0.95" in run["targets"]
