@@ -89,19 +89,19 @@ def plot(runs: list[dict[str, Any]], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.2), squeeze=False)
     for ax, run in zip(axes[0], runs):
         for system in run["systems"]:
-            if system.get("recall_at_10_per_search"):
-                ys = system["recall_at_10_per_search"]
-                ax.plot(range(1, len(ys) + 1), ys, marker=".", label=system["system"])
-            if system.get("fresh_recall_at_10_per_search"):
-                ys = system["fresh_recall_at_10_per_search"]
-                ax.plot(range(1, len(ys) + 1), ys, "--", lw=1, label=f"{system['system']}, fresh build")
+            ys = system.get("recall_at_10_per_search") or []
+            (line,) = ax.plot(range(1, len(ys) + 1), ys, marker=".", label=system["system"])
+            fresh = system.get("fresh_recall_at_10_per_search")
+            if fresh:  # the same colour, dashed: how far the living index is from a rebuild
+                ax.plot(range(1, len(fresh) + 1), fresh, "--", lw=1, color=line.get_color(), label="  its fresh build")
         book = run["runbook"]
         ax.set_title(f"{book['name']} ({book['n']:,} x {book['dim']})", fontsize=10)
         ax.set_xlabel("search step")
         ax.set_ylabel("recall@10")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=7, loc="lower left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
