@@ -19,7 +19,9 @@ rounded to float16 (dim 128); queries from the same mixture. Only ``--max-search
 are kept (evenly spaced, the last kept; dropping a search changes no state), and the change steps
 between two kept searches are merged per kind into one *phase*, as a scheduled job batches them:
 needle runs one command per phase (``bench/streaming_needle.py``: build, add, delete, compact
-every few changes, served by ``needle serve`` over HTTP), each peer one library call per phase
+every few changes, served by ``needle serve`` over HTTP; ``needle`` with the build's defaults, and
+``needle-ivfpq`` built ``--kind ivfpq``: an IVF-PQ plan for the first insert's rows, trained on
+them only, the case a retrain exists for), each peer one library call per phase
 (``bench/streaming_peers.py``: FAISS IVF-PQ trained once, FAISS IVF-Flat, hnswlib, diskannpy with
 the track's baseline settings). Every system runs in its own process with one thread
 (OMP_NUM_THREADS=1), one after another, on the same phases; hnswlib and diskannpy are installed by
@@ -216,7 +218,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="tiny sizes, both runbooks, in seconds")
     args = p.parse_args(argv)
     if args.dry_run:
-        args.n, args.dim, args.clusters, args.queries, args.max_searches = 2000, 16, 8, 40, 2
+        # 20k rows of d 32: the smallest at which both first inserts train an IVF-PQ (needle-ivfpq)
+        args.n, args.dim, args.clusters, args.queries, args.max_searches = 20_000, 32, 8, 40, 2
         args.faiss_nlist, args.compact_every = 16, 2
     args.runbook = args.runbook or (["generated", "final"] if args.dry_run else ["generated"])
     return args

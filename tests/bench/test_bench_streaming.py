@@ -102,3 +102,17 @@ def test_streaming_bench_dry_run():
             assert needle["compact_retrain_flag"] in (True, False)
         assert systems["needle-ivfpq"]["final_index"].get("kind", "ivfpq") == "ivfpq"
         assert "recall_mean_ge_0.95" in run["targets"]
+
+
+def test_peer_slots_answer_a_replaced_or_deleted_row_as_not_live():
+    from streaming_peers import Slots
+
+    slots = Slots(n=10, capacity=20)
+    first = slots.take(np.arange(0, 5))  # tags 0-4 in slots 0-4
+    slots.drop(np.array([1]))  # tag 1 deleted
+    slots.drop(np.array([2]))  # tag 2 replaced: its old slot goes, a new one comes
+    (again,) = slots.take(np.array([2]))
+    assert list(first) == [0, 1, 2, 3, 4] and again == 5
+    # live slots give their tag; a deleted or replaced slot, or one never given, gives n (counted
+    # as a deleted row returned); -1 (no answer) stays -1
+    assert list(slots.tags(np.array([0, 1, 2, 5, 7, -1]))) == [0, 10, 10, 2, 10, -1]
