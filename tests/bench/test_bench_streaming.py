@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from tests.support.bench import bench_module
 
-import streaming_runbook as rb  # noqa: E402
-from streaming_truth import kth_distance, score  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+rb = bench_module("streaming_runbook")  # by path: bench/ never joins sys.path (its rerank.py)
+kth_distance, score = bench_module("streaming_truth").kth_distance, bench_module("streaming_truth").score
 
 
 def test_generated_runbook_follows_the_recipe():
@@ -105,7 +105,7 @@ def test_streaming_bench_dry_run():
 
 
 def test_peer_slots_answer_a_replaced_or_deleted_row_as_not_live():
-    from streaming_peers import Slots
+    Slots = bench_module("streaming_peers").Slots
 
     slots = Slots(n=10, capacity=20)
     first = slots.take(np.arange(0, 5))  # tags 0-4 in slots 0-4

@@ -4,6 +4,7 @@ sys.path, where its rerank.py would hide the rerank package from every later imp
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -16,5 +17,6 @@ def bench_module(name: str) -> ModuleType:
     if spec is None or spec.loader is None:
         raise ImportError(f"no bench script {BENCH / name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there while the class is made
     spec.loader.exec_module(module)
     return module
