@@ -27,9 +27,9 @@ from embed.registry import (
     RANDOM_SEED,
     ModelConfig,
     WeightsError,
+    check_published_weights,
     check_weights,
     get_model_config,
-    offline,
     resolve_weights,
     weights_help,
 )
@@ -170,13 +170,7 @@ def _create_backbone(conf: ModelConfig, pretrained: bool = False, name: str = ""
     kwargs = dict(conf.factory_kwargs)
     name = name or conf.architecture
     if pretrained:
-        if conf.pretrained is None and conf.library == "open_clip":
-            raise WeightsError(f"model {name!r} records no published weights tag; {weights_help(name)}")
-        if offline():
-            raise WeightsError(
-                f"cannot fetch the published weights of model {name!r} ({conf.pretrained or conf.architecture}): "
-                f"offline (HF_HUB_OFFLINE is set); {weights_help(name)}"
-            )
+        check_published_weights(conf, name)
     try:
         if conf.library == "timm":
             import timm

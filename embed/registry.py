@@ -431,6 +431,18 @@ def weights_help(name: str) -> str:
     return f"download them elsewhere and give the local file with --weights FILE for model {name!r}"
 
 
+def check_published_weights(conf: ModelConfig, name: str) -> None:
+    """WeightsError where the published weights of ``conf`` (model ``name``) cannot be fetched:
+    none recorded, or the hub offline."""
+    if conf.pretrained is None and conf.library == "open_clip":
+        raise WeightsError(f"model {name!r} records no published weights tag; {weights_help(name)}")
+    if offline():
+        raise WeightsError(
+            f"cannot fetch the published weights of model {name!r} ({conf.pretrained or conf.architecture}): "
+            f"offline (HF_HUB_OFFLINE is set); {weights_help(name)}"
+        )
+
+
 def check_weights(name: str, weights: str | Path | None) -> None:
     """WeightsError (one line naming the model and the flag that fixes it) where ``name`` with
     ``weights`` (a file, None, ``PRETRAINED``, ``RANDOM``) cannot have its weights here; torch-free,
@@ -439,13 +451,7 @@ def check_weights(name: str, weights: str | Path | None) -> None:
     if weights is not None and str(weights) == RANDOM:
         return
     if weights is not None and str(weights) == PRETRAINED:
-        if conf.pretrained is None and conf.library == "open_clip":
-            raise WeightsError(f"model {name!r} records no published weights tag; {weights_help(name)}")
-        if offline():
-            raise WeightsError(
-                f"cannot fetch the published weights of model {name!r} ({conf.pretrained or conf.architecture}): "
-                f"offline (HF_HUB_OFFLINE is set); {weights_help(name)}"
-            )
+        check_published_weights(conf, name)
         return
     if resolve_weights(conf, weights) is None:
         raise WeightsError(

@@ -19,6 +19,7 @@ from index.live.generations import read_view
 from index.search import load_index
 from tests.support.index import clustered_unit_vectors, write_descriptor_file
 from tests.support.indexes import SERVED_IVFPQ
+from tests.support.s3 import upload_tree
 
 DELETED = ["t0/00003", "t2/00039"]
 
@@ -91,10 +92,7 @@ def test_info_and_keys_of_an_index_on_s3(changed, s3_endpoint, capsys):
 
     client = s3_client(s3_endpoint)
     client.create_bucket(Bucket="inspect")
-    for path in changed.rglob("*"):
-        if path.is_file():
-            client.upload_file(str(path), "inspect", f"idx/{path.relative_to(changed)}")
-    url = "s3://inspect/idx"
+    url = upload_tree(client, "inspect", "idx", changed)
     info = json.loads(run(capsys, "index", "info", "--index", url, "--s3-endpoint-url", s3_endpoint))
     local = json.loads(run(capsys, "index", "info", "--index", str(changed)))
     assert info == {**local, "index": url}

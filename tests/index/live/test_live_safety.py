@@ -41,6 +41,7 @@ from shards.staging import StageConfig, stage_shard
 from tests.support.index import clustered_unit_vectors, write_descriptor_file
 from tests.support.indexes import LIVE_FLAT
 from tests.support.live import D, Live, assert_exact
+from tests.support.s3 import upload_tree
 
 XQ = clustered_unit_vectors(5, D, seed=61).astype(np.float32)
 
@@ -260,10 +261,7 @@ def test_s3_compaction_removes_superseded_segments_and_every_deleted_byte(living
     index, live, _ = living
     client = s3_client(s3_endpoint)
     client.create_bucket(Bucket="purge")
-    for path in index.rglob("*"):
-        if path.is_file():
-            client.upload_file(str(path), "purge", f"idx/{path.relative_to(index)}")
-    url = "s3://purge/idx"
+    url = upload_tree(client, "purge", "idx", index)
     victim = "t1/00017"
     vector = live.rows[victim][1]
     delete(DeleteConfig(s3_endpoint_url=s3_endpoint), [victim], url)
@@ -289,10 +287,7 @@ def test_without_list_permission_a_missing_object_is_a_403_and_generations_still
     index, _, _ = living
     client = s3_client(s3_endpoint)
     client.create_bucket(Bucket="nolist")
-    for path in index.rglob("*"):
-        if path.is_file():
-            client.upload_file(str(path), "nolist", f"idx/{path.relative_to(index)}")
-    url = "s3://nolist/idx"
+    url = upload_tree(client, "nolist", "idx", index)
     delete(DeleteConfig(s3_endpoint_url=s3_endpoint), ["t0/00012"], url)
     location = location_of(url, s3_endpoint)
     real_get = location.client.get_object
