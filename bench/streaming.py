@@ -63,7 +63,7 @@ from streaming_report import plot, system_entry, targets  # noqa: E402
 from streaming_truth import kth_distance  # noqa: E402
 
 log = logging.getLogger("streaming")
-RUNBOOKS = ROOT / "bench" / "streaming_runbooks"
+RUNBOOKS = ROOT.parent / "shared" / "streaming" / "runbooks"  # the track's files, read where they lie (../shared)
 INSTALLED = {"hnswlib": "hnswlib", "diskannpy": "diskannpy"}  # peers pip installs into --peers-dir
 
 

@@ -41,7 +41,7 @@ def test_generated_runbook_follows_the_recipe():
 
 
 def test_track_runbook_scaled_and_its_clusters():
-    name, steps = rb.read_track_runbook(ROOT / "bench" / "streaming_runbooks" / "final_runbook.yaml")
+    name, steps = rb.read_track_runbook(ROOT.parent / "shared" / "streaming" / "runbooks" / "final_runbook.yaml")
     assert name == "msturing-30M-clustered" and rb.dataset_rows(name, steps) == 30_000_000
     assert [s.op for s in steps].count("search") == 640
     scaled = rb.scale_steps(steps, 30_000_000, 300_000)
