@@ -2,15 +2,10 @@
 bench/segment_cost.py and bench/generation_cost.py runs, so that they cannot rot, and their last
 JSON lines carry the figures issue 43 names and docs/live_index.md quotes."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.bench import dry_run
+
 FIELDS = (
     "n",
     "deleted_returned",
@@ -20,17 +15,6 @@ FIELDS = (
     "recall_gap_vs_fresh",
     "compact_rss_vs_fresh",
 )
-
-
-def dry_run(script: str) -> list[dict]:
-    """The JSON lines ``bench/SCRIPT --dry-run`` prints (it must exit 0)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, f"bench/{script}", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.strip().splitlines()]
 
 
 @pytest.mark.slow

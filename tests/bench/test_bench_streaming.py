@@ -3,16 +3,12 @@ tiny sizes (``--dry-run``: both runbooks, needle through its CLI and HTTP API, t
 importable), so that the record's contract (docs/results.md, bench/results/streaming.json) holds."""
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.support.bench import bench_module
+from tests.support.bench import bench_module, dry_run
 
 ROOT = Path(__file__).resolve().parents[2]
 rb = bench_module("streaming_runbook")  # by path: bench/ never joins sys.path (its rerank.py)
@@ -78,13 +74,7 @@ def test_score_counts_ties_and_deleted_rows():
 
 @pytest.mark.slow
 def test_streaming_bench_dry_run():
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "bench/streaming.py", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(done.stdout.strip().splitlines()[-1])
+    record = dry_run("streaming.py", timeout=900)[-1]
     assert [r["runbook"]["name"] for r in record["runs"]] == ["generated-clustered-8c-5r", "msturing-30M-clustered"]
     for run in record["runs"]:
         assert {"name", "n", "dim", "steps"} <= set(run["runbook"])

@@ -4,6 +4,9 @@ sys.path, where its rerank.py would hide the rerank package from every later imp
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -20,3 +23,14 @@ def bench_module(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up there while the class is made
     spec.loader.exec_module(module)
     return module
+
+
+def dry_run(script: str, timeout: float = 600) -> list[dict]:
+    """The JSON lines ``bench/SCRIPT --dry-run`` prints, run as a user runs it (it must exit 0)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(BENCH.parent)}
+    done = subprocess.run(
+        [sys.executable, f"bench/{script}", "--dry-run"], cwd=BENCH.parent, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.strip().splitlines()]

@@ -3,6 +3,7 @@ answers, held against an index after every change."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,15 @@ class Live:
 
     def __init__(self) -> None:
         self.rows: dict[str, tuple[int, np.ndarray]] = {}
+
+    @staticmethod
+    def of_files(files: Iterable[tuple[str, int, np.ndarray]]) -> Live:
+        """The rows of descriptor files (name, Parquet shard id, vectors): a built index's, from
+        ``SyntheticIndex.parts``."""
+        live = Live()
+        for name, shard_id, xb in files:
+            live.add_file(name, shard_id, xb)
+        return live
 
     def add_file(self, name: str, shard_id: int, xb: np.ndarray, keys: list[str] | None = None) -> None:
         for i, key in enumerate(keys or [f"{name}/{i:05d}" for i in range(len(xb))]):

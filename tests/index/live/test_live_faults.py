@@ -66,9 +66,7 @@ class Base:
 def base(synthetic_indexes, tmp_path_factory) -> Base:
     tmp = tmp_path_factory.mktemp("faults")
     index, xb = synthetic_indexes.copy(LIVE_FLAT, tmp)
-    live = Live()
-    for name, shard_id, part in LIVE_FLAT.parts(xb):
-        live.add_file(name, shard_id, part)
+    live = Live.of_files(LIVE_FLAT.parts(xb))
     delete(DeleteConfig(), ["t0/00001", "t2/00007"], index)
     for key in ("t0/00001", "t2/00007"):
         del live.rows[key]

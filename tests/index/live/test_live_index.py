@@ -32,9 +32,7 @@ from tests.support.live import D, Live, assert_exact
 def flat(synthetic_indexes, tmp_path):
     """A flat index of 2 shards over 4 files of 40 rows, and the files' vectors."""
     out, xb = synthetic_indexes.copy(LIVE_FLAT_4, tmp_path)
-    live = Live()
-    for name, shard_id, part in LIVE_FLAT_4.parts(xb):
-        live.add_file(name, shard_id, part)
+    live = Live.of_files(LIVE_FLAT_4.parts(xb))
     return out, live, tmp_path
 
 

@@ -51,9 +51,7 @@ def made(synthetic_indexes, tmp_path_factory):
     work), the files to add, the keys to delete, and the live rows after each command."""
     tmp = tmp_path_factory.mktemp("kill")
     index, xb = synthetic_indexes.copy(LIVE_FLAT, tmp)
-    live = Live()
-    for name, shard_id, part in LIVE_FLAT.parts(xb):
-        live.add_file(name, shard_id, part)
+    live = Live.of_files(LIVE_FLAT.parts(xb))
     xb = clustered_unit_vectors(30, D, seed=5)
     write_descriptor_file(tmp / "more", "t5", 5, xb)
     (tmp / "first.txt").write_text("t0/00001\nt2/00007\n")

@@ -50,9 +50,7 @@ XQ = clustered_unit_vectors(5, D, seed=61).astype(np.float32)
 def living(synthetic_indexes, tmp_path):
     """LIVE_FLAT copied, and its live rows."""
     index, xb = synthetic_indexes.copy(LIVE_FLAT, tmp_path)
-    live = Live()
-    for name, shard_id, part in LIVE_FLAT.parts(xb):
-        live.add_file(name, shard_id, part)
+    live = Live.of_files(LIVE_FLAT.parts(xb))
     return index, live, tmp_path
 
 
