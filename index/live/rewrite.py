@@ -21,6 +21,7 @@ import pyarrow.ipc
 
 from core.atomic import atomic_path, write_atomic, write_json_atomic
 from core.kill_points import kill_point
+from core.location import Location
 from index.build.records import BuildFields
 from index.build.shard import IDS_SCHEMA, _checksum, write_float16_npy_header, write_keys_of_ids
 from index.errors import IndexFileError
@@ -303,7 +304,7 @@ def check_present(writer: Writer, manifest: Generation) -> None:
                 )
 
 
-def retired_manifests(location: Any, first_kept: int) -> list[int]:
+def retired_manifests(location: Location, first_kept: int) -> list[int]:
     """The manifests before ``first_kept`` still to retire, ascending. Compaction retires them in
     ascending order, so walking down from ``first_kept`` the first tombstone (or manifest removed by
     an older needle) marks where an earlier compaction got to: each is read once in the index's life."""

@@ -138,9 +138,9 @@ class Writer:
 
     def segment_infos(self, segment: str) -> dict[str, Any]:
         """A published segment's ``shard_infos.json``, its file names checked (they are joined to paths)."""
-        path = self.segment_file(segment, SHARD_INFOS_FILE)
-        infos = parse_json_object(path.read_bytes(), self.location.url_of(f"{segment}/{SHARD_INFOS_FILE}"))
-        listed_files(infos, self.location.url_of(f"{segment}/{SHARD_INFOS_FILE}"))
+        source = self.location.url_of(f"{segment}/{SHARD_INFOS_FILE}")
+        infos = parse_json_object(self.segment_file(segment, SHARD_INFOS_FILE).read_bytes(), source)
+        listed_files(infos, source)
         return dict(infos)
 
     def deleted_rows(self, segment: Segment) -> np.ndarray:
