@@ -116,7 +116,14 @@ def _delete(args: argparse.Namespace) -> int:
 def _compact(args: argparse.Namespace) -> int:
     from index.live.compact import main
 
-    return report(main(config_from_args(CompactConfig, args), args.index), args)
+    run_shards = None
+    if args.ray:
+        from cluster.connect import connect_ray
+        from cluster.index_job import ray_shard_reencoder
+
+        connect_ray(args.address)
+        run_shards = ray_shard_reencoder()
+    return report(main(config_from_args(CompactConfig, args), args.index, run_shards), args)
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -168,6 +175,8 @@ def add_live_parsers(isub: argparse._SubParsersAction) -> None:
     p = isub.add_parser("compact", help="rewrite segments without deleted rows, merge small ones, drop old generations")
     add_wait_flags(p)
     add_config_flags(p, CompactConfig)
+    p.add_argument("--ray", action="store_true", help="a retrain re-encodes its shards as Ray tasks (on this node)")
+    p.add_argument("--address", help="Ray cluster for --ray (default: $RAY_ADDRESS, else a local instance)")
     p.set_defaults(func=_compact)
 
     p = isub.add_parser("info", help="the index's state as JSON: generation, rows, segments per shard, drift, bytes")

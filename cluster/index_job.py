@@ -59,6 +59,24 @@ def ray_part_runner(cpus_per_part: float = 1, task: Any = build_part):
     return run
 
 
+def ray_shard_reencoder(cpus_per_shard: float = 1) -> Any:
+    """A runner for a retrain's phase A (index/live/retrain.py ``ShardRunner``): each shard's live
+    rows re-encoded as a Ray task. The tasks build their segments in the retrain's scratch, on the
+    driver's disk, so they run on the driver's node (pinned, as ``ray_part_runner``'s): the retrain
+    uses that node's CPUs, and assumes no filesystem shared between nodes."""
+    from index.live.retrain import reencode_shard
+
+    def run(tasks: list[Any]) -> list[Any]:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        remote = ray.remote(num_cpus=cpus_per_shard, scheduling_strategy=here)(reencode_shard)  # type: ignore[call-overload]
+        return gather_with_progress([remote.remote(task) for task in tasks], "re-encoding shards", "shard")
+
+    return run
+
+
 def ray_shard_runner(cpus_per_shard: int = 1, max_retries: int = 3):
     """A runner for index.build.stage.main's S3 shard tasks: one Ray task per shard, retried up to
     ``max_retries`` times where it dies or fails (a retried task rebuilds its shard and uploads

@@ -22,7 +22,7 @@ from typing import Any
 from core.errors import NeedleInputError
 from index.generation import Segment, ShardSegments
 from index.live.config import CompactConfig
-from index.live.retrain import retrain, retrain_reason
+from index.live.retrain import ShardRunner, retrain, retrain_reason
 from index.live.rewrite import (  # re-exported: compaction's steps, where tests and benches name them
     CHUNK_ROWS,
     Rewritten,
@@ -36,14 +36,15 @@ log = logging.getLogger(__name__)
 __all__ = ["CHUNK_ROWS", "CompactConfig", "Rewritten", "main", "remove_unreferenced", "rewrite", "rewrite_rows"]
 
 
-def main(conf: CompactConfig, index: Path | str) -> dict[str, Any]:
+def main(conf: CompactConfig, index: Path | str, run_shards: ShardRunner | None = None) -> dict[str, Any]:
     """Compact ``index`` as its next generation (where anything is to rewrite), then remove what
-    ``conf.keep`` leaves behind; returns what changed."""
+    ``conf.keep`` leaves behind; returns what changed. A retrain re-encodes its shards with
+    ``run_shards`` (default: one after another in this process; ``--ray``: Ray tasks)."""
     if conf.keep is not None and conf.keep < 1:
         raise NeedleInputError(f"--keep must be at least 1 (the newest generation), got {conf.keep}")
     reason = retrain_reason(conf, index)
     if reason is not None:  # the index re-encoded with a new training: compaction's work is part of it
-        return retrain(conf, index, reason)
+        return retrain(conf, index, reason, run_shards)
     with writing(index, conf.s3_endpoint_url) as writer:
         change: dict[str, Any] = {
             "command": "compact",

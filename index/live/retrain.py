@@ -29,7 +29,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,12 +129,15 @@ class Prepared:
     timings: dict[str, float] = field(default_factory=dict)  # phase A's steps, seconds
 
 
-def retrain(conf: CompactConfig, index: Path | str, reason: str) -> dict[str, Any]:
-    """Retrain ``index`` as its next generation (phase A without the lock, phase B with it);
-    returns what changed, with ``"retrained": true`` and why."""
+def retrain(
+    conf: CompactConfig, index: Path | str, reason: str, run_shards: ShardRunner | None = None
+) -> dict[str, Any]:
+    """Retrain ``index`` as its next generation (phase A without the lock, phase B with it), its
+    shards re-encoded by ``run_shards`` (default: one after another in this process); returns what
+    changed, with ``"retrained": true`` and why."""
     log.info("retraining %s: %s", index, reason)
     with detached(index, conf.s3_endpoint_url) as writer:
-        prepared = prepare(conf, writer)
+        prepared = prepare(conf, writer, run_shards)
         return publish_retrained(conf, index, prepared, reason)
 
 
@@ -163,8 +166,10 @@ def detached(index: Path | str, endpoint_url: str | None) -> Iterator[DetachedWr
         location.cleanup()
 
 
-def prepare(conf: CompactConfig, writer: DetachedWriter) -> Prepared:
-    """Phase A: plan, sample, train, re-encode every shard's live rows, choose the search defaults."""
+def prepare(conf: CompactConfig, writer: DetachedWriter, run_shards: ShardRunner | None = None) -> Prepared:
+    """Phase A: plan, sample, train, re-encode every shard's live rows (``run_shards``: one after
+    another here, or as Ray tasks), choose the search defaults."""
+    run_shards = run_shards or reencode_sequentially
     import faiss
 
     from index.build.train import train
@@ -183,14 +188,58 @@ def prepare(conf: CompactConfig, writer: DetachedWriter) -> Prepared:
     timings["train_s"] = time.perf_counter() - clock - sum(timings.values())
     fields = new_fields(writer, plan, quantizer_ef, trained)
     prepared = Prepared(writer, plan, fields, trained, drift.to_json() if drift else None)
-    for shard in tqdm(parent.shards, desc="re-encoding shards", unit="shard", disable=None):
-        name = writer.segment_name(shard.shard)  # provisional: phase B names it for the generation it publishes
-        prepared.shards[shard.shard] = rewrite_rows(writer, list(shard.segments), name, shard.shard, trained, fields)
+    tasks = [ShardTask.of(writer, conf.s3_endpoint_url, shard.shard, trained, fields) for shard in parent.shards]
+    prepared.shards = dict(zip((t.shard for t in tasks), run_shards(tasks)))
     timings["encode_s"] = time.perf_counter() - clock - sum(timings.values())
     prepared.search = choose_defaults(conf, prepared)
     timings["tune_s"] = time.perf_counter() - clock - sum(timings.values())
     prepared.timings = {k: round(v, 3) for k, v in timings.items()}
     return prepared
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One shard's re-encoding in phase A, as a task receives it: names and numbers only (it opens
+    the index itself), so that a Ray task can run it. It writes into the retrain's scratch, a
+    directory on the driver's disk: a runner runs it on the driver's node (no shared filesystem)."""
+
+    index: str  # the index directory or s3:// prefix
+    endpoint_url: str | None  # its S3 endpoint
+    parent: int  # the generation phase A re-encodes
+    scratch: str  # the retrain's scratch directory (its segments are built under ``scratch/segments``)
+    token: str  # the retrain's token (in its provisional segment names)
+    shard: int  # the shard whose live rows are re-encoded
+    trained: str  # the new trained index (no vectors), in the scratch
+    fields: BuildFields  # what the new segment records of the build and the new plan
+
+    @classmethod
+    def of(
+        cls, writer: DetachedWriter, endpoint_url: str | None, shard: int, trained: Path, fields: BuildFields
+    ) -> ShardTask:
+        scratch, parent = str(writer.scratch), writer.parent.number
+        return cls(writer.location.url, endpoint_url, parent, scratch, writer.token, shard, str(trained), fields)
+
+
+ShardRunner = Callable[[list[ShardTask]], list[Rewritten]]  # the tasks' results, in their order
+
+
+def reencode_shard(task: ShardTask) -> Rewritten:
+    """A shard's live rows in generation ``task.parent`` encoded with ``task.trained`` as one
+    segment in the scratch, under a provisional name (phase B names it for the generation it publishes)."""
+    location = location_of(task.index, task.endpoint_url)
+    try:
+        infos = read_infos_at(location)
+        parent = read_manifest(location, task.parent, infos)
+        writer = DetachedWriter(location, infos, parent, Path(task.scratch), task.token)
+        (shard,) = [s for s in parent.shards if s.shard == task.shard]
+        name = writer.segment_name(task.shard)
+        return rewrite_rows(writer, list(shard.segments), name, task.shard, Path(task.trained), task.fields)
+    finally:
+        location.cleanup()
+
+
+def reencode_sequentially(tasks: list[ShardTask]) -> list[Rewritten]:
+    return [reencode_shard(t) for t in tqdm(tasks, desc="re-encoding shards", unit="shard", disable=None)]
 
 
 def training_sample(writer: Writer, size: int, seed: int) -> np.ndarray:
