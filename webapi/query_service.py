@@ -22,6 +22,7 @@ import numpy as np
 from core.quoting import short_repr, short_text
 from query.index_protocol import Index
 from webapi.limits import FieldError, RequestChecks, ServiceLimits, boolean, positive_int
+from webapi.packed_vectors import packed_rows, unpack_vectors
 
 log = logging.getLogger(__name__)
 MAX_BODY = ServiceLimits().max_body  # 64 MiB: an image (--max-body-mb)
@@ -215,9 +216,14 @@ class QueryService:
         return self.search(xq, k, nprobe, [{"key": x} for x in keys], factor, tokens, rerank)
 
     def query_vectors(self, value: Any, k: int, nprobe: int | None = None, factor: int | None = None) -> np.ndarray:
-        """'vectors' as (n, d) finite float32 queries: a list of numbers, or a list of such lists."""
+        """'vectors' as (n, d) finite float32 queries: a list of numbers, a list of such lists, or
+        packed (webapi/packed_vectors.py: base64 of little-endian float32 or float16, with its shape)."""
+        if isinstance(value, dict):
+            n = packed_rows(value, self.index.d)
+            self.checks.work("vectors", n, k, None, nprobe, factor)
+            return unpack_vectors(value, self.index.d)
         if not isinstance(value, list) or not value:
-            raise FieldError("vectors", "'vectors' must be a non-empty list of numbers (or list of such lists)")
+            raise FieldError("vectors", "'vectors' must be a non-empty list of numbers (or of such lists), or packed")
         self.checks.work("vectors", len(value) if isinstance(value[0], list) else 1, k, None, nprobe, factor)
         try:
             raw = np.asarray(value)

@@ -88,9 +88,20 @@ SEARCH_BODY_SCHEMA = {
         "shortlist": {"type": "integer", "minimum": 1, "description": SHORTLIST_HELP},
         "keys": {"type": "array", "items": {"type": "string"}, "description": "stored keys to query with"},
         "vectors": {
-            "type": "array",
-            "items": {"type": "array", "items": {"type": "number"}},
-            "description": "query vectors, (n, d) or (d,)",
+            "oneOf": [
+                {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+                {
+                    "type": "object",
+                    "required": ["dtype", "shape", "base64"],
+                    "properties": {
+                        "dtype": {"enum": ["float32", "float16"]},
+                        "shape": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+                        "base64": {"type": "string", "description": "the array's little-endian bytes, by row"},
+                    },
+                },
+            ],
+            "description": "query vectors, (n, d) or (d,) numbers, or packed (base64 of float32 or float16: "
+            "far cheaper to send and parse than decimals)",
         },
         "text": {
             "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
