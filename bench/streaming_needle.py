@@ -8,7 +8,8 @@ from the plan, ``--kind ivfpq``: the plan chosen for the first insert's rows, tr
 Its own process, so that the peak memory it reports is that of needle's processes alone (each
 command's, from ``wait4``, and the server's high-water mark). The first insert phase is
 ``needle index build`` over the phase's descriptor files; then ``needle serve --reload-interval``
-answers every search (``POST /search`` with the query vectors, at most ``--max-queries`` a body);
+answers every search (``POST /search`` with the query vectors packed as float32, at most
+``--max-queries`` a body);
 each later insert phase is one ``needle index add`` of its files (one Parquet file per insert step:
 a shard of the collection), each delete phase one ``needle index delete --keys -``, a replace phase
 ``needle index add --replace``, all with ``--wait-for`` (a change is served when its command
@@ -44,6 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from streaming_runbook import LiveState  # noqa: E402
 
 from ingest.descriptors import descriptor_schema, fixed_size_list, make_row_id, write_parquet_atomic  # noqa: E402
+from webapi.packed_vectors import pack_vectors  # noqa: E402
 
 log = logging.getLogger("streaming.needle")
 NEEDLE = [sys.executable, "-m", "cli.main"]
@@ -239,7 +241,7 @@ class NeedleRun:
         k, batch, answers = self.plan["k"], self.conf["max_queries"], []
         start = time.perf_counter()
         for lo in range(0, len(self.queries), batch):
-            body = {"k": k, "vectors": self.queries[lo : lo + batch].tolist()}
+            body = {"k": k, "vectors": pack_vectors(self.queries[lo : lo + batch])}  # as a client at scale sends
             answers += self.server.get("/search", body)
         spent = time.perf_counter() - start
         np.save(self.out / f"found_{len(self.per_search)}.npy", tags_of(answers, k))
@@ -276,7 +278,7 @@ class NeedleRun:
                 self.search() if phase["op"] == "search" else self.change(phase)
             try:
                 info, _ = self.needle(["index", "info", "--index", str(self.index)])
-            except RuntimeError as error:  # noticed: info fails once compact --keep retired the last add
+            except RuntimeError as error:  # recorded, not raised: the replay's figures stand without it
                 info = {"error": str(error)[-300:]}
             rss_server = self.server.peak_mb() if self.server else 0.0
         finally:
