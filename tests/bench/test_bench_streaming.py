@@ -74,8 +74,10 @@ def test_score_counts_ties_and_deleted_rows():
 
 @pytest.mark.slow
 def test_streaming_bench_dry_run():
-    record = dry_run("streaming.py", timeout=900)[-1]
-    assert [r["runbook"]["name"] for r in record["runs"]] == ["generated-clustered-8c-5r", "msturing-30M-clustered"]
+    # one runbook, the track's file end to end (the generated one's recipe: the tests above); the
+    # dry run's default, both, took 6.4 minutes of the suite on a loaded box
+    record = dry_run("streaming.py", "--runbook", "final", timeout=900)[-1]
+    assert [r["runbook"]["name"] for r in record["runs"]] == ["msturing-30M-clustered"]
     for run in record["runs"]:
         assert {"name", "n", "dim", "steps"} <= set(run["runbook"])
         systems = {s["system"]: s for s in run["systems"]}
