@@ -52,7 +52,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from live_load import Load, busy_core, get_json, latency_by_span, wait_generation  # noqa: E402
 from live_retrain import RetrainContext, retrain_latency, retrain_round  # noqa: E402
 
+from webapi.packed_vectors import pack_vectors  # noqa: E402
+
 FILE_ROWS = 10_000  # rows per descriptor file (a tar's worth)
+REFINE_FACTOR = 2  # the build's default: the served and the fresh recall@1000 are measured with it
 
 
 def log(record: dict) -> None:
@@ -172,7 +175,8 @@ def run(args: argparse.Namespace) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve_cmd = [sys.executable, "-m", "cli.main", "serve", "--index", str(work / "index"), "--port", str(port),
-                 "--reload-interval", str(args.reload_interval), "--max-k-total", "100000"]  # fmt: skip
+                 "--reload-interval", str(args.reload_interval), "--max-k-total", "100000",
+                 "--max-rescored", "10000000"]  # fmt: skip
     server = subprocess.Popen(serve_cmd, cwd=ROOT, env=env_for(args.threads), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
     try:
@@ -190,7 +194,9 @@ def run(args: argparse.Namespace) -> dict:
         w = changes.windows
         retrain.update(retrain_latency(load, retrain_window, (w["idle_start"], w["idle_end"])))
         log({"phase": "latency_by_span", **latency_by_span(load, changes.spans, w["idle_end"], w["changes_end"])})
-        search = get_json(f"{url}/search", {"vectors": xq.tolist(), "k": 1000}, timeout=600)
+        # at the fresh build's settings (a retrain chose its own defaults for the recall target: recorded)
+        body = {"vectors": pack_vectors(xq), "k": 1000, "nprobe": args.nprobe, "refine_factor": REFINE_FACTOR}
+        search = get_json(f"{url}/search", body, timeout=600)
         served = [[r["key"] for r in q["results"]] for q in search]
     finally:
         server.terminate()
@@ -372,7 +378,7 @@ def against_fresh(
     needle(["index", "build", "--descriptors", str(work / "fresh_desc"), "--out", str(work / "fresh"),
             "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe)], args.threads)  # fmt: skip
     fresh = load_index(work / "fresh")
-    _, I = fresh.search(xq, 1000)
+    _, I = fresh.search(xq, 1000, args.nprobe, True, REFINE_FACTOR)
     recall_fresh, recall_served = recall(fresh.keys_of(I), truth), recall(served, truth)
     rss_live = memory_of(work / "index", work / "queries.npy", args.threads)["rss"]
     rss_fresh = memory_of(work / "fresh", work / "queries.npy", args.threads)["rss"]

@@ -5,8 +5,8 @@ lock: what they publish meanwhile is carried onto its generation).
 Measures the retrain's wall time, the answers' p99 while it ran against the idle phase's, the
 server's peak RSS from the retrain's start through its switch against its steady RSS before
 (``/proc/<pid>/status`` VmHWM after resetting it through ``clear_refs``; sampled VmRSS where that is
-refused), and checks that every key added during the retrain is served after it and no key deleted
-during it is.
+refused), and checks that every key added during the retrain is in the index after it and no key
+deleted during it is (all of them, from ``needle index keys``; a sample also asked of the server).
 """
 
 from __future__ import annotations
@@ -156,8 +156,21 @@ def retrain_round(context: RetrainContext, server_pid: int) -> tuple[dict, tuple
         "added_during_retrain_served": served_keys(url, sample_added, context.get_json) == len(sample_added),
         "deleted_during_retrain": len(doomed),
         "deleted_during_retrain_served": served_keys(url, doomed[:20], context.get_json),
+        **keys_after(index, set(new_keys), set(doomed), context.env),
+        "retrain_timings": change.get("timings"),  # phase A: sample, train, encode, tune (s)
+        "retrain_plan": change.get("plan"),
+        "retrain_search": change.get("search"),  # the served defaults it chose for the recall target
     }
     return record, (started, ended)
+
+
+def keys_after(index: str, added: set[str], deleted: set[str], env: dict[str, str]) -> dict[str, int]:
+    """Every change made during the retrain, checked in the index it published (``needle index keys``:
+    all its live keys): the added keys missing, the deleted keys still there (both 0: none lost)."""
+    done = subprocess.run([sys.executable, "-m", "cli.main", "index", "keys", "--index", index], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    keys = set(done.stdout.split("\n"))
+    return {"added_during_retrain_missing": len(added - keys), "deleted_during_retrain_present": len(deleted & keys)}
 
 
 def retrain_latency(load: Any, window: tuple[float, float], idle: tuple[float, float]) -> dict:

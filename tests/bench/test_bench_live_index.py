@@ -28,6 +28,7 @@ def test_live_index_bench_dry_run():
     retrain = last["retrain"]  # issue 56: a retrain under load loses no change published while it ran
     assert retrain["retrained"] is True and retrain["added_during_retrain_served"] is True
     assert retrain["deleted_during_retrain_served"] == 0 and retrain["server_rss_peak_vs_steady"] > 0
+    assert retrain["added_during_retrain_missing"] == 0 and retrain["deleted_during_retrain_present"] == 0
 
 
 @pytest.mark.slow
