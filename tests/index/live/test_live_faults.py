@@ -293,10 +293,12 @@ def test_every_storage_call_of_a_local_writer_may_fail(base, tmp_path, monkeypat
 
 @pytest.mark.slow
 @pytest.mark.s3
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "replace"])
 def test_every_storage_call_of_an_s3_writer_may_fail(base, monkeypatch, command):
     """moto in-process (every request ~5 ms, not ~30 through its server): the same S3 semantics,
-    conditional writes included."""
+    conditional writes included. Not ``add --replace``: its storage calls are an add's and a
+    delete's (its delete set), each failed here at every call, and its own at every call locally
+    (it took a minute of the suite)."""
     from moto import mock_aws
 
     with mock_aws():
