@@ -218,3 +218,38 @@ def test_an_nprobe_or_refine_factor_given_is_served_as_given_not_tuned(tmp_path)
     infos = load_index(build(conf, tmp_path / "desc", tmp_path / "index")).infos
     assert (infos["nprobe"], infos["refine_factor"]) == (5, IndexConfig().refine_factor)
     assert "search_tuning" not in infos
+
+
+def test_an_unreachable_target_serves_the_cheapest_setting_within_a_hundredth_of_the_best(tmp_path, caplog):
+    """No nprobe and shortlist reach recall@10 1.0 through 2-byte codes: what is served is the
+    cheapest pair whose recall is within UNREACHED_SLACK of the best pair's, not every list with
+    the largest shortlist (which made a retrained 1M-row index answer six times slower)."""
+    from index.build.tune import (
+        REFINE_FACTORS,
+        UNREACHED_SLACK,
+        choose_search,
+        cost,
+        lower_bound,
+        per_query_recall,
+        sample_queries,
+        without_self,
+    )
+
+    pool = np.random.default_rng(8).standard_normal((4 * 1500, D)).astype(np.float32)  # no clusters: hard for PQ
+    pool /= np.linalg.norm(pool, axis=1, keepdims=True)
+    write_files(tmp_path / "desc", Live(), pool, 0, 4, 1500)
+    conf = IndexConfig(kind="ivfpq", nlist=32, pq_bytes=2, shards=2, nprobe=4, refine_factor=2)
+    index = load_index(build(conf, tmp_path / "desc", tmp_path / "index"))
+    with caplog.at_level("WARNING"):
+        choice = choose_search(index, 1.0, (10,), queries=100)
+    assert not choice.reached and "no nprobe and refine factor reach" in caplog.text
+    xq, own = sample_queries(index, 100)
+    truth = without_self(exact_answers(index, xq, 11), own, 10)
+
+    def low(nprobe, factor):
+        found = without_self(index.search(xq, 11, nprobe, True, factor)[1], own, 10)
+        return lower_bound(per_query_recall(found, truth))
+
+    best = max(low(32, factor) for factor in REFINE_FACTORS)  # every list: the most each shortlist gets
+    assert low(choice.nprobe, choice.refine_factor) >= best - UNREACHED_SLACK
+    assert cost(index, choice.nprobe, choice.refine_factor, (10,), 32) < cost(index, 32, REFINE_FACTORS[-1], (10,), 32)
