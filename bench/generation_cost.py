@@ -48,7 +48,8 @@ def make_index(args: argparse.Namespace, work: Path) -> tuple[Path, dict[str, in
     del base
     index_dir = work / "index"
     needle(["index", "build", "--descriptors", str(work / "desc"), "--out", str(index_dir), "--kind", "ivfpq",
-            "--shards", str(args.shards), "--nprobe", str(args.nprobe)], args.threads)  # fmt: skip
+            "--shards", str(args.shards), "--nprobe", str(args.nprobe),
+            "--recall-target", "0"], args.threads)  # fmt: skip
     generations = {"build": latest_number(location_of(index_dir))}
     next_id = args.n // FILE_ROWS + 1
     for number in range(args.adds):

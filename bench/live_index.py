@@ -242,7 +242,8 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[dict[str, np.ndarray]
     np.save(work / "queries.npy", xq)
     log({"phase": "descriptors", "n": args.n, "dim": args.dim, "files": len(base_keys) // FILE_ROWS + 1})
     build_args = ["index", "build", "--descriptors", str(work / "desc"), "--out", str(work / "index"),
-                  "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe)]  # fmt: skip
+                  "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe),
+                  "--recall-target", "0"]  # fmt: skip
     _, build_s, _ = needle(build_args, args.threads)
     infos = json.loads((work / "index" / "index_infos.json").read_text())
     build_rate = infos["ntotal"] / infos["timings"]["add_s"]
@@ -376,7 +377,8 @@ def against_fresh(
         write_descriptor_file(work / "fresh_desc", f"g{number:06d}", number, fresh_vectors[start : start + FILE_ROWS],
                    fresh_keys[start : start + FILE_ROWS])  # fmt: skip
     needle(["index", "build", "--descriptors", str(work / "fresh_desc"), "--out", str(work / "fresh"),
-            "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe)], args.threads)  # fmt: skip
+            "--kind", "ivfpq", "--shards", str(args.shards), "--nprobe", str(args.nprobe),
+            "--recall-target", "0"], args.threads)  # fmt: skip
     fresh = load_index(work / "fresh")
     _, I = fresh.search(xq, 1000, args.nprobe, True, REFINE_FACTOR)
     recall_fresh, recall_served = recall(fresh.keys_of(I), truth), recall(served, truth)

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     write_files(work / "desc", 0, make_vectors(args.n, args.dim, 1, args.clusters))
     xq = make_vectors(args.queries, args.dim, 2, args.clusters).astype(np.float32)
     build = ["index", "build", "--descriptors", str(work / "desc"), "--out", str(index_dir), "--kind", "ivfpq",
-             "--shards", str(args.shards), "--nprobe", str(args.nprobe)]  # fmt: skip
+             "--shards", str(args.shards), "--nprobe", str(args.nprobe), "--recall-target", "0"]  # fmt: skip
     needle(build, args.threads)
     generations = [latest_number(location_of(index_dir))]
     first_id = args.n // args.file_rows + 10
