@@ -14,7 +14,7 @@ re-scored row is a random read of the memory-mapped vectors, a scanned code a se
 Where no pair reaches the target, the cheapest pair within ``UNREACHED_SLACK`` of the best
 recall any pair reached is chosen (the same search, for that lower target) and ``"reached": false``
 says so: serving every list for the last hundredth of recall had made a retrained 1M-row index
-answer six times slower. The build (index/build/stage.py) records
+answer five times slower. The build (index/build/stage.py) records
 the choice in ``index_infos.json``, a retrain (index/live/retrain.py) in its manifest; the loader
 serves it, and a request's own ``nprobe`` / ``refine_factor`` still override it.
 """
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 REFINE_FACTORS = (1, 2, 4, 8, 16)  # shortlist sizes tried, as multiples of k
 RANDOM_READ_WEIGHT = 8  # a re-scored row's bytes cost this many scanned code bytes (random vs sequential reads)
 # a target no setting reaches: the cheapest setting within this much recall of the best any reached
-# (visiting every list with the largest shortlist bought 0.01 over 1/64 of the lists at 1M x 512)
 UNREACHED_SLACK = 0.01
 CONFIDENCE_Z = 2.0  # standard errors of the sample's mean recall the target is held to (~97.5 % one-sided)
 EXACT_BLOCK = 1 << 16  # rows scored at a time by the brute force

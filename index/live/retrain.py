@@ -169,7 +169,6 @@ def detached(index: Path | str, endpoint_url: str | None) -> Iterator[DetachedWr
 def prepare(conf: CompactConfig, writer: DetachedWriter, run_shards: ShardRunner | None = None) -> Prepared:
     """Phase A: plan, sample, train, re-encode every shard's live rows (``run_shards``: one after
     another here, or as Ray tasks), choose the search defaults."""
-    run_shards = run_shards or reencode_sequentially
     import faiss
 
     from index.build.train import train
@@ -189,7 +188,7 @@ def prepare(conf: CompactConfig, writer: DetachedWriter, run_shards: ShardRunner
     fields = new_fields(writer, plan, quantizer_ef, trained)
     prepared = Prepared(writer, plan, fields, trained, drift.to_json() if drift else None)
     tasks = [ShardTask.of(writer, conf.s3_endpoint_url, shard.shard, trained, fields) for shard in parent.shards]
-    prepared.shards = dict(zip((t.shard for t in tasks), run_shards(tasks)))
+    prepared.shards = dict(zip((t.shard for t in tasks), (run_shards or reencode_sequentially)(tasks)))
     timings["encode_s"] = time.perf_counter() - clock - sum(timings.values())
     prepared.search = choose_defaults(conf, prepared)
     timings["tune_s"] = time.perf_counter() - clock - sum(timings.values())

@@ -43,7 +43,7 @@ def test_a_retrain_re_encodes_its_shards_as_ray_tasks_into_the_segments_a_single
 
     assert change["retrained"] and len(change["rewritten"]) == 3
     manifest = read_manifest(location_of(index_dir))
-    by_row = {row: vector for row, vector in live.rows.values()}
+    by_row = dict(live.rows.values())
     for segment in manifest.segments:
         rows = read_ids(index_dir / segment.name / "ids.arrow")["row"].to_numpy()
         expected = faiss.read_index(str(index_dir / manifest.training.index))

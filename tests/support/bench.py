@@ -29,8 +29,8 @@ def dry_run(script: str, *args: str, timeout: float = 600) -> list[dict]:
     """The JSON lines ``bench/SCRIPT --dry-run ARGS`` prints, run as a user runs it (it must exit 0)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(BENCH.parent)}
     done = subprocess.run(
-        [sys.executable, f"bench/{script}", "--dry-run", *args], cwd=BENCH.parent, env=env, capture_output=True, text=True,
-        timeout=timeout,
+        [sys.executable, f"bench/{script}", "--dry-run", *args], cwd=BENCH.parent, env=env, capture_output=True,
+        text=True, timeout=timeout,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.strip().splitlines()]

@@ -223,7 +223,7 @@ def test_an_nprobe_or_refine_factor_given_is_served_as_given_not_tuned(tmp_path)
 def test_an_unreachable_target_serves_the_cheapest_setting_within_a_hundredth_of_the_best(tmp_path, caplog):
     """No nprobe and shortlist reach recall@10 1.0 through 2-byte codes: what is served is the
     cheapest pair whose recall is within UNREACHED_SLACK of the best pair's, not every list with
-    the largest shortlist (which made a retrained 1M-row index answer six times slower)."""
+    the largest shortlist (which made a 1M-row index answer five times slower)."""
     from index.build.tune import (
         REFINE_FACTORS,
         UNREACHED_SLACK,
