@@ -34,7 +34,7 @@ from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_key, coar
 from index.errors import IndexFileError
 from index.gpu.engine import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
 from index.gpu.resident import ResidentDatabase, keep_resident
-from index.live.deletes import DeleteSet, search_live
+from index.live.deletes import OVERFETCH_MAX_SHARE, DeleteSet, search_live
 from index.live.row_map import RowMap, row_map_of
 from index.locals import LocalStore, open_local_store
 from index.shard_files import ShardFiles, open_shard_files
@@ -119,6 +119,22 @@ class Shard:
             return True
         return nq >= GPU_EXACT_MIN_QUERIES and self.ntotal >= GPU_EXACT_MIN_VECTORS and self.gpu_present
 
+    def scans_live_rows(self, nq: int) -> bool:
+        """Whether a flat shard on the CPU answers ``nq`` queries by scanning its live rows' vectors
+        (``scan``: FAISS's BLAS kernel over the rows not deleted) rather than its FAISS index. Past
+        OVERFETCH_MAX_SHARE deleted rows ``search_live`` skips them with FAISS's selector, which
+        leaves the BLAS kernel: 2.6 s against 0.26 s for 1,000 queries over 50,000 rows (FAISS
+        1.15, one thread). Below FAISS's BLAS threshold the selector costs nothing more, and the
+        scan's gathering of the live rows is not paid back."""
+        import faiss
+
+        stored = max(1, int(self.index.ntotal))
+        return (
+            self.exact
+            and self.deletes.indexed > OVERFETCH_MAX_SHARE * stored
+            and nq >= faiss.cvar.distance_compute_blas_threshold
+        )
+
     @cached_property
     def scan_layout(self) -> tuple[np.ndarray, np.ndarray]:
         """(positions in the vectors file, row ids) of this flat shard's vectors, ascending: the
@@ -175,6 +191,8 @@ class Shard:
         queries' lists from ``coarse_key``'s shared stage (``shared_assignments``), not searched again."""
         if self.scans_on_gpu(len(xq)):
             return sort_by_score(*self.scan(xq, kk), kk)  # -inf for the -1 padding, as below
+        if self.scans_live_rows(len(xq)):
+            return sort_by_score(*self.scan(xq, kk, device="cpu"), kk)
         wanted = min(kk + tie_margin(kk), max(1, self.ntotal))
 
         def search(k: int, rows: np.ndarray | None, skip_deleted: bool) -> tuple[np.ndarray, np.ndarray]:
