@@ -34,7 +34,7 @@ from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_key, coar
 from index.errors import IndexFileError
 from index.gpu.engine import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
 from index.gpu.resident import ResidentDatabase, keep_resident
-from index.live.deletes import OVERFETCH_MAX_SHARE, DeleteSet, search_live
+from index.live.deletes import DeleteSet, search_live
 from index.live.row_map import RowMap, row_map_of
 from index.locals import LocalStore, open_local_store
 from index.shard_files import ShardFiles, open_shard_files
@@ -121,17 +121,16 @@ class Shard:
 
     def scans_live_rows(self, nq: int) -> bool:
         """Whether a flat shard on the CPU answers ``nq`` queries by scanning its live rows' vectors
-        (``scan``: FAISS's BLAS kernel over the rows not deleted) rather than its FAISS index. Past
-        OVERFETCH_MAX_SHARE deleted rows ``search_live`` skips them with FAISS's selector, which
+        (``scan``: FAISS's BLAS kernel over the rows not deleted) rather than its FAISS index. Where
+        ``DeleteSet.past_overfetch`` ``search_live`` skips the deleted rows with FAISS's selector, which
         leaves the BLAS kernel: 2.6 s against 0.26 s for 1,000 queries over 50,000 rows (FAISS
         1.15, one thread). Below FAISS's BLAS threshold the selector costs nothing more, and the
         scan's gathering of the live rows is not paid back."""
         import faiss
 
-        stored = max(1, int(self.index.ntotal))
         return (
             self.exact
-            and self.deletes.indexed > OVERFETCH_MAX_SHARE * stored
+            and self.deletes.past_overfetch(int(self.index.ntotal))
             and nq >= faiss.cvar.distance_compute_blas_threshold
         )
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,7 +187,7 @@ def cheapest_pairs(
     ks: Sequence[int],
     nlist: int,
     target: float,
-    measure: Any,
+    measure: Callable[[int, int], tuple[float, dict[str, float]]],
 ) -> list[tuple[float, int, int, dict[str, float]]]:
     """For each shortlist factor that reaches ``target`` (its recall's lower bound at every k) with
     every list visited, the fewest lists that do: (cost, nprobe, factor, recall per k). ``measure``:

@@ -55,6 +55,15 @@ class DeleteSet:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def share_of(self, stored: int) -> float:
+        """The share of a segment's ``stored`` FAISS codes that are deleted."""
+        return self.indexed / max(1, stored)
+
+    def past_overfetch(self, stored: int) -> bool:
+        """Whether so much of a segment of ``stored`` codes is deleted that an over-fetch would ask
+        for many times what it wants (OVERFETCH_MAX_SHARE, read when called)."""
+        return self.share_of(stored) > OVERFETCH_MAX_SHARE
+
     def contains(self, I: np.ndarray | np.integer | int) -> np.ndarray:
         """Whether each row id (any shape) is deleted; -1 padding is not."""
         I = np.asarray(I, np.int64)
@@ -93,9 +102,9 @@ def search_live(search: Search, wanted: int, stored: int, deletes: DeleteSet) ->
     it returned every row they hold); the others are searched again with the selector."""
     if not len(deletes):
         return search(wanted, None, False)
-    share = deletes.indexed / max(1, stored)
-    if share > OVERFETCH_MAX_SHARE:
+    if deletes.past_overfetch(stored):
         return search(wanted, None, True)
+    share = deletes.share_of(stored)
     asked = min(max(1, stored), int(np.ceil(wanted / (1.0 - share) * OVERFETCH_MARGIN)) + OVERFETCH_EXTRA)
     D, I = search(asked, None, False)
     ran_out = I[:, -1] < 0  # FAISS found fewer than asked: every row of the probed lists is here
