@@ -99,25 +99,29 @@ def test_most_rows_deleted_or_none(segment):
     assert [skip for _, _, skip in check(index, xq, 16, np.zeros(0, np.int64))] == [False]
 
 
+@pytest.mark.parametrize("share", [0.2, 0.7])
 @pytest.mark.parametrize("queries", [5, 40])
-def test_a_flat_segment_mostly_deleted_answers_exactly_by_scanning_its_live_rows(tmp_path, monkeypatch, queries):
-    """Past OVERFETCH_MAX_SHARE deleted, a flat segment answers FAISS's BLAS threshold of queries or
-    more by scanning its live rows (Shard.scans_live_rows), fewer through the selector: both exactly
-    the brute force over the live rows."""
+def test_a_flat_segment_with_deletes_answers_a_batch_exactly_by_scanning_its_live_rows(
+    tmp_path, monkeypatch, queries, share
+):
+    """A flat segment holding deleted rows (a few, or past OVERFETCH_MAX_SHARE) answers a batch of
+    LIVE_SCAN_MIN_QUERIES or more by scanning its live rows (Shard.scans_live_rows), fewer through
+    its FAISS index: both exactly the brute force over the live rows."""
     from index.build.stage import IndexConfig
     from index.build.stage import main as build
     from index.live.delete_rows import DeleteConfig
     from index.live.delete_rows import main as delete
-    from index.shard import Shard
+    from index.shard import LIVE_SCAN_MIN_QUERIES, Shard
     from tests.support.index import write_descriptor_file
     from tests.support.live import Live, assert_exact
 
+    assert 5 < LIVE_SCAN_MIN_QUERIES <= 40  # both sides of the rule are tested
     xb = clustered_unit_vectors(N, D, seed=5, clusters=30)
     live = Live()
     write_descriptor_file(tmp_path / "desc", "t0", 0, xb)
     live.add_file("t0", 0, xb)
     index_dir = build(IndexConfig(kind="flat"), tmp_path / "desc", tmp_path / "index")
-    doomed = [f"t0/{i:05d}" for i in np.random.default_rng(6).choice(N, int(N * 0.7), replace=False)]
+    doomed = [f"t0/{i:05d}" for i in np.random.default_rng(6).choice(N, int(N * share), replace=False)]
     delete(DeleteConfig(), doomed, index_dir)
     for key in doomed:
         del live.rows[key]
@@ -125,4 +129,4 @@ def test_a_flat_segment_mostly_deleted_answers_exactly_by_scanning_its_live_rows
     real = Shard.scan
     monkeypatch.setattr(Shard, "scan", lambda self, *a, **k: scans.append(k.get("device")) or real(self, *a, **k))
     assert_exact(index_dir, live, clustered_unit_vectors(queries, D, seed=7, clusters=30).astype(np.float32), k=20)
-    assert scans == (["cpu"] if queries >= faiss.cvar.distance_compute_blas_threshold else [])
+    assert scans == (["cpu"] if queries >= LIVE_SCAN_MIN_QUERIES else [])
