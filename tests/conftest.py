@@ -25,6 +25,15 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "coins")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def faiss_blas_as_served() -> None:
+    """FAISS's BLAS threshold as every process that opens a shard sets it (index/faiss_blas.py),
+    from the first test on: no test's exact scores depend on which test opened a shard first."""
+    from index.faiss_blas import prefer_blas_for_batches
+
+    prefer_blas_for_batches()
+
+
 @pytest.fixture(scope="session")
 def photos() -> dict[str, np.ndarray]:
     from ingest.demo_data import load_skimage_photo
