@@ -47,9 +47,12 @@ from ingest.descriptors import valid_descriptors
 # copy of the float16 vectors for the GPU), so the GPU's arithmetic does not pay for the copy.
 GPU_EXACT_MIN_VECTORS = 100_000
 GPU_EXACT_MIN_QUERIES = 64
-# A flat shard holding deleted rows scans its live rows for a batch of at least this many queries:
-# gathering them costs ~15 ms per 60,000 rows of d = 128, which a batch this large pays back.
-LIVE_SCAN_MIN_QUERIES = 32
+# A flat shard holding deleted rows may scan its live rows for a batch of at least this many
+# queries (Shard.scans_live_rows): gathering them costs ~15 ms per 60,000 rows of d = 128.
+LIVE_SCAN_MIN_QUERIES = 8
+# ... and does where more than half is deleted, or where queries x deleted rows reach this many
+# times the live rows: what scoring the deleted rows costs outweighs the gathering from there
+LIVE_SCAN_PAYBACK = 40
 RESIDENT_LOCK = threading.Lock()  # one shard at a time decides and copies (the fit rule reads the free memory)
 
 
@@ -125,13 +128,21 @@ class Shard:
 
     def scans_live_rows(self, nq: int) -> bool:
         """Whether a flat shard on the CPU answers ``nq`` queries by scanning its live rows' vectors
-        (``scan``) rather than its FAISS index: where it holds deleted rows and the batch is at
-        least ``LIVE_SCAN_MIN_QUERIES``. Its FAISS index would scan the deleted rows too, and every
-        query that ``search_live`` asks FAISS again, or every query where more than half is
-        deleted, runs FAISS's per-row selector loop instead of its scan kernels (1,000 queries over
-        60,000 rows, one thread, FAISS 1.15: 1.6-1.8 s with 10-30 % deleted, against 0.18-0.22 s
-        for gathering the live rows and scanning them)."""
-        return self.exact and len(self.deletes) > 0 and nq >= LIVE_SCAN_MIN_QUERIES
+        (``scan``) rather than its FAISS index: where it holds deleted rows, for a batch of at least
+        ``LIVE_SCAN_MIN_QUERIES``, when more than half of it is deleted or the deleted rows the
+        batch would score pay for gathering the live ones (``LIVE_SCAN_PAYBACK``).
+
+        Through its FAISS index ``search_live``'s over-fetch scores the deleted rows too, and every
+        query it searches with the selector (again, or all of a segment more than half deleted)
+        runs FAISS's per-row selector loop instead of its scan kernels. 60,000 rows of d = 128,
+        one thread, FAISS 1.15 (its index / the live rows gathered and scanned, ms): 60 % deleted,
+        8 queries 17.9 / 11.0, 1,000 queries 2,215 / 116; 20 % deleted, 32 queries 13.1 / 23.3,
+        300: 79.9 / 71.0, 1,000: 257 / 197; 5 % deleted, 300 queries 84.3 / 85.0, 1,000: 262 / 240."""
+        if not self.exact or not len(self.deletes) or nq < LIVE_SCAN_MIN_QUERIES:
+            return False
+        stored = int(self.index.ntotal)
+        share = self.deletes.share_of(stored)
+        return self.deletes.past_overfetch(stored) or nq * share >= LIVE_SCAN_PAYBACK * (1.0 - share)
 
     @cached_property
     def scan_layout(self) -> tuple[np.ndarray, np.ndarray]:

@@ -99,23 +99,25 @@ def test_most_rows_deleted_or_none(segment):
     assert [skip for _, _, skip in check(index, xq, 16, np.zeros(0, np.int64))] == [False]
 
 
-@pytest.mark.parametrize("share", [0.2, 0.7])
-@pytest.mark.parametrize("queries", [5, 40])
+@pytest.mark.parametrize(
+    ("share", "queries", "scans"), [(0.7, 5, False), (0.7, 40, True), (0.2, 40, False), (0.2, 200, True)]
+)
 def test_a_flat_segment_with_deletes_answers_a_batch_exactly_by_scanning_its_live_rows(
-    tmp_path, monkeypatch, queries, share
+    tmp_path, monkeypatch, share, queries, scans
 ):
-    """A flat segment holding deleted rows (a few, or past OVERFETCH_MAX_SHARE) answers a batch of
-    LIVE_SCAN_MIN_QUERIES or more by scanning its live rows (Shard.scans_live_rows), fewer through
-    its FAISS index: both exactly the brute force over the live rows."""
+    """A flat segment holding deleted rows answers a batch by scanning its live rows
+    (Shard.scans_live_rows) past OVERFETCH_MAX_SHARE deleted, or where the batch's queries x deleted
+    rows pay for the gathering; otherwise, and for fewer than LIVE_SCAN_MIN_QUERIES, through its
+    FAISS index: both exactly the brute force over the live rows."""
     from index.build.stage import IndexConfig
     from index.build.stage import main as build
     from index.live.delete_rows import DeleteConfig
     from index.live.delete_rows import main as delete
-    from index.shard import LIVE_SCAN_MIN_QUERIES, Shard
+    from index.shard import LIVE_SCAN_MIN_QUERIES, LIVE_SCAN_PAYBACK, Shard
     from tests.support.index import write_descriptor_file
     from tests.support.live import Live, assert_exact
 
-    assert 5 < LIVE_SCAN_MIN_QUERIES <= 40  # both sides of the rule are tested
+    assert 5 < LIVE_SCAN_MIN_QUERIES <= 40 and 40 * 0.2 < LIVE_SCAN_PAYBACK * 0.8 <= 200 * 0.2  # both sides
     xb = clustered_unit_vectors(N, D, seed=5, clusters=30)
     live = Live()
     write_descriptor_file(tmp_path / "desc", "t0", 0, xb)
@@ -125,8 +127,8 @@ def test_a_flat_segment_with_deletes_answers_a_batch_exactly_by_scanning_its_liv
     delete(DeleteConfig(), doomed, index_dir)
     for key in doomed:
         del live.rows[key]
-    scans = []
+    calls = []
     real = Shard.scan
-    monkeypatch.setattr(Shard, "scan", lambda self, *a, **k: scans.append(k.get("device")) or real(self, *a, **k))
+    monkeypatch.setattr(Shard, "scan", lambda self, *a, **k: calls.append(k.get("device")) or real(self, *a, **k))
     assert_exact(index_dir, live, clustered_unit_vectors(queries, D, seed=7, clusters=30).astype(np.float32), k=20)
-    assert scans == (["cpu"] if queries >= LIVE_SCAN_MIN_QUERIES else [])
+    assert calls == (["cpu"] if scans else [])
