@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import index.live.retrain as retrain_module
 import index.live.writer as writer_module
 from core.location import location_of
 from core.storage import s3_client
@@ -160,9 +161,11 @@ class S3Backend(Backend):
 
 
 def with_faults(monkeypatch, faults: Faults) -> None:
-    """Every location a writer opens goes through ``faults``."""
-    real = writer_module.location_of
-    monkeypatch.setattr(writer_module, "location_of", lambda *a, **k: FaultyLocation(real(*a, **k), faults))
+    """Every location a writer opens goes through ``faults``: the writer's, and a retrain's phase A
+    (it reads the generation it started on, and re-encodes its rows, before it takes the lock)."""
+    for module in (writer_module, retrain_module):
+        real = module.location_of
+        monkeypatch.setattr(module, "location_of", lambda *a, _real=real, **k: FaultyLocation(_real(*a, **k), faults))
 
 
 def killed_at(action: Callable[[], None]) -> int:
