@@ -2,7 +2,7 @@
 
 FAISS scores nq queries against a flat set of rows query by query (its SIMD loop) or as one matrix
 product (BLAS), by ``faiss.cvar.distance_compute_blas_threshold`` (FAISS >= 1.14: the product from
-nq x d on). ``index/faiss_blas.py`` sets it to 1,024 per thread in every process that opens a shard.
+nq x d on). ``core/blas.py`` sets it to 1,024 per thread in every process that opens a shard.
 This script times ``faiss.knn`` both ways, per d and nq, on ``--threads`` threads (OMP and BLAS
 pinned, as the servers of the other benches run), and prints one JSON object: per case the ms per
 query of each way, which one FAISS's default and needle's setting take, and ``needle_vs_best``
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import faiss
     import numpy as np
 
-    from index.faiss_blas import FAISS_DEFAULT, blas_threshold_for
+    from core.blas import FAISS_DEFAULT, blas_threshold_for
 
     faiss.omp_set_num_threads(args.threads)
     thresholds = {"default": FAISS_DEFAULT, "needle": blas_threshold_for(args.threads)}

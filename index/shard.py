@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from core.blas import prefer_blas_for_batches
 from core.joined_keys import JoinedKeys
 from index.build.merge import float16_inner_products, inner_products_at, search_params, sort_by_score, tie_margin
 from index.coarse import CoarseAssignment, CoarseStage, assign, coarse_key, coarse_stage, same_coarse, search_assigned
 from index.errors import IndexFileError
-from index.faiss_blas import prefer_blas_for_batches
 from index.gpu.engine import check_device, chunks_at, exact_search, gpu_backend_available, torch_cuda_available
 from index.gpu.resident import ResidentDatabase, keep_resident
 from index.live.deletes import DeleteSet, search_live
@@ -382,7 +382,7 @@ def cached_params(
 def make_shard(files: ShardFiles, device: str = "auto", deletes: DeleteSet | None = None) -> Shard:
     """A shard over a shard directory's opened ``files`` (its FAISS index loaded), whose
     positions its ``shard_infos.json`` gives (``index.live.row_map``), less the rows ``deletes`` names.
-    The process's FAISS takes BLAS from small batches on (``index.faiss_blas``: once, where its
+    The process's FAISS takes BLAS from small batches on (``core.blas``: once, where its
     default is in effect)."""
     prefer_blas_for_batches()
     infos = files.infos

@@ -27,9 +27,9 @@ PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "coins")
 
 @pytest.fixture(scope="session", autouse=True)
 def faiss_blas_as_served() -> None:
-    """FAISS's BLAS threshold as every process that opens a shard sets it (index/faiss_blas.py),
+    """FAISS's BLAS threshold as every process that opens a shard sets it (core/blas.py),
     from the first test on: no test's exact scores depend on which test opened a shard first."""
-    from index.faiss_blas import prefer_blas_for_batches
+    from core.blas import prefer_blas_for_batches
 
     prefer_blas_for_batches()
 

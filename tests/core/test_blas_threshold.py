@@ -1,4 +1,4 @@
-"""FAISS's BLAS threshold (index/faiss_blas.py): set from FAISS's default for its threads, never over
+"""FAISS's BLAS threshold (core/blas.py): set from FAISS's default for its threads, never over
 a value someone else chose, and exact either way."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import sys
 
 import numpy as np
 
-from index.faiss_blas import FAISS_DEFAULT, PER_THREAD, blas_threshold_for
+from core.blas import FAISS_DEFAULT, PER_THREAD, blas_threshold_for
 
 PROBE = """
 import faiss
-from index.faiss_blas import prefer_blas_for_batches
+from core.blas import prefer_blas_for_batches
 {before}
 faiss.omp_set_num_threads({threads})
 print(prefer_blas_for_batches(), faiss.cvar.distance_compute_blas_threshold)
