@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from core.blas import FAISS_DEFAULT, PER_THREAD, blas_threshold_for
+
+ROOT = Path(__file__).resolve().parents[2]  # the probe imports core/ from the project, wherever pytest runs
 
 PROBE = """
 import faiss
@@ -22,7 +25,9 @@ print(prefer_blas_for_batches(), faiss.cvar.distance_compute_blas_threshold)
 def fresh_process(threads: int, before: str = "") -> tuple[str, int]:
     """(what prefer_blas_for_batches returned, the threshold after) in a new process."""
     code = PROBE.format(before=before, threads=threads)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
     returned, after = done.stdout.split()
     return returned, int(after)
 
